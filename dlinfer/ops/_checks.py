@@ -1,0 +1,89 @@
+"""Argument checks shared by the ops. They read metadata only (no device sync), except the
+value checks, which run when DLINFER_CHECK_VALUES=1."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from dlinfer.errors import InvalidArgumentError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_values_enabled() -> bool:
+    return os.environ.get("DLINFER_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+
+
+def describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"{type(t).__name__} {t!r}"[:120]
+    return f"tensor{list(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}"
+
+
+def tensor(
+    op: str,
+    name: str,
+    t,
+    dims: Sequence,
+    dtypes: Optional[Sequence[torch.dtype]] = None,
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """Check that `t` is a tensor of rank len(dims) whose sizes match `dims`.
+
+    dims: one entry per dimension: an int (exact size), or a str (a name, any size). The names
+    make the error readable: ("T", "Hq", "D").
+    """
+    spec = "[" + ", ".join(str(d) for d in dims) + "]"
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgumentError(op, name, f"a tensor {spec}", describe(t))
+    if t.dim() != len(dims):
+        raise InvalidArgumentError(op, name, f"rank {len(dims)} {spec}", describe(t))
+    for i, d in enumerate(dims):
+        if isinstance(d, int) and t.shape[i] != d:
+            raise InvalidArgumentError(op, name, f"size {d} in dim {i} of {spec}", describe(t))
+    if dtypes is not None and t.dtype not in dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise InvalidArgumentError(op, name, f"dtype {names}", describe(t))
+    if device is not None and t.device != device:
+        raise InvalidArgumentError(op, name, f"device {device}", describe(t))
+    return t
+
+
+def same_dtype(op: str, name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
+    if t.dtype != ref.dtype:
+        raise InvalidArgumentError(op, name, f"dtype {ref.dtype} (same as {ref_name})", describe(t))
+
+
+def length_tensor(op: str, name: str, t, size, device: torch.device) -> torch.Tensor:
+    """A 1-D int32/int64 length tensor on the CPU or on `device`."""
+    tensor(op, name, t, (size,), INDEX_DTYPES)
+    if t.device != device and t.device.type != "cpu":
+        raise InvalidArgumentError(op, name, f"device cpu or {device}", describe(t))
+    return t
+
+
+def integer(op: str, name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int) and not _is_symint(value):
+        raise InvalidArgumentError(op, name, f"an int >= {minimum}", describe(value))
+    if not _is_symint(value) and value < minimum:
+        raise InvalidArgumentError(op, name, f"an int >= {minimum}", str(value))
+    return value
+
+
+def _is_symint(value) -> bool:
+    return isinstance(value, torch.SymInt)
+
+
+def equal(op: str, name: str, got, expected, what: str) -> None:
+    if got != expected:
+        raise InvalidArgumentError(op, name, f"{what} == {expected}", str(got))
+
+
+def value_error(op: str, name: str, expected: str, got: str) -> InvalidArgumentError:
+    return InvalidArgumentError(op, name, expected, got)

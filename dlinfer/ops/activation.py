@@ -1,0 +1,33 @@
+"""SiLU-and-multiply (the SwiGLU gate)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from dlinfer.ops import _checks as C
+from dlinfer.ops._dispatch import check_dtype, run, vendor_for
+
+
+def silu_and_mul(input_tensor: Tensor, dim: int = -1) -> Tensor:
+    """silu(x[..., :I]) * x[..., I:] along `dim`.
+
+    input_tensor: [..., 2I] float32/float16/bfloat16 (2I along `dim`), not modified.
+    Returns a new tensor [..., I] in the input dtype.
+    """
+    op = "silu_and_mul"
+    if not isinstance(input_tensor, Tensor) or input_tensor.dim() < 1:
+        raise C.InvalidArgumentError(op, "input_tensor", "a tensor [..., 2I]", C.describe(input_tensor))
+    C.tensor(op, "input_tensor", input_tensor, ["..."] * input_tensor.dim(), C.FLOAT_DTYPES)
+    ndim = input_tensor.dim()
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise C.InvalidArgumentError(op, "dim", f"an int in [{-ndim}, {ndim})", C.describe(dim))
+    dim = dim % ndim
+    if input_tensor.shape[dim] % 2:
+        raise C.InvalidArgumentError(op, "input_tensor", f"an even size in dim {dim}", C.describe(input_tensor))
+    vendor = vendor_for(op, input_tensor.device)
+    check_dtype(vendor, op, input_tensor.dtype)
+    x = input_tensor if dim == ndim - 1 else input_tensor.movedim(dim, -1)
+    lead = x.shape[:-1]
+    out = run(op, x.device, x.reshape(-1, x.shape[-1]))
+    out = out.view(*lead, x.shape[-1] // 2)
+    return out if dim == ndim - 1 else out.movedim(-1, dim)

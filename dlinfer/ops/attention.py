@@ -1,0 +1,308 @@
+"""Attention: varlen prefill without a cache, and prefill / decode over the paged KV cache.
+
+Sequence lengths follow LMDeploy 0.18's calls (see DESIGN.md "Shared conventions"):
+  prefill_attention: q_seq_len = per-sequence lengths [B].
+  paged_prefill_attention, paged_decode_attention: q_seq_len = cumulative END offsets [B]
+  (cu_seqlens_q[1:]): sequence b owns query rows q_seq_len[b-1] : q_seq_len[b].
+New token i of sequence b (n_b new tokens) sits at position kv_seq_len[b] - n_b + i and attends to
+every cached position up to and including its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dlinfer.errors import InvalidArgumentError
+from dlinfer.ops import _checks as C
+from dlinfer.ops._dispatch import check_dtype, check_head_dim, require, run, vendor_for
+from dlinfer.ops.kv_cache import cache_dims
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT
+from dlinfer.vendor.selection import kv_layout as active_kv_layout
+
+
+def _query(op: str, query) -> Tensor:
+    if isinstance(query, Tensor) and query.dim() == 4 and query.shape[0] == 1:
+        query = query[0]
+    return C.tensor(op, "query", query, ("T", "Hq", "D"), C.FLOAT_DTYPES)
+
+
+def _heads(op: str, query: Tensor, num_q_heads, num_kv_heads) -> int:
+    hq = query.shape[1]
+    C.integer(op, "num_q_heads", num_q_heads, 1)
+    C.integer(op, "num_kv_heads", num_kv_heads, 1)
+    if num_q_heads != hq:
+        raise InvalidArgumentError(op, "num_q_heads", f"query's head count {hq}", str(num_q_heads))
+    if hq % num_kv_heads:
+        raise InvalidArgumentError(op, "num_kv_heads", f"a divisor of num_q_heads={hq}", str(num_kv_heads))
+    return num_kv_heads
+
+
+def _output(op: str, query: Tensor, head_size_v: int, attn_output) -> Tensor:
+    t, hq, _ = query.shape
+    if attn_output is None:
+        return query.new_empty((t, hq, head_size_v))
+    if isinstance(attn_output, Tensor) and attn_output.dim() == 4 and attn_output.shape[0] == 1:
+        attn_output = attn_output[0]
+    C.tensor(op, "attn_output", attn_output, (t, hq, head_size_v), None, query.device)
+    C.same_dtype(op, "attn_output", attn_output, query, "query")
+    return attn_output
+
+
+def _scale(op: str, softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (float, int)) or not softmax_scale > 0:
+        raise InvalidArgumentError(op, "softmax_scale", "a float > 0 or None", C.describe(softmax_scale))
+    return float(softmax_scale)
+
+
+def _alibi(op: str, vendor, alibi_slopes, query: Tensor) -> Optional[Tensor]:
+    if alibi_slopes is None:
+        return None
+    require(vendor, op, FEATURE_ALIBI)
+    C.tensor(op, "alibi_slopes", alibi_slopes, (query.shape[1],), (torch.float32,), query.device)
+    return alibi_slopes
+
+
+def _on_device_int32(t: Tensor, device: torch.device) -> Tensor:
+    return t.to(device=device, dtype=torch.int32, non_blocking=True)
+
+
+def _cu_from_ends(ends: Tensor, device: torch.device) -> Tensor:
+    return F.pad(_on_device_int32(ends, device), (1, 0))
+
+
+def _quant(op: str, vendor, quant_bits, kv_scales, kv_zeros) -> None:
+    if quant_bits not in (0, None, 4, 8):
+        raise InvalidArgumentError(op, "quant_bits", "0, 4 or 8", str(quant_bits))
+    if quant_bits:
+        require(vendor, op, FEATURE_KV_QUANT)
+
+
+def _check_cu_values(op: str, name: str, cu: Tensor, t: int) -> None:
+    cu = cu.cpu()
+    if bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) != t:
+        raise InvalidArgumentError(op, name, f"non-decreasing cumulative ends finishing at T={t}", str(cu[1:].tolist()))
+
+
+def prefill_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_cache: Optional[Tensor],
+    value_cache: Optional[Tensor],
+    q_seq_len: Tensor,
+    kv_seq_len: Tensor,
+    max_q_seq_len: Optional[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    attn_mask: Sequence = (),
+    softmax_scale: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    attn_output: Optional[Tensor] = None,
+    actual_seq_lengths_cpu: Optional[Tensor] = None,
+) -> Tensor:
+    """Causal varlen attention over the new tokens alone (no history).
+
+    query: [T, Hq, D]; key: [T, Hkv, D]; value: [T, Hkv, Dv] (packed sequences, no padding).
+    key_cache, value_cache: unused (LMDeploy passes them; the K/V already went through fill_kv_cache).
+    q_seq_len: [B] per-sequence lengths, int32/int64, on the CPU or query's device.
+    kv_seq_len: [B], equal to q_seq_len (no history).
+    max_q_seq_len: upper bound of q_seq_len (None: T).
+    num_q_heads = Hq, num_kv_heads = Hkv (Hq % Hkv == 0).
+    attn_mask: ignored (causality is implied); LMDeploy passes an empty list.
+    softmax_scale: default D ** -0.5.  alibi_slopes: [Hq] float32 or None.
+    attn_output: optional [T, Hq, Dv] (may be a strided view such as query[..., :Dv]); WRITTEN.
+    actual_seq_lengths_cpu: optional [B] cumulative ends on the CPU (saves a cumsum).
+    Returns attn_output (or a new [T, Hq, Dv] tensor).
+    """
+    op = "prefill_attention"
+    query = _query(op, query)
+    t, hq, d = query.shape
+    hkv = _heads(op, query, num_q_heads, num_kv_heads)
+    C.tensor(op, "key", key[0] if key.dim() == 4 and key.shape[0] == 1 else key, (t, hkv, d), C.FLOAT_DTYPES, query.device)
+    key = key.view(t, hkv, d)
+    if value.dim() == 4 and value.shape[0] == 1:
+        value = value[0]
+    C.tensor(op, "value", value, (t, hkv, "Dv"), C.FLOAT_DTYPES, query.device)
+    C.same_dtype(op, "key", key, query, "query")
+    C.same_dtype(op, "value", value, query, "query")
+    C.length_tensor(op, "q_seq_len", q_seq_len, "B", query.device)
+    b = q_seq_len.shape[0]
+    C.length_tensor(op, "kv_seq_len", kv_seq_len, b, query.device)
+    if actual_seq_lengths_cpu is not None:
+        C.length_tensor(op, "actual_seq_lengths_cpu", actual_seq_lengths_cpu, b, query.device)
+    max_q = t if max_q_seq_len is None else C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
+    vendor = vendor_for(op, query.device)
+    check_dtype(vendor, op, query.dtype)
+    check_head_dim(vendor, op, d)
+    scale = _scale(op, softmax_scale, d)
+    alibi = _alibi(op, vendor, alibi_slopes, query)
+    out = _output(op, query, value.shape[2], attn_output)
+    if actual_seq_lengths_cpu is not None:
+        cu = _cu_from_ends(actual_seq_lengths_cpu, query.device)
+    else:
+        cu = F.pad(torch.cumsum(_on_device_int32(q_seq_len, query.device), 0, dtype=torch.int32), (1, 0))
+    if C.check_values_enabled():
+        _check_cu_values(op, "q_seq_len", cu, t)
+        if not torch.equal(q_seq_len.cpu().long(), kv_seq_len.cpu().long()):
+            raise InvalidArgumentError(op, "kv_seq_len", "equal to q_seq_len (no history)", str(kv_seq_len.tolist()))
+        if b and int(q_seq_len.max()) > max_q:
+            raise InvalidArgumentError(op, "max_q_seq_len", f">= {int(q_seq_len.max())}", str(max_q))
+    if t == 0:
+        return out
+    run(op, query.device, query, key, value, cu, max_q, scale, alibi, out)
+    return out
+
+
+def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
+                  num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
+                  kv_scales, kv_zeros, quant_bits):
+    query = _query(op, query)
+    t, hq, d = query.shape
+    hkv = _heads(op, query, num_q_heads, num_kv_heads)
+    vendor = vendor_for(op, query.device)
+    _quant(op, vendor, quant_bits, kv_scales, kv_zeros)
+    check_dtype(vendor, op, query.dtype)
+    check_head_dim(vendor, op, d)
+    layout = active_kv_layout(query.device.type)
+    nb, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, query.device, query.dtype)
+    dv = value_cache.shape[-1] if isinstance(value_cache, Tensor) and value_cache.dim() == 4 else d
+    if head_size_v:
+        dv = C.integer(op, "head_size_v", head_size_v, 1)
+    cache_dims(op, "value_cache", value_cache, layout, hkv, dv, query.device, query.dtype)
+    if tuple(value_cache.shape[:3]) != tuple(key_cache.shape[:3]):
+        raise InvalidArgumentError(op, "value_cache", f"blocks like key_cache {list(key_cache.shape[:3])}",
+                                   C.describe(value_cache))
+    C.integer(op, "block_size", block_size, 1)
+    if block_size != bs:
+        raise InvalidArgumentError(op, "block_size", f"the caches' block size {bs}", str(block_size))
+    C.tensor(op, "block_table", block_table, ("B", "M"), C.INDEX_DTYPES, query.device)
+    b, m = block_table.shape
+    C.length_tensor(op, "q_seq_len", q_seq_len, b, query.device)
+    C.length_tensor(op, "kv_seq_len", kv_seq_len, b, query.device)
+    scale = _scale(op, softmax_scale, d)
+    alibi = _alibi(op, vendor, alibi_slopes, query)
+    out = _output(op, query, dv, attn_output)
+    cu = _cu_from_ends(q_seq_len, query.device)
+    kv = _on_device_int32(kv_seq_len, query.device)
+    if C.check_values_enabled() and b:
+        _check_cu_values(op, "q_seq_len", cu, t)
+        kv_cpu, n_cpu = kv_seq_len.cpu().long(), (cu[1:] - cu[:-1]).cpu().long()
+        if bool((kv_cpu < n_cpu).any()) or bool((kv_cpu > m * bs).any()):
+            raise InvalidArgumentError(op, "kv_seq_len", f"per sequence >= its new tokens and <= M*BS = {m * bs}",
+                                       str(kv_cpu.tolist()))
+        used = torch.arange(m).unsqueeze(0) < ((kv_cpu + bs - 1) // bs).unsqueeze(1)
+        ids = block_table.cpu().long()[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
+            raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
+                                       f"ids in [{int(ids.min())}, {int(ids.max())}]")
+    return query, layout, cu, kv, scale, alibi, out
+
+
+def paged_prefill_attention(
+    query: Tensor,
+    key: Optional[Tensor],
+    value: Optional[Tensor],
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    block_size: int,
+    q_seq_len: Tensor,
+    kv_seq_len: Tensor,
+    max_q_seq_len: int,
+    max_kv_seq_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    attn_mask: Sequence = (),
+    head_size_v: int = 0,
+    softmax_scale: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    attn_output: Optional[Tensor] = None,
+    kv_scales: Optional[Tensor] = None,
+    kv_zeros: Optional[Tensor] = None,
+    quant_bits: int = 0,
+) -> Tensor:
+    """New tokens attend to their sequence's history and to themselves through the paged cache.
+
+    query: [T, Hq, D] new tokens of B sequences, packed.
+    key, value: the new tokens' K/V ([T, Hkv, D] / [T, Hkv, Dv]); unused: they are already in the
+        cache (fill_kv_cache ran first), LMDeploy passes them anyway.
+    key_cache, value_cache: per-layer caches in the active layout (see fill_kv_cache); read only.
+    block_table: [B, M] int32/int64 physical block ids per sequence; entries past a sequence's
+        last block are ignored whatever they hold.
+    block_size: BS of the caches.
+    q_seq_len: [B] cumulative END offsets of the new tokens (cu_seqlens_q[1:]); CPU or device.
+    kv_seq_len: [B] history + new tokens per sequence; CPU or device.
+    max_q_seq_len, max_kv_seq_len: upper bounds of the per-sequence new and total lengths.
+    num_q_heads, num_kv_heads: Hq, Hkv.  attn_mask: ignored (causal).
+    head_size_v: Dv (0: the value cache's last dim).  softmax_scale: default D ** -0.5.
+    alibi_slopes: [Hq] float32 or None.  attn_output: optional [T, Hq, Dv] output, WRITTEN.
+    kv_scales, kv_zeros, quant_bits: quantised cache; quant_bits != 0 raises UnsupportedError.
+    Returns attn_output (or a new [T, Hq, Dv] tensor).
+    """
+    op = "paged_prefill_attention"
+    query, layout, cu, kv, scale, alibi, out = _paged_common(
+        op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
+        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
+    max_q = C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
+    max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
+    if C.check_values_enabled() and kv.numel():
+        _check_bounds(op, cu, kv, max_q, max_kv)
+    if query.shape[0] == 0:
+        return out
+    run(op, query.device, query, key_cache, value_cache, block_table, cu, kv, max_q, max_kv, scale, alibi, out,
+        layout)
+    return out
+
+
+def _check_bounds(op: str, cu: Tensor, kv: Tensor, max_q: Optional[int], max_kv: int) -> None:
+    n = (cu[1:] - cu[:-1]).cpu()
+    if max_q is not None and int(n.max()) > max_q:
+        raise InvalidArgumentError(op, "max_q_seq_len", f">= {int(n.max())}", str(max_q))
+    if int(kv.max()) > max_kv:
+        raise InvalidArgumentError(op, "max_kv_seq_len", f">= {int(kv.max())}", str(max_kv))
+
+
+def paged_decode_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    block_table: Tensor,
+    block_size: int,
+    q_seq_len: Tensor,
+    kv_seq_len: Tensor,
+    max_kv_seq_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size_v: int = 0,
+    softmax_scale: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    attn_output: Optional[Tensor] = None,
+    kv_scales: Optional[Tensor] = None,
+    kv_zeros: Optional[Tensor] = None,
+    quant_bits: int = 0,
+) -> Tensor:
+    """Decode: each sequence's newest token(s) attend to the paged cache.
+
+    query: [T, Hq, D]; T = B for one token per sequence (q_seq_len = 1..B); several tokens per
+        sequence (speculative decoding) follow the same cumulative-ends rule.
+    Other arguments as in paged_prefill_attention (the new tokens' K/V are already in the cache).
+    Returns attn_output (or a new [T, Hq, Dv] tensor).
+    """
+    op = "paged_decode_attention"
+    query, layout, cu, kv, scale, alibi, out = _paged_common(
+        op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
+        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
+    max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
+    if C.check_values_enabled() and kv.numel():
+        _check_bounds(op, cu, kv, None, max_kv)
+    if query.shape[0] == 0:
+        return out
+    run(op, query.device, query, key_cache, value_cache, block_table, cu, kv, max_kv, scale, alibi, out, layout)
+    return out

@@ -1,0 +1,43 @@
+"""Dense linear layer, optionally all-reduced over a process group (tensor parallel row split)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dlinfer.ops import _checks as C
+from dlinfer.ops._dispatch import check_dtype, run, vendor_for
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, all_reduce: bool = False, group="") -> Tensor:
+    """x @ weight.T + bias, then (when all_reduce) a sum over the process group.
+
+    x: [..., K] float32/float16/bfloat16.
+    weight: [N, K], same dtype and device.  bias: [N] or None.
+    all_reduce: sum the result over `group` (a torch.distributed ProcessGroup; "" or None means the
+        default group). A no-op when torch.distributed is not initialised or the group has one rank.
+    Returns a new tensor [..., N].
+    """
+    op = "linear"
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise C.InvalidArgumentError(op, "x", "a tensor [..., K]", C.describe(x))
+    C.tensor(op, "x", x, ["..."] * x.dim(), C.FLOAT_DTYPES)
+    k = x.shape[-1]
+    C.tensor(op, "weight", weight, ("N", k), C.FLOAT_DTYPES, x.device)
+    C.same_dtype(op, "weight", weight, x, "x")
+    if bias is not None:
+        C.tensor(op, "bias", bias, (weight.shape[0],), C.FLOAT_DTYPES, x.device)
+        C.same_dtype(op, "bias", bias, x, "x")
+    vendor = vendor_for(op, x.device)
+    check_dtype(vendor, op, x.dtype)
+    out = run(op, x.device, x.reshape(-1, k), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if all_reduce:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            pg = None if group in ("", None) else group
+            if dist.get_world_size(pg) > 1:
+                dist.all_reduce(out, group=pg)
+    return out

@@ -1,0 +1,95 @@
+"""Mixture of experts: router softmax + top-k, and the fused expert MLP."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from dlinfer.errors import InvalidArgumentError
+from dlinfer.ops import _checks as C
+from dlinfer.ops._dispatch import check_dtype, require, run, vendor_for
+from dlinfer.vendor.base import FEATURE_EXPERT_PARALLEL, FEATURE_GROUPED_ROUTER
+
+
+def _metadata(op: str, vendor, moe_metadata) -> None:
+    if moe_metadata is None:
+        return
+    if getattr(moe_metadata, "ep_size", 1) > 1:
+        require(vendor, op, FEATURE_EXPERT_PARALLEL)
+    if op == "moe_gating_topk_softmax" and (getattr(moe_metadata, "router_n_groups", -1) or -1) > 1:
+        require(vendor, op, FEATURE_GROUPED_ROUTER)
+
+
+def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata=None) -> Tuple[Tensor, Tensor]:
+    """Router: fp32 softmax over the E experts, then the top-k.
+
+    router_logits: [T, E] float32/float16/bfloat16.
+    topk: K, 1 <= K <= E.
+    moe_metadata: dlinfer.utils.type_annotation.MoeMetadata or None (single device).
+    Returns (weights [T, K] float32, ids [T, K] int64): descending weights, ties to the lower expert
+    id, NOT renormalised.
+    """
+    op = "moe_gating_topk_softmax"
+    if isinstance(router_logits, Tensor) and router_logits.dim() == 3 and router_logits.shape[0] == 1:
+        router_logits = router_logits[0]
+    C.tensor(op, "router_logits", router_logits, ("T", "E"), C.FLOAT_DTYPES)
+    e = router_logits.shape[1]
+    topk = C.integer(op, "topk", topk, 1)
+    if topk > e:
+        raise InvalidArgumentError(op, "topk", f"<= the number of experts {e}", str(topk))
+    vendor = vendor_for(op, router_logits.device)
+    _metadata(op, vendor, moe_metadata)
+    check_dtype(vendor, op, router_logits.dtype)
+    return run(op, router_logits.device, router_logits, topk)
+
+
+def fused_moe(
+    hidden_states: Tensor,
+    gate_up_weights: Tensor,
+    down_weights: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    topk: int,
+    renormalize: bool,
+    moe_metadata=None,
+    chunked_moe_layout=None,
+) -> Tensor:
+    """The routed expert MLP (SwiGLU experts).
+
+    hidden_states: [T, H].
+    gate_up_weights: [E, 2I, H]: rows :I are the gate projection, rows I: the up projection.
+    down_weights: [E, H, I].
+    topk_weights: [T, K] (any float dtype; combined in fp32); topk_ids: [T, K] int32/int64 in [0, E).
+    topk: K.  renormalize: rescale each token's K weights to sum to 1 first.
+    moe_metadata: None for single device; ep_size > 1 raises UnsupportedError.
+    chunked_moe_layout: an Ascend weight-storage layout; must be None here.
+    Returns a new [T, H] tensor: sum_k w[t,k] * down[e] @ (silu(gate[e] @ x) * (up[e] @ x)).
+    """
+    op = "fused_moe"
+    C.tensor(op, "hidden_states", hidden_states, ("T", "H"), C.FLOAT_DTYPES)
+    t, h = hidden_states.shape
+    dev = hidden_states.device
+    C.tensor(op, "gate_up_weights", gate_up_weights, ("E", "2I", h), C.FLOAT_DTYPES, dev)
+    e, two_i, _ = gate_up_weights.shape
+    if two_i % 2:
+        raise InvalidArgumentError(op, "gate_up_weights", "an even dim 1 (2I)", C.describe(gate_up_weights))
+    C.tensor(op, "down_weights", down_weights, (e, h, two_i // 2), C.FLOAT_DTYPES, dev)
+    C.same_dtype(op, "gate_up_weights", gate_up_weights, hidden_states, "hidden_states")
+    C.same_dtype(op, "down_weights", down_weights, hidden_states, "hidden_states")
+    topk = C.integer(op, "topk", topk, 1)
+    C.tensor(op, "topk_weights", topk_weights, (t, topk), C.FLOAT_DTYPES, dev)
+    C.tensor(op, "topk_ids", topk_ids, (t, topk), C.INDEX_DTYPES, dev)
+    vendor = vendor_for(op, dev)
+    _metadata(op, vendor, moe_metadata)
+    if chunked_moe_layout is not None:
+        require(vendor, op, "chunked MoE weight layout")
+    check_dtype(vendor, op, hidden_states.dtype)
+    if C.check_values_enabled() and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= e:
+            raise InvalidArgumentError(op, "topk_ids", f"ids in [0, {e})", f"ids in [{lo}, {hi}]")
+    if t == 0:
+        return hidden_states.new_empty((0, h))
+    return run(op, dev, hidden_states, gate_up_weights, down_weights, topk_weights, topk_ids, bool(renormalize))

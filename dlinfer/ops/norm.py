@@ -1,0 +1,58 @@
+"""RMSNorm, with and without a fused residual add."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from dlinfer.ops import _checks as C
+from dlinfer.ops._dispatch import check_dtype, run, vendor_for
+
+
+def _check_common(op: str, hidden_states, weight, epsilon) -> int:
+    if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 1:
+        raise C.InvalidArgumentError(op, "hidden_states", "a tensor [..., H]", C.describe(hidden_states))
+    C.tensor(op, "hidden_states", hidden_states, (*["..."] * (hidden_states.dim() - 1), "H"), C.FLOAT_DTYPES)
+    hidden = hidden_states.shape[-1]
+    C.tensor(op, "weight", weight, (hidden,), C.FLOAT_DTYPES, hidden_states.device)
+    if not isinstance(epsilon, (float, int)) or isinstance(epsilon, bool) or epsilon < 0:
+        raise C.InvalidArgumentError(op, "epsilon", "a float >= 0", C.describe(epsilon))
+    return hidden
+
+
+def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Tensor:
+    """RMSNorm in the HF Llama order: normalise in fp32, cast back, multiply by weight.
+
+    hidden_states: [..., H] float32/float16/bfloat16, not modified.
+    weight: [H], same device.
+    Returns a new tensor [..., H] in hidden_states' dtype.
+    """
+    op = "rms_norm"
+    hidden = _check_common(op, hidden_states, weight, epsilon)
+    vendor = vendor_for(op, hidden_states.device)
+    check_dtype(vendor, op, hidden_states.dtype)
+    out = run(op, hidden_states.device, hidden_states.reshape(-1, hidden), weight, float(epsilon))
+    return out.view(hidden_states.shape)
+
+
+def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Tuple[Tensor, Tensor]:
+    """Fused residual add + RMSNorm.
+
+    hidden_states, residual: [..., H], same shape, dtype and device; not modified.
+    weight: [H].
+    Returns (rms_norm(hidden_states + residual), hidden_states + residual), the sum computed in the
+    activation dtype (as an unfused `h + r` would be), both new tensors [..., H].
+    """
+    op = "add_rms_norm"
+    hidden = _check_common(op, hidden_states, weight, epsilon)
+    C.tensor(op, "residual", residual, tuple(hidden_states.shape), C.FLOAT_DTYPES, hidden_states.device)
+    C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
+    vendor = vendor_for(op, hidden_states.device)
+    check_dtype(vendor, op, hidden_states.dtype)
+    normed, added = run(
+        op, hidden_states.device, hidden_states.reshape(-1, hidden), residual.reshape(-1, hidden), weight,
+        float(epsilon),
+    )
+    return normed.view(hidden_states.shape), added.view(hidden_states.shape)

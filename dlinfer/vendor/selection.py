@@ -1,0 +1,130 @@
+"""Which vendor runs an op: explicit choice, DLINFER_VENDOR, or the best in-tree vendor per device.
+
+Resolution of (op, device type) -> function is cached; `use()` / `reset()` clear the cache.
+An op the chosen vendor lacks (or that DLINFER_FALLBACK_OPS names) falls back to the torch vendor
+with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from dlinfer.errors import VendorError
+from dlinfer.vendor import registry
+from dlinfer.vendor.base import KV_LAYOUTS, Vendor
+
+_explicit: Optional[Tuple[Vendor, str]] = None  # (vendor, kv layout) chosen by use() or the env
+_env_read = False
+_cache: Dict[Tuple[str, str], Tuple[Callable, Vendor]] = {}
+_warned: set = set()
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_for_device(device_type: str) -> Vendor:
+    if device_type == "cuda":
+        triton_vendor = registry.try_load("triton")
+        if triton_vendor is not None and "cuda" in triton_vendor.device_types:
+            return triton_vendor
+    return registry.load("torch")
+
+
+def _check_layout(vendor: Vendor, kv_layout: Optional[str]) -> str:
+    if kv_layout is None:
+        return vendor.kv_layouts[0]
+    if kv_layout not in KV_LAYOUTS:
+        raise VendorError(f"unknown kv_layout {kv_layout!r}; known: {KV_LAYOUTS}")
+    if kv_layout not in vendor.kv_layouts:
+        raise VendorError(f"vendor {vendor.name!r} supports kv layouts {vendor.kv_layouts}, not {kv_layout!r}")
+    return kv_layout
+
+
+def _read_env() -> None:
+    global _env_read, _explicit
+    if _env_read:
+        return
+    _env_read = True
+    name = os.environ.get("DLINFER_VENDOR", "").strip()
+    if name and _explicit is None:
+        vendor = registry.load(name)  # a named vendor that cannot load is an error
+        _explicit = (vendor, _check_layout(vendor, os.environ.get("DLINFER_KV_LAYOUT") or None))
+
+
+def use(name: str, kv_layout: Optional[str] = None) -> Vendor:
+    """Select the vendor `name` (and optionally its KV layout) for every op in this process."""
+    global _explicit, _env_read
+    vendor = registry.load(name)
+    _explicit = (vendor, _check_layout(vendor, kv_layout))
+    _env_read = True
+    _cache.clear()
+    return vendor
+
+
+@contextlib.contextmanager
+def using(name: str, kv_layout: Optional[str] = None):
+    """Context manager form of `use`; restores the previous selection on exit."""
+    global _explicit, _env_read
+    saved = (_explicit, _env_read)
+    try:
+        yield use(name, kv_layout)
+    finally:
+        _explicit, _env_read = saved
+        _cache.clear()
+
+
+def reset() -> None:
+    """Forget the selection and re-read DLINFER_VENDOR / DLINFER_FALLBACK_OPS on next use."""
+    global _explicit, _env_read
+    _explicit, _env_read = None, False
+    _cache.clear()
+    _warned.clear()
+
+
+def current(device_type: Optional[str] = None) -> Vendor:
+    """The vendor that runs ops on tensors of `device_type` (default: cuda if present, else cpu)."""
+    _read_env()
+    if _explicit is not None:
+        return _explicit[0]
+    return _default_for_device(device_type or _default_device_type())
+
+
+def kv_layout(device_type: Optional[str] = None) -> str:
+    """The KV-cache layout every op expects under the current selection."""
+    _read_env()
+    if _explicit is not None:
+        return _explicit[1]
+    return current(device_type).kv_layouts[0]
+
+
+def _forced_fallback() -> set:
+    raw = os.environ.get("DLINFER_FALLBACK_OPS", "")
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+def resolve(op: str, device_type: str) -> Tuple[Callable, Vendor]:
+    """(function, vendor) that runs `op` on tensors of `device_type`."""
+    key = (op, device_type)
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    vendor = current(device_type)
+    forced = _forced_fallback()
+    fn = vendor.ops.get(op)
+    if vendor.name != "torch" and (fn is None or op in forced or "all" in forced):
+        torch_vendor = registry.load("torch")
+        if (vendor.name, op) not in _warned:
+            _warned.add((vendor.name, op))
+            why = "forced by DLINFER_FALLBACK_OPS" if fn is not None else f"vendor {vendor.name!r} lacks it"
+            warnings.warn(f"dlinfer: op {op!r} falls back to the torch vendor ({why})", stacklevel=3)
+        fn, vendor = torch_vendor.ops[op], torch_vendor
+    if fn is None:
+        raise VendorError(f"vendor {vendor.name!r} has no op {op!r}")
+    _cache[key] = (fn, vendor)
+    return fn, vendor

