@@ -10,7 +10,6 @@ every cached position up to and including its own.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
@@ -19,6 +18,7 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
+from dlinfer.ops._memo import LastCallMemo
 from dlinfer.ops._dispatch import check_dtype, check_head_dim, require, run, vendor_for
 from dlinfer.ops.kv_cache import cache_dims
 from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT
@@ -75,6 +75,21 @@ def _on_device_int32(t: Tensor, device: torch.device) -> Tensor:
 
 def _cu_from_ends(ends: Tensor, device: torch.device) -> Tensor:
     return F.pad(_on_device_int32(ends, device), (1, 0))
+
+
+def _paged_lengths(q_seq_len: Tensor, kv_seq_len: Tensor, device: torch.device):
+    return _cu_from_ends(q_seq_len, device), _on_device_int32(kv_seq_len, device)
+
+
+def _prefill_lengths(q_seq_len: Tensor, actual_seq_lengths_cpu: Optional[Tensor], device: torch.device):
+    if actual_seq_lengths_cpu is not None:
+        return _cu_from_ends(actual_seq_lengths_cpu, device)
+    return F.pad(torch.cumsum(_on_device_int32(q_seq_len, device), 0, dtype=torch.int32), (1, 0))
+
+
+# Every layer of a step passes the same lengths: derive the canonical ones once per step.
+_paged_lengths_memo = LastCallMemo(_paged_lengths)
+_prefill_lengths_memo = LastCallMemo(_prefill_lengths)
 
 
 def _quant(op: str, vendor, quant_bits, kv_scales, kv_zeros) -> None:
@@ -144,10 +159,7 @@ def prefill_attention(
     scale = _scale(op, softmax_scale, d)
     alibi = _alibi(op, vendor, alibi_slopes, query)
     out = _output(op, query, value.shape[2], attn_output)
-    if actual_seq_lengths_cpu is not None:
-        cu = _cu_from_ends(actual_seq_lengths_cpu, query.device)
-    else:
-        cu = F.pad(torch.cumsum(_on_device_int32(q_seq_len, query.device), 0, dtype=torch.int32), (1, 0))
+    cu = _prefill_lengths_memo(q_seq_len, actual_seq_lengths_cpu, query.device)
     if C.check_values_enabled():
         _check_cu_values(op, "q_seq_len", cu, t)
         if not torch.equal(q_seq_len.cpu().long(), kv_seq_len.cpu().long()):
@@ -189,8 +201,7 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
     scale = _scale(op, softmax_scale, d)
     alibi = _alibi(op, vendor, alibi_slopes, query)
     out = _output(op, query, dv, attn_output)
-    cu = _cu_from_ends(q_seq_len, query.device)
-    kv = _on_device_int32(kv_seq_len, query.device)
+    cu, kv = _paged_lengths_memo(q_seq_len, kv_seq_len, query.device)
     if C.check_values_enabled() and b:
         _check_cu_values(op, "q_seq_len", cu, t)
         kv_cpu, n_cpu = kv_seq_len.cpu().long(), (cu[1:] - cu[:-1]).cpu().long()

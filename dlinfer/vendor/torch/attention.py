@@ -8,12 +8,14 @@ paged_decode_attention: batched: every query token gathers the blocks of its seq
 Scores and softmax run in fp32 inside SDPA for every dtype.
 """
 
+import threading
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dlinfer.ops._memo import LastCallMemo
 from dlinfer.vendor.base import HEAD_MAJOR
 
 
@@ -38,9 +40,39 @@ def _mask(q_pos: Tensor, k_len: int, alibi: Optional[Tensor], dtype: torch.dtype
     return bias.masked_fill(~allowed, float("-inf")).to(dtype if dtype != torch.float16 else torch.float32)
 
 
-def _gather(cache: Tensor, blocks: Tensor, kv_layout: str) -> Tensor:
-    """cache blocks [..., nb] -> [..., Hkv, nb*BS, D] (a copy)."""
-    g = cache[blocks]  # token_major: [..., nb, BS, H, D]; head_major: [..., nb, H, BS, D]
+_scratch = threading.local()
+
+
+def _scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A per-thread buffer reused across calls (fresh multi-MB allocations page-fault on the CPU).
+
+    Only for data consumed before the op returns: decode gathers K/V into it, SDPA reads it.
+    """
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    key = (name, dtype, device)
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        bufs[key] = buf
+    return buf[:numel]
+
+
+def _gather(cache: Tensor, blocks: Tensor, kv_layout: str, scratch: Optional[str] = None) -> Tensor:
+    """cache blocks [..., nb] -> [..., Hkv, nb*BS, D] (copied; into a scratch buffer if named)."""
+    lead, nblk = blocks.shape[:-1], blocks.shape[-1]
+    flat_blocks = blocks.reshape(-1)
+    if cache.is_contiguous():
+        rows = cache.view(cache.shape[0], -1)
+        out = None
+        if scratch is not None:
+            out = _scratch_buffer(scratch, flat_blocks.numel() * rows.shape[1], cache.dtype, cache.device)
+            out = out.view(flat_blocks.numel(), rows.shape[1])
+        g = torch.index_select(rows, 0, flat_blocks, out=out) if out is not None else torch.index_select(
+            rows, 0, flat_blocks)
+        g = g.view(*lead, nblk, *cache.shape[1:])
+    else:
+        g = cache[blocks]
+    # token_major: [..., nb, BS, H, D]; head_major: [..., nb, H, BS, D]
     if kv_layout == HEAD_MAJOR:
         g = g.transpose(-3, -4)  # [..., H, nb, BS, D]
         return g.reshape(*g.shape[:-4], g.shape[-4], -1, g.shape[-1])
@@ -92,21 +124,40 @@ def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqle
         out[start:end] = o.transpose(0, 1).to(out.dtype)
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
-                           softmax_scale, alibi_slopes, out, kv_layout) -> None:
-    """All query tokens at once: token t of sequence b sees positions <= kv_len[b] - n_b + i."""
-    t = query.shape[0]
-    nb_total, bs = key_cache.shape[0], _block_size(key_cache, kv_layout)
-    tokens = torch.arange(t, device=query.device, dtype=torch.int32)
+def _decode_plan(cu_seqlens_q: Tensor, kv_seq_len: Tensor, block_table: Tensor, max_kv_seq_len: int,
+                 num_tokens: int, bs: int, nb_total: int, alibi: Optional[Tensor], dtype: torch.dtype):
+    """(blocks [T, nblk] to gather for each query token, attention mask) for a decode step.
+
+    Query token t of sequence b (n_b new tokens) sits at position kv_len[b] - n_b + i and sees
+    positions <= its own. Block-table entries past a sequence's last block may hold anything:
+    they are clamped into the cache and masked out.
+    """
+    device = cu_seqlens_q.device
+    tokens = torch.arange(num_tokens, device=device, dtype=torch.int32)
     ends = cu_seqlens_q[1:].contiguous()
     seq = torch.searchsorted(ends, tokens, right=True).clamp_(max=ends.numel() - 1)
     n_new = (ends - cu_seqlens_q[:-1])[seq]
-    pos = kv_seq_len[seq] - n_new + (tokens - cu_seqlens_q[seq])  # absolute position of each token
+    pos = kv_seq_len[seq] - n_new + (tokens - cu_seqlens_q[seq])
     num_blocks = min(max(1, (max_kv_seq_len + bs - 1) // bs), block_table.shape[1])
-    blocks = block_table[seq.long(), :num_blocks].long().clamp_(0, nb_total - 1)  # unused entries: any id
-    k = _sdpa_dtype(_gather(key_cache, blocks, kv_layout))  # [T, Hkv, L, D]
-    v = _sdpa_dtype(_gather(value_cache, blocks, kv_layout))
+    blocks = block_table[seq.long(), :num_blocks].long().clamp_(0, nb_total - 1)
+    mask = _mask(pos.unsqueeze(-1), num_blocks * bs, alibi, dtype)  # [T, 1|Hq, 1, L]
+    if mask.dtype == torch.bool:  # SDPA would convert a boolean mask on every call
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    return blocks, mask
+
+
+# The plan is the same for every layer of a step: build it once per step.
+_decode_plan_memo = LastCallMemo(_decode_plan)
+
+
+def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
+                           softmax_scale, alibi_slopes, out, kv_layout) -> None:
+    """All query tokens at once: each gathers its sequence's blocks (padded to max_kv_seq_len),
+    then one SDPA call for the batch with a per-token causal/length mask."""
     q = _sdpa_dtype(query).unsqueeze(2)  # [T, Hq, 1, D]
-    mask = _mask(pos.unsqueeze(-1), k.shape[2], alibi_slopes, q.dtype)  # [T, 1|Hq, 1, L]
+    blocks, mask = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
+                                     _block_size(key_cache, kv_layout), key_cache.shape[0], alibi_slopes, q.dtype)
+    k = _sdpa_dtype(_gather(key_cache, blocks, kv_layout, "decode_k"))  # [T, Hkv, L, D]
+    v = _sdpa_dtype(_gather(value_cache, blocks, kv_layout, "decode_v"))
     o = _sdpa(q, k, v, mask, softmax_scale, causal=False)  # [T, Hq, 1, Dv]
-    out.copy_(o.squeeze(2).to(out.dtype))
+    out.copy_(o.squeeze(2))
