@@ -161,7 +161,11 @@ def prefill_attention(
     out = _output(op, query, value.shape[2], attn_output)
     cu = _prefill_lengths_memo(q_seq_len, actual_seq_lengths_cpu, query.device)
     if C.check_values_enabled():
-        _check_cu_values(op, "q_seq_len", cu, t)
+        _check_cu_values(op, "q_seq_len" if actual_seq_lengths_cpu is None else "actual_seq_lengths_cpu", cu, t)
+        if actual_seq_lengths_cpu is not None and not torch.equal(
+                torch.cumsum(q_seq_len.cpu().long(), 0), actual_seq_lengths_cpu.cpu().long()):
+            raise InvalidArgumentError(op, "actual_seq_lengths_cpu", "the cumulative sum of q_seq_len",
+                                       str(actual_seq_lengths_cpu.tolist()))
         if not torch.equal(q_seq_len.cpu().long(), kv_seq_len.cpu().long()):
             raise InvalidArgumentError(op, "kv_seq_len", "equal to q_seq_len (no history)", str(kv_seq_len.tolist()))
         if b and int(q_seq_len.max()) > max_q:
@@ -261,6 +265,14 @@ def paged_prefill_attention(
     query, layout, cu, kv, scale, alibi, out = _paged_common(
         op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
         num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
+    t, _, d = query.shape
+    hkv = num_kv_heads
+    for name, new, dim in (("key", key, d), ("value", value, out.shape[2])):
+        if new is not None:  # unused (already in the cache), but a wrong one means wrong metadata
+            if isinstance(new, Tensor) and new.dim() == 4 and new.shape[0] == 1:
+                new = new[0]
+            C.tensor(op, name, new, (t, hkv, dim), C.FLOAT_DTYPES, query.device)
+            C.same_dtype(op, name, new, query, "query")
     max_q = C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     if C.check_values_enabled() and kv.numel():

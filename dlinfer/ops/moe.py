@@ -79,7 +79,9 @@ def fused_moe(
     C.same_dtype(op, "gate_up_weights", gate_up_weights, hidden_states, "hidden_states")
     C.same_dtype(op, "down_weights", down_weights, hidden_states, "hidden_states")
     topk = C.integer(op, "topk", topk, 1)
-    C.tensor(op, "topk_weights", topk_weights, (t, topk), C.FLOAT_DTYPES, dev)
+    C.tensor(op, "topk_weights", topk_weights, (t, "K"), C.FLOAT_DTYPES, dev)
+    if topk_weights.shape[1] != topk:
+        raise InvalidArgumentError(op, "topk", f"topk_weights' K = {topk_weights.shape[1]}", str(topk))
     C.tensor(op, "topk_ids", topk_ids, (t, topk), C.INDEX_DTYPES, dev)
     vendor = vendor_for(op, dev)
     _metadata(op, vendor, moe_metadata)

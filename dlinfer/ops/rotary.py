@@ -32,7 +32,7 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -
     t, hq, d = _tokens_heads_dim(op, "query", query)
     _, hkv, _ = _tokens_heads_dim(op, "key", key)
     q3 = query.reshape(t, hq, d)
-    C.tensor(op, "key", key.reshape(-1, hkv, key.shape[-1]), (t, hkv, d), C.FLOAT_DTYPES, query.device)
+    C.tensor(op, "key", key[0] if key.dim() == 4 else key, (t, hkv, d), C.FLOAT_DTYPES, query.device)
     C.same_dtype(op, "key", key, query, "query")
     for name, table in (("cos", cos), ("sin", sin)):
         if not isinstance(table, Tensor) or table.dim() < 1:

@@ -57,8 +57,11 @@ def _scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.dev
     return buf[:numel]
 
 
-def _gather(cache: Tensor, blocks: Tensor, kv_layout: str, scratch: Optional[str] = None) -> Tensor:
-    """cache blocks [..., nb] -> [..., Hkv, nb*BS, D] (copied; into a scratch buffer if named)."""
+def _gather(cache: Tensor, blocks: Tensor, kv_layout: str, scratch: Optional[str] = None, dead=None) -> Tensor:
+    """cache blocks [..., nb] -> [..., Hkv, nb*BS, D] (copied; into a scratch buffer if named).
+
+    dead: optional (token, block, offset) indices of masked positions to zero in the copy.
+    """
     lead, nblk = blocks.shape[:-1], blocks.shape[-1]
     flat_blocks = blocks.reshape(-1)
     if cache.is_contiguous():
@@ -72,6 +75,8 @@ def _gather(cache: Tensor, blocks: Tensor, kv_layout: str, scratch: Optional[str
         g = g.view(*lead, nblk, *cache.shape[1:])
     else:
         g = cache[blocks]
+    if dead is not None:
+        _zero_dead(g, dead, kv_layout)
     # token_major: [..., nb, BS, H, D]; head_major: [..., nb, H, BS, D]
     if kv_layout == HEAD_MAJOR:
         g = g.transpose(-3, -4)  # [..., H, nb, BS, D]
@@ -143,7 +148,23 @@ def _decode_plan(cu_seqlens_q: Tensor, kv_seq_len: Tensor, block_table: Tensor, 
     mask = _mask(pos.unsqueeze(-1), num_blocks * bs, alibi, dtype)  # [T, 1|Hq, 1, L]
     if mask.dtype == torch.bool:  # SDPA would convert a boolean mask on every call
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-    return blocks, mask
+    # Masked positions may hold anything, NaN included, and NaN survives a -inf bias (and 0 * NaN
+    # is NaN): the gathered copies of those positions are zeroed. They are the tails past each
+    # token's position, few when lengths are similar, so a scatter beats a pass over the buffer.
+    beyond = torch.arange(num_blocks * bs, device=device).unsqueeze(0) > pos.unsqueeze(1).long()
+    dead_t, dead_l = beyond.nonzero(as_tuple=True)
+    return blocks, mask, (dead_t, dead_l // bs, dead_l % bs)
+
+
+def _zero_dead(g: Tensor, dead, kv_layout: str) -> None:
+    """Zero the masked positions of a gathered [T, nblk, BS, H, D] (or [T, nblk, H, BS, D]) copy."""
+    t_idx, blk_idx, off_idx = dead
+    if t_idx.numel() == 0:
+        return
+    if kv_layout == HEAD_MAJOR:
+        g[t_idx, blk_idx, :, off_idx] = 0
+    else:
+        g[t_idx, blk_idx, off_idx] = 0
 
 
 # The plan is the same for every layer of a step: build it once per step.
@@ -155,9 +176,10 @@ def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlen
     """All query tokens at once: each gathers its sequence's blocks (padded to max_kv_seq_len),
     then one SDPA call for the batch with a per-token causal/length mask."""
     q = _sdpa_dtype(query).unsqueeze(2)  # [T, Hq, 1, D]
-    blocks, mask = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
-                                     _block_size(key_cache, kv_layout), key_cache.shape[0], alibi_slopes, q.dtype)
-    k = _sdpa_dtype(_gather(key_cache, blocks, kv_layout, "decode_k"))  # [T, Hkv, L, D]
-    v = _sdpa_dtype(_gather(value_cache, blocks, kv_layout, "decode_v"))
+    blocks, mask, dead = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
+                                           _block_size(key_cache, kv_layout), key_cache.shape[0], alibi_slopes,
+                                           q.dtype)
+    k = _sdpa_dtype(_gather(key_cache, blocks, kv_layout, "decode_k", dead))  # [T, Hkv, L, D]
+    v = _sdpa_dtype(_gather(value_cache, blocks, kv_layout, "decode_v", dead))
     o = _sdpa(q, k, v, mask, softmax_scale, causal=False)  # [T, Hq, 1, Dv]
     out.copy_(o.squeeze(2))
