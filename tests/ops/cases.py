@@ -56,6 +56,21 @@ def vendor_params(cases=None, with_layout=False):
     return params
 
 
+def skip_unless_supported(vendor, dtype=None, head_dim=None, feature=None):
+    """Skip combinations the vendor declares it does not run (those raise UnsupportedError,
+    tested in test_bad_inputs.py): dtypes, head dims, optional features. The torch vendor, the
+    reference implementation every op falls back to, must run everything: never skipped."""
+    if vendor == "torch":
+        return
+    caps = dlinfer.vendor.get(vendor).capabilities
+    if dtype is not None and dtype not in caps.dtypes:
+        pytest.skip(f"{vendor} declares no {dtype}")
+    if head_dim is not None and caps.head_dims is not None and head_dim not in caps.head_dims:
+        pytest.skip(f"{vendor} declares no head dim {head_dim}")
+    if feature is not None and not dlinfer.vendor.get(vendor).supports(feature):
+        pytest.skip(f"{vendor} declares no {feature}")
+
+
 @contextlib.contextmanager
 def active(vendor, layout=None):
     if layout is None:
@@ -78,6 +93,17 @@ def seed_of(*parts):
     for ch in "|".join(str(p) for p in parts):
         s = (s * 131 + ord(ch)) % (2**31 - 1)
     return s
+
+
+_MEMO = {}
+
+
+def memo(key, fn):
+    """Compute an fp64 reference once per key (inputs are a pure function of their seed, so a test
+    that runs under several vendors / layouts / options shares one reference)."""
+    if key not in _MEMO:
+        _MEMO[key] = fn()
+    return _MEMO[key]
 
 
 def randn(shape, dtype, g, scale=1.0, device=DEVICE):
@@ -139,7 +165,7 @@ def make_block_table(kv_lens, block_size, g, index_dtype, spare_blocks=3, extra_
         table.append(row)
     bt = torch.tensor(table, dtype=torch.int64).reshape(len(kv_lens), M)
     if index_dtype == torch.int32:
-        assert int(bt.max(initial=0)) < 2**31 and int(bt.min(initial=0)) >= -(2**31)
+        assert all(-(2**31) <= v < 2**31 for row in table for v in row)
     return Paged(bt.to(dtype=index_dtype, device=DEVICE), nb, used)
 
 

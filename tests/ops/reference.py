@@ -56,8 +56,9 @@ def apply_rotary_pos_emb(query, key, cos, sin):
         half = R // 2
         out = x.clone()
         lead = x.shape[:-3]
-        xt = x.reshape(-1, *x.shape[-3:])  # [batch, T, H, D]
-        ot = out.reshape(-1, *x.shape[-3:])
+        batch = math.prod(lead)
+        xt = x.reshape(batch, *x.shape[-3:])  # [batch, T, H, D]
+        ot = out.reshape(batch, *x.shape[-3:])
         for b in range(xt.shape[0]):
             for t in range(xt.shape[1]):
                 x1 = xt[b, t, :, :half]

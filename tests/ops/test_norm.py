@@ -8,7 +8,7 @@ import torch
 import dlinfer.ops as ops
 
 from . import reference as ref
-from .cases import DEVICE, DTYPE_PARAMS, active, gen, randn, seed_of, vendor_params
+from .cases import DEVICE, DTYPE_PARAMS, active, gen, randn, seed_of, skip_unless_supported, vendor_params
 from .compare import assert_close, assert_equal
 
 
@@ -42,6 +42,7 @@ def _inputs(case, dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("vendor,case", vendor_params(CASES))
 def test_rms_norm(vendor, case, dtype):
+    skip_unless_supported(vendor, dtype)
     _, x, w = _inputs(case, dtype, seed_of("rms", case.id, dtype))
     expected = ref.rms_norm(x, w, case.eps)
     with active(vendor):
@@ -53,6 +54,7 @@ def test_rms_norm(vendor, case, dtype):
 @pytest.mark.parametrize("dtype", DTYPE_PARAMS)
 @pytest.mark.parametrize("vendor,case", vendor_params(CASES))
 def test_add_rms_norm(vendor, case, dtype):
+    skip_unless_supported(vendor, dtype)
     g, x, w = _inputs(case, dtype, seed_of("add_rms", case.id, dtype))
     r = randn(case.shape, dtype, g, scale=2.0)
     expected_normed, _ = ref.add_rms_norm(x, r, w, case.eps)

@@ -1,0 +1,5 @@
+"""Adaptors that plug dlinfer into inference engines.
+
+Nothing here is imported by `import dlinfer`. Importing `dlinfer.framework.lmdeploy_ext` patches
+LMDeploy (see that package); importing this package alone does nothing.
+"""

@@ -1,0 +1,31 @@
+"""dlinfer's adaptor for LMDeploy 0.18.x: importing this package patches LMDeploy, once.
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (before building the engine config)
+    from lmdeploy import pipeline, PytorchEngineConfig
+    pipe = pipeline(model_dir, backend_config=PytorchEngineConfig(device_type="cpu"))
+
+It adds the device types of `devices.py` ("cpu"; "dlinfer_cuda", not yet run on a GPU), whose
+ops backend (`backend/`) subclasses LMDeploy's own `DlinferOpsBackend`, so LMDeploy's dlinfer
+layers and `kernels/dlinfer` wrappers run unchanged on `dlinfer.ops`. The patches themselves,
+one module each, are listed in `patches/__init__.py`; they change nothing for LMDeploy's own
+device types. Another LMDeploy version is refused (`version.py`) before anything is patched.
+Importing twice, or reloading, patches nothing twice.
+"""
+
+from __future__ import annotations
+
+from dlinfer.framework.lmdeploy_ext.version import (
+    UnsupportedLMDeployVersion,
+    check_lmdeploy_version,
+    installed_lmdeploy_version,
+)
+
+check_lmdeploy_version(installed_lmdeploy_version())
+
+from dlinfer.framework.lmdeploy_ext.backend.model_support import UnsupportedModelError  # noqa: E402
+from dlinfer.framework.lmdeploy_ext.devices import DEVICES  # noqa: E402
+from dlinfer.framework.lmdeploy_ext.patches import apply_all as _apply_all  # noqa: E402
+
+_apply_all()
+
+__all__ = ["DEVICES", "UnsupportedLMDeployVersion", "UnsupportedModelError"]

@@ -1,0 +1,98 @@
+"""LMDeploy ops backends of dlinfer's device types.
+
+Each subclasses LMDeploy's own `DlinferOpsBackend` (backends/dlinfer/op_backend.py), so
+`build_op` hands out LMDeploy's dlinfer attention, norm, rotary, activation, linear and MoE
+layers, which call `dlinfer.ops` through `lmdeploy/pytorch/kernels/dlinfer`. What this adds:
+- `update_step_context`: the attention metadata those layers read (`step_context.py`);
+- KV block shapes in the active vendor's layout (`kv_layout.py`);
+- for the CPU: cache allocation on the host (`cache.py`), "gloo" as collective backend, and
+  with `eager_mode=False` decode steps compiled by `graph_runner.py` (`eager_mode=True`: LMDeploy's
+  base `GraphRunner`, every step eager).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.backend.cache import HostCacheBackend
+from dlinfer.framework.lmdeploy_ext.backend.kv_layout import active_kv_layout, block_shape
+from dlinfer.framework.lmdeploy_ext.backend.step_context import build_attention_metadata
+from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+
+
+class DlinferDeviceOpsBackend(DlinferOpsBackend):
+    """LMDeploy's dlinfer backend bound to one dlinfer device type (`device_spec`)."""
+
+    device_spec: ClassVar[devices.DeviceSpec]
+
+    @classmethod
+    def get_k_block_shape(cls, block_size: int, num_heads: int, head_size: int, dtype: torch.dtype):
+        return block_shape(active_kv_layout(cls.device_spec.torch_device), block_size, num_heads, head_size)
+
+    @classmethod
+    def get_v_block_shape(cls, block_size: int, num_heads: int, head_size: int, dtype: torch.dtype):
+        return block_shape(active_kv_layout(cls.device_spec.torch_device), block_size, num_heads, head_size)
+
+    @classmethod
+    def update_step_context(cls, step_context):
+        """Attach `attn_metadata` for the dlinfer attention layers (single device: no MoE metadata)."""
+        block_size = step_context.cache_config.kernel_block_size
+        step_context.attn_metadata = build_attention_metadata(step_context, block_size)
+        return step_context
+
+
+class CpuOpsBackend(DlinferDeviceOpsBackend):
+    """device_type="cpu": dlinfer ops on host tensors, KV cache in host RAM."""
+
+    device_spec = devices.CPU
+
+    @staticmethod
+    def get_name() -> str:
+        return "dlinfer_cpu"
+
+    @classmethod
+    def get_cache_backend(cls):
+        return HostCacheBackend
+
+    @staticmethod
+    def ccl_backend() -> str:
+        return "gloo"
+
+    @classmethod
+    def build_graph_runner(cls, model, model_config, cache_config, backend_config, device):
+        """eager_mode=False: decode steps compiled with the dlinfer backend (graph_runner.py)."""
+        if backend_config.eager_mode:
+            return super().build_graph_runner(model, model_config, cache_config, backend_config, device)
+        from dlinfer.framework.lmdeploy_ext.graph_runner import DlinferGraphRunner
+
+        return DlinferGraphRunner(model, model_config, cache_config, backend_config, device)
+
+
+class CudaOpsBackend(DlinferDeviceOpsBackend):
+    """device_type="dlinfer_cuda": dlinfer ops (e.g. DLINFER_VENDOR=triton) on a CUDA GPU.
+
+    Not run on a GPU yet: the code path exists and is exercised on CPU up to device placement.
+    """
+
+    device_spec = devices.DLINFER_CUDA
+
+    @staticmethod
+    def get_name() -> str:
+        return "dlinfer_cuda"
+
+    @staticmethod
+    def device_count():
+        return torch.cuda.device_count()
+
+
+_BACKENDS: dict[str, type[DlinferDeviceOpsBackend]] = {
+    backend.device_spec.device_type: backend for backend in (CpuOpsBackend, CudaOpsBackend)
+}
+
+
+def backend_for(spec: devices.DeviceSpec) -> type[DlinferDeviceOpsBackend]:
+    """The ops backend class of a dlinfer device type."""
+    return _BACKENDS[spec.device_type]

@@ -1,0 +1,181 @@
+"""LMDeploy graph mode on dlinfer device types: decode steps compiled with the dlinfer backend.
+
+`PytorchEngineConfig(device_type="cpu", eager_mode=False)` makes the ops backend build this
+runner (`build_graph_runner`). Written against LMDeploy 0.18.0, whose `GraphRunner`
+(backends/graph_runner.py) is the interface: the model agent calls `runner(**model_inputs)` for
+every forward and warms up one decode step per `get_capture_batch_sizes()` entry.
+
+What it does
+- Prefill, multi-token decode, embeddings input and anything unusual run eagerly (the model itself).
+- A one-token-per-sequence decode step of B sequences is padded to the smallest bucket >= B
+  (1, 2, 4, ... max_batches, or `cudagraph_capture_batch_sizes`) and run through
+  `torch.compile(model, backend=dlinfer_backend, dynamic=False, fullgraph=True)`; the real rows of
+  the hidden states come back. One graph per bucket, compiled at warm-up.
+
+Keeping recompiles bounded (one per bucket, whatever the lengths):
+- The block table is copied into a fixed-width buffer ([bucket, blocks in the cache]); the torch
+  vendor reads only ceil(max_kv_seq_len / BS) of its columns, so the width costs nothing.
+- `max_kv_seq_len` is the only integer the decode graph reads that changes every step: it is
+  marked dynamic through `torch.compiler.config.dynamic_sources` (a SymInt in the graph, passed
+  to the custom op), so neither its value nor its growth recompiles. Without this Dynamo would
+  specialise on it and recompile at every step.
+- Everything else the graph reads per step is a tensor of fixed shape for the bucket.
+
+Padding rows: one token each (cu_seqlens step 1), kv length 1 over the first real sequence's
+first block (finite data, never NaN), KV slot -1, which every vendor's fill_kv_cache drops
+(DESIGN.md: kernels mask bad slots). Their outputs are discarded; every op is row-independent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from typing import Any, Dict, Optional
+
+import torch
+
+from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
+from lmdeploy.pytorch.backends.graph_runner import GraphRunner
+
+log = logging.getLogger("dlinfer.lmdeploy.graph")
+
+# Dynamo source names of what changes per step but must not recompile (see the module docstring).
+DYNAMIC_SOURCES = r"L\['attn_metadata'\]\.max_kv_seq_len"
+_FORWARD_KEYS = {"input_ids", "position_ids", "past_key_values", "attn_metadata", "inputs_embeds"}
+
+
+class DlinferGraphRunner(GraphRunner):
+    """Decode steps through torch.compile(backend=dlinfer), padded to batch buckets."""
+
+    def __init__(self, model: torch.nn.Module, model_config, cache_config, backend_config, device: torch.device,
+                 compile_options: Optional[Dict[str, Any]] = None):
+        super().__init__(model, model_config, cache_config, backend_config, device)
+        self.enable_graph = not backend_config.eager_mode
+        self.buckets = sorted(self.get_capture_batch_sizes())
+        self.compiles = 0  # graphs the dlinfer backend compiled for this runner
+        self.graph_steps = 0  # decode steps that ran a compiled graph
+        self._options = dict(compile_options or {})
+        self._compiled = None
+        self._failed: Optional[BaseException] = None
+        self._buffers: Dict[int, Dict[str, torch.Tensor]] = {}
+        # recompile_limit is per code object: one entry per bucket must fit (raised, never lowered).
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(self.buckets))
+
+    # -- compilation -------------------------------------------------------------------------
+
+    def _backend(self, gm, example_inputs):
+        from dlinfer.graph.backend import dlinfer_backend
+
+        self.compiles += 1
+        return dlinfer_backend(gm, example_inputs, options=self._options)
+
+    def _compiled_model(self):
+        if self._compiled is None:
+            self._compiled = torch.compile(self.model, backend=self._backend, dynamic=False, fullgraph=True)
+        return self._compiled
+
+    # -- which steps run a graph ---------------------------------------------------------------
+
+    def bucket_for(self, batch: int) -> Optional[int]:
+        i = bisect.bisect_left(self.buckets, batch)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def _graph_batch(self, kwargs: Dict[str, Any]) -> Optional[int]:
+        """Batch size B when this forward is a plain one-token decode step, else None."""
+        if not self.enable_graph or self._failed is not None or set(kwargs) - _FORWARD_KEYS:
+            return None
+        meta = kwargs.get("attn_metadata")
+        if not isinstance(meta, DlinferAttentionMetadata) or not meta.is_decoding or meta.max_q_seqlen != 1:
+            return None
+        if kwargs.get("inputs_embeds") is not None or meta.quant_meta is not None:
+            return None
+        batch = meta.q_seqlens.numel()
+        if kwargs["input_ids"].numel() != batch or self.bucket_for(batch) is None:
+            return None
+        return batch
+
+    # -- padding to the bucket -------------------------------------------------------------------
+
+    def _buffers_for(self, bucket: int, meta: DlinferAttentionMetadata) -> Dict[str, torch.Tensor]:
+        bufs = self._buffers.get(bucket)
+        if bufs is None:
+            device = meta.block_offsets.device
+            width = max(self.cache_config.num_gpu_blocks, meta.block_offsets.shape[1])
+            steps = torch.arange(bucket + 1, dtype=torch.int32, device=device)
+            bufs = dict(
+                block_offsets=torch.zeros(bucket, width, dtype=meta.block_offsets.dtype, device=device),
+                cu_seqlens_q=steps,
+                cu_seqlens_q_cpu=steps.cpu(),
+                q_seqlens=torch.ones(bucket, dtype=meta.q_seqlens.dtype, device=device),
+            )
+            self._buffers[bucket] = bufs
+        return bufs
+
+    def _pad(self, kwargs: Dict[str, Any], batch: int, bucket: int) -> Dict[str, Any]:
+        meta: DlinferAttentionMetadata = kwargs["attn_metadata"]
+        bufs = self._buffers_for(bucket, meta)
+        pad = bucket - batch
+        blocks = meta.block_offsets
+        if blocks.shape[1] > bufs["block_offsets"].shape[1]:  # a cache grown since: widen
+            del self._buffers[bucket]
+            bufs = self._buffers_for(bucket, meta)
+        table = bufs["block_offsets"]
+        table[:batch, : blocks.shape[1]].copy_(blocks)
+        table[batch:, 0] = blocks[0, 0]
+
+        def padded(t: torch.Tensor, value) -> torch.Tensor:
+            return t if not pad else torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
+
+        kv_seqlens = padded(meta.kv_seqlens, 1)
+        new_meta = dataclasses.replace(
+            meta,
+            block_offsets=table,
+            q_start_loc=bufs["cu_seqlens_q"][:-1],
+            q_seqlens=bufs["q_seqlens"],
+            kv_seqlens=kv_seqlens,
+            cu_seqlens_q=bufs["cu_seqlens_q"],
+            cu_seqlens_q_cpu=bufs["cu_seqlens_q_cpu"],
+            kv_seqlens_cpu=kv_seqlens if kv_seqlens.device.type == "cpu" else padded(meta.kv_seqlens_cpu, 1),
+            kv_start_indices=padded(meta.kv_start_indices.view(-1), -1),
+            kv_flatten_size=meta.kv_flatten_size + pad,
+        )
+        out = dict(kwargs)
+        out["input_ids"] = padded(kwargs["input_ids"].view(-1), 0).view(1, bucket)
+        out["position_ids"] = padded(kwargs["position_ids"].view(-1), 0).view(1, bucket)
+        out["attn_metadata"] = new_meta
+        return out
+
+    # -- the forward -----------------------------------------------------------------------------
+
+    def __call__(self, **kwargs):
+        batch = self._graph_batch(kwargs)
+        if batch is None:
+            return self.model(**kwargs)
+        bucket = self.bucket_for(batch)
+        padded = self._pad(kwargs, batch, bucket)
+        try:
+            with torch.compiler.config.patch(dynamic_sources=DYNAMIC_SOURCES):
+                output = self._compiled_model()(**padded)
+        except Exception as exc:  # noqa: BLE001 - a model Dynamo cannot capture whole runs eagerly
+            if self.compiles and self.graph_steps:
+                raise
+            self._failed = exc
+            log.warning("dlinfer graph mode: decode step could not be compiled (%s: %s); running eagerly",
+                        type(exc).__name__, exc)
+            return self.model(**kwargs)
+        self.graph_steps += 1
+        return _real_rows(output, batch)
+
+    def reset(self):
+        super().reset()
+        self._buffers.clear()
+
+
+def _real_rows(output, batch: int):
+    if isinstance(output, torch.Tensor):
+        return output[:, :batch]
+    if isinstance(output, dict):
+        return {k: v[:, :batch] if isinstance(v, torch.Tensor) and v.dim() > 1 else v for k, v in output.items()}
+    raise TypeError(f"dlinfer graph mode: unexpected model output {type(output).__name__}")

@@ -1,0 +1,33 @@
+"""The patches dlinfer applies to LMDeploy 0.18, one module each, applied in this order.
+
+Each module states why it exists, how it works and the LMDeploy version it was written
+against, and exposes `apply()`, which is idempotent (see `patching.wrap`). Every patch changes
+behaviour for dlinfer's device types (`devices.py`) only.
+"""
+
+from __future__ import annotations
+
+from dlinfer.framework.lmdeploy_ext.patches import (
+    backend_selector,
+    cuda_calls,
+    device_queries,
+    engine_config,
+    env_check,
+    model_agent,
+    model_dtype,
+)
+
+PATCHES = (
+    engine_config,     # PytorchEngineConfig accepts device_type="cpu"/"dlinfer_cuda", float32
+    device_queries,    # get_max_batch_size / is_bf16_supported for those device types
+    model_dtype,       # dtype="auto" keeps a float32 checkpoint in float32 on CPU
+    backend_selector,  # device type -> dlinfer ops backend
+    env_check,         # LMDeploy's torch check runs on the engine's device
+    cuda_calls,        # streams/events/"cuda" strings in the engine modules
+    model_agent,       # weights, warm-up inputs and free memory on the engine's device
+)
+
+
+def apply_all() -> None:
+    for patch in PATCHES:
+        patch.apply()

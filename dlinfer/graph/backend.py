@@ -1,0 +1,116 @@
+"""The `dlinfer` torch.compile backend.
+
+    torch.compile(model, backend="dlinfer")                     # entry point torch_dynamo_backends
+    torch.compile(model, backend="dlinfer", options={"passes": "-rotary", "compiler": "eager"})
+
+For each graph Dynamo captures it:
+1. runs the rewrite passes (dlinfer/graph/passes) on Dynamo's FX graph, turning unfused RMSNorm,
+   rotary and SiLU-and-mul patterns into `torch.ops.dlinfer.*` nodes;
+2. hands the result to a graph compiler: the active vendor's `graph_compiler` when it declares one,
+   else Inductor, which keeps every dlinfer op opaque (an extern call to the vendor kernel) and
+   compiles the glue between them.
+
+Options (the `options=` dict of torch.compile; environment variables give the defaults):
+    passes     DLINFER_GRAPH_PASSES     "all" | "none" | "a,b" | "-a,-b"   (see passes/__init__.py)
+    compiler   DLINFER_GRAPH_COMPILER   "auto" | "inductor" | "eager" | a callable(gm, inputs)
+    inductor   -                        dict of Inductor config patches (with compiler inductor/auto)
+`mode=` ("max-autotune", ...) is forwarded to Inductor.
+
+Graphs that contain dlinfer ops are inference graphs (the ops have no autograd formula): they are
+compiled and run with grad disabled. Graphs without any dlinfer op keep autograd.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import torch
+import torch.fx as fx
+
+import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
+from dlinfer.graph import fx_utils, passes
+from dlinfer.vendor import selection
+
+log = logging.getLogger("dlinfer.graph")
+
+# Running totals, for tests and diagnostics: graphs compiled, rewrites per pass, compiler used.
+stats: collections.Counter = collections.Counter()
+
+_OPTION_KEYS = {"passes", "compiler", "inductor"}
+
+
+def _device_type(example_inputs: Sequence[Any]) -> str:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+            return t.device.type
+    return "cpu"
+
+
+def inductor_compiler(gm: fx.GraphModule, example_inputs, config_patches: Optional[Dict[str, Any]] = None):
+    """The default graph compiler: Inductor, dlinfer ops left as extern kernel calls."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=config_patches or {})
+
+
+def eager_compiler(gm: fx.GraphModule, example_inputs):
+    """Run the rewritten graph as is (no codegen): Dynamo's Python-overhead removal only."""
+    return gm.forward
+
+
+def _choose_compiler(choice, device_type: str, inductor_patches: Dict[str, Any]) -> Callable:
+    if callable(choice):
+        return choice
+    if choice in (None, "", "auto"):
+        vendor = selection.current(device_type)
+        if vendor.graph_compiler is not None:
+            stats[f"compiler:{vendor.name}"] += 1
+            return vendor.graph_compiler
+        choice = "inductor"
+    stats[f"compiler:{choice}"] += 1
+    if choice == "inductor":
+        return functools.partial(inductor_compiler, config_patches=inductor_patches)
+    if choice == "eager":
+        return eager_compiler
+    raise ValueError(f"dlinfer graph: unknown compiler {choice!r}; use 'auto', 'inductor', 'eager' or a callable")
+
+
+def _no_grad(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args):
+        with torch.no_grad():
+            return fn(*args)
+
+    return run
+
+
+def dlinfer_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None,
+                    options: Optional[Dict[str, Any]] = None):
+    """torch.compile backend: dlinfer rewrite passes, then the vendor's compiler or Inductor."""
+    options = dict(options or {})
+    unknown = set(options) - _OPTION_KEYS
+    if unknown:
+        raise ValueError(f"dlinfer graph: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTION_KEYS)}")
+    names = passes.select(options.get("passes", os.environ.get("DLINFER_GRAPH_PASSES")))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("dlinfer graph before passes %s:\n%s", names, gm.code)
+    counts = passes.run(gm, names)
+    stats["graphs"] += 1
+    stats.update({k: v for k, v in counts.items() if v})
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("dlinfer graph after passes %s:\n%s", counts, gm.code)
+
+    patches = dict(options.get("inductor") or {})
+    if mode and mode != "default":
+        patches = {**torch._inductor.list_mode_options(mode), **patches}
+    compiler = _choose_compiler(options.get("compiler", os.environ.get("DLINFER_GRAPH_COMPILER")),
+                                _device_type(example_inputs), patches)
+    if not fx_utils.dlinfer_nodes(gm.graph) or not torch.is_grad_enabled():
+        return compiler(gm, example_inputs)
+    with torch.no_grad():
+        compiled = compiler(gm, example_inputs)
+    return _no_grad(compiled)

@@ -1,0 +1,157 @@
+"""Varlen causal flash attention, over the paged KV cache or over packed K/V without a cache.
+
+Algorithm. One program per (tile of BLOCK_M query rows, sequence b, query head h); kv head
+h // G (GQA). Sequence b owns query rows cu[b]:cu[b+1] (n of them) and kv_len keys: kv_len =
+kv_seq_len[b] over the paged cache (history, then the n new tokens, already in the cache), or
+n over packed K/V (prefill without a cache). Query row i sits at position kv_len - n + i
+(bottom-right aligned causality) and sees keys 0..its position. The program walks keys 0 up to
+the last position any of its rows sees, BLOCK_N at a time, and keeps an online softmax (running
+max / sum, fp32 accumulator). Paged keys are gathered per key through the block table, so any
+block size works (smaller or larger than BLOCK_N). Tiles past a sequence's end exit at once:
+the grid is sized by max_q_seq_len and B (upper bounds), never by values read on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dlinfer.vendor.triton._common import cast_to
+from dlinfer.vendor.triton.attention_common import (
+    LOG2E,
+    block_dim,
+    cache_block_size,
+    cache_strides,
+    dots_in_fp32,
+    online_softmax_step,
+    paged_slots,
+)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr,
+    T, M, NB, BS, qk_scale,
+    s_qt, s_qh, s_qd,
+    s_kb, s_ks, s_kh, s_kd,  # paged: (block, slot, head, dim); packed: (-, token, head, dim)
+    s_vb, s_vs, s_vh, s_vd,
+    s_btb, s_btm,
+    s_ot, s_oh, s_od,
+    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGED: tl.constexpr, HAS_ALIBI: tl.constexpr, F32: tl.constexpr,
+):
+    mt = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) causal tiles start first
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // G
+    q_start = tl.load(cu_ptr + b)
+    n = tl.load(cu_ptr + b + 1) - q_start
+    if mt * BLOCK_M >= n:
+        return
+    if PAGED:
+        kv_len = tl.load(kvlen_ptr + b)
+        key_limit = tl.minimum(kv_len, M * BS)  # never past the block table
+    else:
+        kv_len = n
+        key_limit = n
+    rows = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = kv_len - n + rows
+    dk = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    tok = (q_start + rows).to(tl.int64)
+    row_ok = (rows < n) & (tok >= 0) & (tok < T)  # bad cu_seqlens_q never reach past the query
+    q = tl.load(q_ptr + tok[:, None] * s_qt + h * s_qh + dk[None, :] * s_qd,
+                mask=row_ok[:, None] & (dk < D)[None, :], other=0.0)
+    if F32:
+        q = q.to(tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + h) * 1.4426950408889634
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    key_end = tl.minimum(key_limit, kv_len - n + (mt + 1) * BLOCK_M)  # causal: last row's position + 1
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    for start in range(0, key_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        valid = pos < key_end
+        if PAGED:
+            blk, slot = paged_slots(bt_row, s_btm, pos, valid, BS, M, NB)
+            k_off = blk * s_kb + slot * s_ks
+            v_off = blk * s_vb + slot * s_vs
+        else:
+            key_tok = (q_start + pos).to(tl.int64)
+            valid = valid & (key_tok >= 0) & (key_tok < T)
+            k_off = key_tok * s_ks
+            v_off = key_tok * s_vs
+        k = tl.load(k_ptr + (k_off + kvh * s_kh)[:, None] + dk[None, :] * s_kd,
+                    mask=valid[:, None] & (dk < D)[None, :], other=0.0)
+        v = tl.load(v_ptr + (v_off + kvh * s_vh)[:, None] + dv[None, :] * s_vd,
+                    mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
+        if F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if HAS_ALIBI:
+            qk += slope * (pos[None, :] - q_pos[:, None]).to(tl.float32)
+        allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        qk = tl.where(allowed, qk, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, F32)
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that sees no key (bad metadata): 0
+    tl.store(out_ptr + tok[:, None] * s_ot + h * s_oh + dv[None, :] * s_od, cast_to(o, out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (dv < DV)[None, :])
+
+
+def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool):
+    """(BLOCK_M, BLOCK_N, num_warps). Head dims up to 128: 128 query rows x 64 keys; above: 64 x 32;
+    fp32 (twice the bytes, IEEE dots without tensor cores): half as tall and wide. Tiles never far
+    above the longest sequence (>= 16 for tl.dot). 8 warps, except 4 for fp16/bf16 tiles of fewer
+    than 64 rows with head dims up to 128. Chosen so that ptxas spills no register on sm_80 and
+    sm_90 (checked by compiling for those targets without a GPU)."""
+    d_tile = max(block_dim(d), block_dim(dv))
+    block_m, block_n = (128, 64) if d_tile <= 128 else (64, 32)
+    if fp32:
+        block_m, block_n = block_m // 2, block_n // 2
+    block_m = min(block_m, max(16, triton.next_power_of_2(max(1, max_q))))
+    block_n = min(block_n, max(16, triton.next_power_of_2(max(1, max_kv))))
+    return block_m, block_n, (8 if fp32 or d_tile > 128 or block_m >= 64 else 4)
+
+
+def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slopes, out, ks, vs, hkv,
+            m, nb, bs, paged):
+    t, hq, d = query.shape
+    dv = out.shape[-1]
+    b = cu.shape[0] - 1
+    if t == 0 or b <= 0 or max_q <= 0:
+        return
+    block_m, block_n, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32)
+    _prefill_kernel[(triton.cdiv(max_q, block_m), b, hq)](
+        query, k, v, bt, cu, kvlen, alibi_slopes if alibi_slopes is not None else query, out,
+        t, m, nb, bs, softmax_scale * LOG2E,
+        *query.stride(), *ks, *vs, *bt.stride(), *out.stride(),
+        G=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(d),
+        BLOCK_DV=block_dim(dv), PAGED=paged, HAS_ALIBI=alibi_slopes is not None,
+        F32=dots_in_fp32(query.dtype), num_warps=warps, num_stages=2,
+    )
+
+
+def paged_prefill(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
+                  max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout) -> None:
+    """Launcher: new tokens [T, Hq, D] over history + themselves in the paged cache -> out."""
+    hkv = key_cache.shape[2] if kv_layout == "token_major" else key_cache.shape[1]
+    _launch(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len, max_kv_seq_len,
+            softmax_scale, alibi_slopes, out, cache_strides(key_cache, kv_layout),
+            cache_strides(value_cache, kv_layout), hkv, block_table.shape[1], key_cache.shape[0],
+            cache_block_size(key_cache, kv_layout), paged=True)
+
+
+def prefill(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out) -> None:
+    """Launcher: packed query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv] -> out; no cache."""
+    ks = (0, key.stride(0), key.stride(1), key.stride(2))
+    vs = (0, value.stride(0), value.stride(1), value.stride(2))
+    # kv_seq_len / block table unused when not paged: any int32 tensor stands in.
+    _launch(query, key, value, cu_seqlens_q.view(1, -1), cu_seqlens_q, cu_seqlens_q, max_q_seq_len,
+            max_q_seq_len, softmax_scale, alibi_slopes, out, ks, vs, key.shape[1], 1, 1, 1, paged=False)

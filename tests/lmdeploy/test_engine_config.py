@@ -1,0 +1,79 @@
+"""`PytorchEngineConfig(device_type="cpu")`: what it accepts, refuses and defaults to; model dtype."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dlinfer.framework.lmdeploy_ext  # noqa: F401
+from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.patches.model_dtype import checkpoint_dtype, choose_dtype
+from lmdeploy import PytorchEngineConfig
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
+def test_cpu_accepts_its_dtypes(dtype):
+    config = PytorchEngineConfig(device_type="cpu", dtype=dtype)
+    assert (config.device_type, config.dtype) == ("cpu", dtype)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(dtype="float16"), "cannot run dtype='float16'; choose one of 'auto', 'float32', 'bfloat16'"),
+    (dict(tp=2), "tp must be 1"),
+    (dict(ep=2), "ep must be 1"),
+    (dict(quant_policy=8), "quant_policy must be 0"),
+    (dict(enable_mp_engine=True), "enable_mp_engine must be False"),
+    (dict(distributed_executor_backend="ray"), "'uni' executor only"),
+])
+def test_cpu_refuses_what_it_cannot_run(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        PytorchEngineConfig(device_type="cpu", **kwargs)
+
+
+def test_lmdeploy_checks_still_apply_to_cpu():
+    with pytest.raises(AssertionError, match="invalid cache_max_entry_count"):
+        PytorchEngineConfig(device_type="cpu", cache_max_entry_count=1.5)
+    with pytest.raises(AssertionError, match="kernel_block_size"):
+        PytorchEngineConfig(device_type="cpu", block_size=8)
+
+
+def test_cpu_kv_cache_default_is_small_unless_given():
+    assert PytorchEngineConfig(device_type="cpu").cache_max_entry_count == devices.CPU.cache_max_entry_count == 0.1
+    assert PytorchEngineConfig(device_type="cpu", cache_max_entry_count=0.8).cache_max_entry_count == 0.8
+    assert PytorchEngineConfig(device_type="cuda").cache_max_entry_count == 0.8
+
+
+@pytest.mark.parametrize("requested,checkpoint,expected", [
+    ("auto", "float32", "float32"),     # a float32 checkpoint runs in float32
+    ("auto", "bfloat16", "bfloat16"),
+    ("auto", "float16", "float32"),     # float16 does not run on CPU: exact widening
+    ("auto", None, "float32"),
+    ("bfloat16", "float32", "bfloat16"),
+    ("float32", "bfloat16", "float32"),
+])
+def test_cpu_model_dtype(requested, checkpoint, expected):
+    assert choose_dtype(devices.CPU, requested, checkpoint) == expected
+
+
+def test_cpu_model_dtype_refuses_float16():
+    with pytest.raises(ValueError, match="cannot run dtype='float16'"):
+        choose_dtype(devices.CPU, "float16", "float32")
+
+
+def test_checkpoint_dtype_reads_torch_dtype_and_text_config():
+    assert checkpoint_dtype(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
+    assert checkpoint_dtype(SimpleNamespace(torch_dtype="float32")) == "float32"
+    assert checkpoint_dtype(SimpleNamespace(text_config=SimpleNamespace(dtype="float16"))) == "float16"
+    assert checkpoint_dtype(SimpleNamespace()) is None
+
+
+def test_lmdeploy_model_config_keeps_float32_on_cpu(model_dir):
+    from lmdeploy.pytorch.config import ModelConfig
+
+    folder = model_dir("llama")
+    assert ModelConfig.from_pretrained(str(folder), dtype="auto", device_type="cpu").dtype == torch.float32
+    assert ModelConfig.from_pretrained(str(folder), dtype="bfloat16", device_type="cpu").dtype == torch.bfloat16
+    # LMDeploy's own rule for CUDA is unchanged: float32 checkpoints run in float16 there.
+    assert ModelConfig.from_pretrained(str(folder), dtype="auto", device_type="cuda").dtype == torch.float16

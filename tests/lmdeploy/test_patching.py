@@ -1,0 +1,142 @@
+"""What importing the adaptor does: one version gate, idempotent patches, nothing else.
+
+Checks that need a clean interpreter (import order, a faked LMDeploy version) run in a
+subprocess.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+
+
+def test_importing_dlinfer_alone_patches_nothing():
+    proc = _run("""
+        import dlinfer, dlinfer.ops, dlinfer.vendor
+        import lmdeploy.pytorch.backends.selector as selector
+        from lmdeploy import PytorchEngineConfig
+        assert "dlinfer.framework.lmdeploy_ext" not in __import__("sys").modules
+        assert not hasattr(selector._get_backend, "__dlinfer_original__")
+        try:
+            PytorchEngineConfig(device_type="cpu")
+        except AssertionError as e:
+            print("rejected:", e)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "rejected: invalid device_type: cpu" in proc.stdout
+
+
+def test_other_lmdeploy_version_is_refused_before_patching():
+    proc = _run("""
+        import json, lmdeploy
+        import lmdeploy.pytorch.backends.selector as selector
+        from lmdeploy import PytorchEngineConfig
+        errors = {}
+        for version in ("0.17.1", "0.19.0", "1.0.0"):
+            lmdeploy.__version__ = version
+            try:
+                import dlinfer.framework.lmdeploy_ext
+            except ImportError as e:
+                errors[version] = f"{type(e).__name__}: {e}"
+        assert not hasattr(selector._get_backend, "__dlinfer_original__"), "patched despite the version gate"
+        try:
+            PytorchEngineConfig(device_type="cpu")
+            errors["patched"] = True
+        except AssertionError:
+            pass
+        print(json.dumps(errors))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    errors = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "patched" not in errors
+    for version in ("0.17.1", "0.19.0", "1.0.0"):
+        assert errors[version].startswith("UnsupportedLMDeployVersion: "), errors
+        assert f"supports LMDeploy 0.18.x; found LMDeploy {version}" in errors[version]
+
+
+def test_version_gate_accepts_the_018_series():
+    from dlinfer.framework.lmdeploy_ext.version import UnsupportedLMDeployVersion, check_lmdeploy_version
+
+    for ok in ("0.18.0", "0.18.1", "0.18.2rc1"):
+        check_lmdeploy_version(ok)
+    with pytest.raises(UnsupportedLMDeployVersion, match="supports LMDeploy 0.18.x; found LMDeploy 0.1.8"):
+        check_lmdeploy_version("0.1.8")
+
+
+def _patched_objects():
+    import lmdeploy.pytorch.backends.selector as selector
+    import lmdeploy.pytorch.config as pytorch_config
+    import lmdeploy.pytorch.engine.model_agent.agent as agent
+    import lmdeploy.utils as utils
+    from lmdeploy.messages import PytorchEngineConfig
+
+    return {
+        "selector._get_backend": selector._get_backend,
+        "config._update_torch_dtype": pytorch_config._update_torch_dtype,
+        "config.is_bf16_supported": pytorch_config.is_bf16_supported,
+        "utils.get_max_batch_size": utils.get_max_batch_size,
+        "PytorchEngineConfig.__post_init__": PytorchEngineConfig.__dict__["__post_init__"],
+        "PytorchEngineConfig.__init__": PytorchEngineConfig.__dict__["__init__"],
+        "BaseModelAgent.__init__": agent.BaseModelAgent.__dict__["__init__"],
+        "agent._try_to_cuda": agent._try_to_cuda,
+        "agent.torch": agent.torch,
+    }
+
+
+def test_import_twice_and_reload_patch_once():
+    import dlinfer.framework.lmdeploy_ext as ext
+    from dlinfer.framework.lmdeploy_ext.patching import is_patched, original_of
+
+    before = _patched_objects()
+    importlib.reload(ext)
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401,F811
+    ext.patches.apply_all()
+    after = _patched_objects()
+    for name, obj in after.items():
+        if name == "agent.torch" and torch.cuda.is_available():
+            continue  # with CUDA present the engine modules keep the real torch
+        assert obj is before[name], f"{name} replaced again"
+        assert is_patched(obj), f"{name} not patched"
+        assert not is_patched(original_of(obj)), f"{name} wraps a wrapper"
+
+
+def test_global_torch_cuda_is_untouched():
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    import lmdeploy.pytorch.engine.model_agent.agent as agent
+    from dlinfer.framework.lmdeploy_ext.host_cuda import HOST_CUDA
+
+    assert sys.modules["torch"].cuda is importlib.import_module("torch.cuda")
+    if not torch.cuda.is_available():
+        assert agent.torch.cuda is HOST_CUDA
+        assert agent.torch.Tensor is torch.Tensor and agent.torch.zeros is torch.zeros
+        stream = agent.torch.cuda.Stream()
+        assert stream != agent.torch.cuda.current_stream()
+        event = agent.torch.cuda.Event()
+        event.record()
+        assert event.query() and stream.query()
+        with pytest.raises(AttributeError, match="torch.cuda.get_device_name"):
+            agent.torch.cuda.get_device_name(0)
+
+
+def test_lmdeploy_device_types_keep_lmdeploy_behaviour():
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    import lmdeploy.utils as utils
+    from lmdeploy import PytorchEngineConfig
+
+    with pytest.raises(AssertionError):  # LMDeploy's own dtype rule for its own device types
+        PytorchEngineConfig(device_type="cuda", dtype="float32")
+    assert PytorchEngineConfig(device_type="ascend").cache_max_entry_count == 0.8
+    assert utils.get_max_batch_size("ascend") == 256 and utils.get_max_batch_size("cpu") == 64
+    assert utils.is_bf16_supported("camb") is True and utils.is_bf16_supported("cpu") is True
+    with pytest.raises(AssertionError):
+        utils.get_max_batch_size("tpu")

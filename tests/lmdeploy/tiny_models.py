@@ -1,0 +1,129 @@
+"""Tiny random-weight HF checkpoints built offline for the LMDeploy tests.
+
+Each model is a plain HF folder (config.json, model.safetensors, tokenizer files) in float32,
+built from a transformers config with seeded random weights and a byte-level BPE tokenizer
+trained here with `tokenizers`. Folders are cached under `$DLINFER_TEST_CACHE` (default
+`<repo>/.cache/tests`) keyed by a hash of everything that defines them, so a session builds
+each one once and later sessions reuse it.
+
+Weights use initializer_range=0.2 (HF's default is 0.02): larger logits make greedy decoding
+depend on the whole context instead of collapsing into one repeated token, which makes token
+equality with HF a sharper test, and widen the gap between the top two logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CACHE_ROOT = Path(os.environ.get("DLINFER_TEST_CACHE", REPO_ROOT / ".cache" / "tests"))
+
+VOCAB_SIZE = 512
+SEED = 1234
+
+_WORDS = (
+    "the a an of to in on for with from by at as is are was were be been this that these those "
+    "model token cache block head layer norm rotary attention expert router weight value key query "
+    "prefill decode batch sequence prompt answer question engine vendor kernel device memory "
+    "red green blue small large quick slow bright dark river mountain city forest ocean window "
+    "one two three four five six seven eight nine ten hundred thousand first second last next"
+).split()
+
+
+def _corpus() -> list[str]:
+    """A deterministic English-like corpus (no randomness from the environment)."""
+    lines, n = [], len(_WORDS)
+    for i in range(2000):
+        words = [_WORDS[(i * 7 + j * j * 13 + j * 5) % n] for j in range(6 + i % 11)]
+        lines.append(" ".join(words).capitalize() + ".")
+    return lines
+
+
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=None,  # no EOS: HF generate and LMDeploy (ignore_eos) both produce every token
+    pad_token_id=0,
+)
+
+SPECS: dict[str, dict] = {
+    "llama": dict(model_type="llama", intermediate_size=256, **COMMON),
+    "qwen2": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=False, **COMMON),
+    "mixtral": dict(model_type="mixtral", intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None, **COMMON),
+    "qwen2_moe": dict(model_type="qwen2_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                      num_experts_per_tok=2, shared_expert_intermediate_size=96, decoder_sparse_step=1,
+                      norm_topk_prob=False, mlp_only_layers=[], use_sliding_window=False, **COMMON),
+    # Architectures / features the CPU device type must refuse (tests/lmdeploy/test_bad_input.py).
+    "qwen3": dict(model_type="qwen3", intermediate_size=256, **COMMON),
+    "qwen2_sliding_window": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=True,
+                                 sliding_window=64, max_window_layers=0, **COMMON),
+}
+
+
+def _key(spec: dict) -> str:
+    blob = json.dumps({"spec": spec, "seed": SEED, "vocab": VOCAB_SIZE, "corpus": _corpus()[:50]}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _save_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    assert tok.token_to_id("<s>") == 1 and tok.get_vocab_size() <= VOCAB_SIZE
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(folder)
+
+
+def _save_model(spec: dict, folder: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(spec)
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def tiny_model(name: str) -> Path:
+    """The folder of tiny model `name` (a key of SPECS), built on first use."""
+    spec = SPECS[name]
+    folder = CACHE_ROOT / "tiny_models" / f"{name}-{_key(spec)}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        _save_tokenizer(staging)
+        _save_model(spec, staging)
+        os.replace(staging, folder)
+    except OSError:
+        if not (folder / "config.json").exists():  # a concurrent builder did not win the race either
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

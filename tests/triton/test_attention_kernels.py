@@ -1,0 +1,256 @@
+"""Kernel-level tests of the triton vendor's attention (the op parity suite lives in tests/ops).
+
+What only the kernels can get wrong: the split-KV rule and multi-segment reductions of decode,
+empty segments and empty sequences, int64 cache offsets, block ids that must never be read,
+bad metadata that must never make a kernel read or write outside its tensors, an output that
+aliases the query (LMDeploy passes query[..., :Dv]). The reference is dense fp64 math written
+here. Small shapes: everything runs through TRITON_INTERPRET=1 without a GPU.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.triton
+pytest.importorskip("triton")
+
+from dlinfer.vendor.triton import attention as A  # noqa: E402
+from dlinfer.vendor.triton import attention_decode as AD  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+EPS_MULT = {torch.float32: 32, torch.float16: 2, torch.bfloat16: 2}  # as tests/ops/tolerances.py
+
+
+# ---------------------------------------------------------------- reference and fixtures
+
+
+def reference(q, k, v, q_pos, scale, slopes):
+    """q [n, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]; row i sees keys 0..q_pos[i]. fp64."""
+    q, k, v = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    for i, p in enumerate(q_pos):
+        for h in range(q.shape[1]):
+            s = k[: p + 1, h // g] @ q[i, h] * scale
+            if slopes is not None:
+                s = s + float(slopes[h]) * (torch.arange(p + 1, dtype=torch.float64) - p)
+            out[i, h] = torch.softmax(s, 0) @ v[: p + 1, h // g]
+    return out
+
+
+def paged_batch(new, hist, hq, hkv, d, dv, bs, layout, dtype, index_dtype, seed=0):
+    """A batch of sequences in a paged cache: shuffled blocks, garbage in unused table entries,
+    NaN in every block no sequence uses (block 0 among them) and in the slots past each
+    sequence's end: a key or value read without its mask poisons the output."""
+    g = torch.Generator().manual_seed(seed)
+    kv = [n + h for n, h in zip(new, hist)]
+    nblk = [(x + bs - 1) // bs for x in kv]
+    m, nb = max(nblk) + 2, sum(nblk) + 6
+    shape = (lambda x: (nb, bs, hkv, x)) if layout == "token_major" else (lambda x: (nb, hkv, bs, x))
+    kc, vc = torch.randn(shape(d), generator=g).to(dtype), torch.randn(shape(dv), generator=g).to(dtype)
+    table = torch.randint(-(2**30), 2**30, (len(kv), m), generator=g)
+    perm, c, ks, vs = 1 + torch.randperm(nb - 1, generator=g), 0, [], []
+    for b, x in enumerate(kv):
+        ids = perm[c : c + nblk[b]]
+        c += nblk[b]
+        table[b, : nblk[b]] = ids
+        kb, vb = kc[ids], vc[ids]
+        if layout == "head_major":
+            kb, vb = kb.transpose(1, 2), vb.transpose(1, 2)
+        ks.append(kb.reshape(-1, hkv, d)[:x])
+        vs.append(vb.reshape(-1, hkv, dv)[:x])
+        if x % bs:
+            tail = (ids[-1], slice(None), slice(x % bs, None)) if layout == "head_major" else (ids[-1], slice(x % bs, None))
+            kc[tail] = float("nan")
+            vc[tail] = float("nan")
+    kc[0] = vc[0] = float("nan")
+    kc[perm[c:]] = float("nan")
+    vc[perm[c:]] = float("nan")
+    query = torch.randn(sum(new), hq, d, generator=g).to(dtype)
+    cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)
+    ref = torch.zeros(sum(new), hq, dv, dtype=torch.float64)
+    slopes = torch.rand(hq, generator=g) * 0.3
+    return dict(query=query, kc=kc, vc=vc, table=table.to(index_dtype), cu=cu, kv=kv, ks=ks, vs=vs, ref=ref,
+                slopes=slopes)
+
+
+def expected(bt, scale, alibi):
+    for b in range(len(bt["kv"])):
+        s, e = int(bt["cu"][b]), int(bt["cu"][b + 1])
+        if e > s:
+            pos = [bt["kv"][b] - (e - s) + i for i in range(e - s)]
+            bt["ref"][s:e] = reference(bt["query"][s:e], bt["ks"][b], bt["vs"][b], pos, scale,
+                                       bt["slopes"] if alibi else None)
+    return bt["ref"]
+
+
+def to_dev(bt):
+    return {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in bt.items()}
+
+
+def assert_close(out, ref, dtype, what):
+    out = out.double().cpu()
+    err = (out - ref).abs()
+    tol = EPS_MULT[dtype] * EPS[dtype] * (1 + ref.abs())
+    bad = ~(err <= tol)
+    assert not bad.any(), (f"{what}: {int(bad.sum())}/{bad.numel()} elements off, max |err| "
+                           f"{err.max().item():.3e} at {tuple(int(i) for i in bad.nonzero()[0])}; "
+                           f"tolerance {EPS_MULT[dtype]} eps of {dtype}")
+
+
+# ---------------------------------------------------------------- split rule
+
+
+def test_split_rule():
+    f = AD.num_kv_splits
+    assert f(256, 8, 4096, 132) == 1  # 2048 programs already fill an H100
+    assert f(64, 8, 4096, 132) == 2  # 512 programs: ~4 per SM wanted
+    assert f(8, 8, 1024, 132) == 4  # wants 9, capped at 1024 / 256 keys per segment
+    assert f(1, 8, 1 << 20, 132) == AD.MAX_SPLITS
+    assert f(4, 8, 100, 132) == 1  # short context: never below 256 keys per segment
+    assert f(3, 2, 50, 1) == 1  # CPU (1 "SM"): no split
+    for t in (1, 3, 17, 200):
+        for ctx in (1, 255, 257, 5000, 70000):
+            s = f(t, 4, ctx, 108)
+            assert 1 <= s <= AD.MAX_SPLITS and (s == 1 or (ctx + s - 1) // s >= AD.MIN_KEYS_PER_SPLIT // 2)
+    # the launcher's plan: whole tiles per segment, no empty trailing split
+    assert AD.split_plan(4096, 2, 128) == (2, 2048, 64)
+    assert AD.split_plan(100, 5, 128) == (4, 32, 32)
+    assert AD.split_plan(0, 7, 128) == (1, 16, 16)
+
+
+# ---------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize(
+    "splits, dtype, hq, hkv, d, dv, bs, layout, index_dtype, alibi",
+    [
+        (1, torch.float32, 4, 4, 64, 64, 16, "token_major", torch.int32, False),
+        (2, torch.float16, 8, 2, 80, 80, 4, "head_major", torch.int64, True),
+        (5, torch.bfloat16, 10, 2, 64, 80, 16, "token_major", torch.int64, False),
+        (4, torch.float32, 5, 1, 80, 64, 4, "head_major", torch.int32, True),
+    ],
+)
+def test_decode_segments(splits, dtype, hq, hkv, d, dv, bs, layout, index_dtype, alibi):
+    """Multi-segment decode with speculative tokens (n_b up to 3), an empty sequence in the batch
+    (its neighbours found by the in-kernel search) and sequences much shorter than max_kv_seq_len
+    (empty segments)."""
+    new, hist = [2, 0, 1, 3], [70, 5, 0, 9]
+    bt = paged_batch(new, hist, hq, hkv, d, dv, bs, layout, dtype, index_dtype, seed=splits)
+    scale = d**-0.5
+    ref = expected(bt, scale, alibi)
+    x = to_dev(bt)
+    out = torch.full((sum(new), hq, dv), float("nan"), dtype=dtype, device=DEVICE)
+    AD.paged_decode(x["query"], x["kc"], x["vc"], x["table"], x["cu"], torch.tensor(bt["kv"], dtype=torch.int32,
+                    device=DEVICE), max(bt["kv"]), scale, x["slopes"] if alibi else None, out, layout,
+                    num_splits=splits)
+    assert (AD.split_plan(max(bt["kv"]), splits, 128)[0] > 1) == (splits > 1)  # the segments really split
+    assert_close(out, ref, dtype, f"decode, {splits} splits")
+
+
+# ---------------------------------------------------------------- prefill, aliasing output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_and_aliased_output(dtype):
+    """Paged prefill (history not a multiple of BS, empty sequence, GQA 5) writing into
+    query[..., :Dv], as LMDeploy does; then decode and no-cache prefill the same way."""
+    hq, hkv, d, dv, bs = 10, 2, 80, 64, 4
+    new, hist = [3, 0, 5, 1], [6, 2, 0, 13]
+    bt = paged_batch(new, hist, hq, hkv, d, dv, bs, "token_major", dtype, torch.int64, seed=7)
+    ref = expected(bt, 0.3, True).clone()
+    x = to_dev(bt)
+    kv = torch.tensor(bt["kv"], dtype=torch.int32, device=DEVICE)
+    for run in ("paged_prefill", "decode"):
+        q = x["query"].clone()
+        out = q[..., :dv]
+        if run == "paged_prefill":
+            A.paged_prefill_attention(q, x["kc"], x["vc"], x["table"], x["cu"], kv, max(new), max(bt["kv"]), 0.3,
+                                      x["slopes"], out, "token_major")
+        else:
+            AD.paged_decode(q, x["kc"], x["vc"], x["table"], x["cu"], kv, max(bt["kv"]), 0.3, x["slopes"], out,
+                            "token_major", num_splits=3)
+        assert_close(out, ref, dtype, run)
+        assert torch.equal(q[..., dv:], x["query"][..., dv:])
+
+    # no cache: the new tokens alone
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(sum(new), hkv, d, generator=g).to(dtype)
+    value = torch.randn(sum(new), hkv, dv, generator=g).to(dtype)
+    ref = torch.zeros(sum(new), hq, dv, dtype=torch.float64)
+    for b in range(len(new)):
+        s, e = int(bt["cu"][b]), int(bt["cu"][b + 1])
+        if e > s:
+            ref[s:e] = reference(bt["query"][s:e], key[s:e], value[s:e], list(range(e - s)), 0.3, None)
+    q = x["query"].clone()
+    A.prefill_attention(q, key.to(DEVICE), value.to(DEVICE), x["cu"], max(new), 0.3, None, q[..., :dv])
+    assert_close(q[..., :dv], ref, dtype, "prefill")
+
+
+# ---------------------------------------------------------------- metadata that must not be trusted
+
+
+def test_bad_metadata_stays_in_bounds():
+    """Used block ids out of range, kv_seq_len beyond M*BS, cu_seqlens_q not ending at T: the
+    values are wrong, but no kernel may read outside the cache or write outside `out`."""
+    hq, hkv, d, bs = 4, 2, 64, 4
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(5, bs, hkv, d, generator=g).to(DEVICE)
+    vc = torch.randn(5, bs, hkv, d, generator=g).to(DEVICE)
+    table = torch.tensor([[4, 10**9, -(10**9)], [2**31 - 1, 0, 1]], dtype=torch.int64, device=DEVICE)
+    kv = torch.tensor([10**6, 7], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(4, hq, d, generator=g).to(DEVICE)
+    buf = torch.full((6, hq, d), 7.0, device=DEVICE)
+    out = buf[1:5]
+    for cu in ([0, 2, 9], [0, -3, 4], [5, 1, 3]):  # T is 4
+        cu = torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+        AD.paged_decode(q, kc, vc, table, cu, kv, 8, d**-0.5, None, out, "token_major", num_splits=2)
+        A.paged_prefill_attention(q, kc, vc, table, cu, kv, 9, 8, d**-0.5, None, out, "token_major")
+        A.prefill_attention(q, kc[0], vc[0], cu, 9, d**-0.5, None, out)
+        assert torch.isfinite(out).all()
+        assert (buf[0] == 7).all() and (buf[5] == 7).all()
+
+
+_INT64_CHECK = r"""
+import torch
+from dlinfer.vendor.triton import attention as A
+from dlinfer.vendor.triton import attention_decode as AD
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+nb, bs, d = 2**21 + 8, 16, 64  # 2**31 + 8192 elements: block_id * block_stride needs int64
+cache = torch.empty(nb, bs, 1, d, dtype=torch.float16, device=dev)  # untouched pages cost no memory on CPU
+ids = torch.tensor([nb - 1, 3, nb - 5], device=dev)
+g = torch.Generator().manual_seed(0)
+cache[ids] = torch.randn(3, bs, 1, d, generator=g).half().to(dev)
+q = torch.randn(2, 2, d, generator=g).half().to(dev)
+cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+kv = torch.tensor([40], dtype=torch.int32, device=dev)
+k = cache[ids].reshape(-1, d)[:40].double().cpu()
+for run in ("decode", "prefill"):
+    out = torch.empty(2, 2, d, dtype=torch.float16, device=dev)
+    if run == "decode":
+        AD.paged_decode(q, cache, cache, ids.view(1, 3), cu, kv, 40, d ** -0.5, None, out, "token_major",
+                        num_splits=2)
+    else:
+        A.paged_prefill_attention(q, cache, cache, ids.view(1, 3).int(), cu, kv, 2, 40, d ** -0.5, None, out,
+                                  "token_major")
+    for i in range(2):
+        p = 38 + i
+        ref = torch.softmax(k[: p + 1] @ q[i].double().cpu().T * d ** -0.5, 0).T @ k[: p + 1]
+        err = (out[i].double().cpu() - ref).abs().max().item()
+        assert err < 2 ** -9, (run, err)
+print("ok")
+"""
+
+
+def test_int64_cache_offsets():
+    """A cache of 2**31+ elements, read at its last blocks. In a subprocess: with int32 offsets
+    the interpreter segfaults rather than failing an assert."""
+    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "0"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _INT64_CHECK], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
