@@ -23,6 +23,7 @@ import torch
 PEAK_TBPS = [  # (substrings all in the device name, peak HBM TB/s)
     (("H200",), 4.8),
     (("H100", "PCIe"), 2.0),
+    (("H100", "NVL"), 3.9),
     (("H100",), 3.35),  # SXM (HBM3)
     (("A100", "80GB"), 2.0),
 ]

@@ -127,19 +127,20 @@ def test_split_rule():
 
 
 @pytest.mark.parametrize(
-    "splits, dtype, hq, hkv, d, dv, bs, layout, index_dtype, alibi",
+    "splits, new, dtype, hq, hkv, d, dv, bs, layout, index_dtype, alibi",
     [
-        (1, torch.float32, 4, 4, 64, 64, 16, "token_major", torch.int32, False),
-        (2, torch.float16, 8, 2, 80, 80, 4, "head_major", torch.int64, True),
-        (5, torch.bfloat16, 10, 2, 64, 80, 16, "token_major", torch.int64, False),
-        (4, torch.float32, 5, 1, 80, 64, 4, "head_major", torch.int32, True),
+        (1, (2, 0, 1, 3), torch.float32, 4, 4, 64, 64, 16, "token_major", torch.int32, False),
+        (2, (2, 0, 1, 3), torch.float16, 8, 2, 80, 80, 4, "head_major", torch.int64, True),
+        (5, (2, 0, 1, 3), torch.bfloat16, 10, 2, 64, 80, 16, "token_major", torch.int64, False),
+        (4, (2, 2, 2, 2), torch.float32, 5, 1, 80, 64, 4, "head_major", torch.int32, True),
+        (3, (1, 1, 1, 1), torch.float16, 4, 2, 64, 64, 16, "token_major", torch.int32, False),
     ],
 )
-def test_decode_segments(splits, dtype, hq, hkv, d, dv, bs, layout, index_dtype, alibi):
-    """Multi-segment decode with speculative tokens (n_b up to 3), an empty sequence in the batch
-    (its neighbours found by the in-kernel search) and sequences much shorter than max_kv_seq_len
-    (empty segments)."""
-    new, hist = [2, 0, 1, 3], [70, 5, 0, 9]
+def test_decode_segments(splits, new, dtype, hq, hkv, d, dv, bs, layout, index_dtype, alibi):
+    """Multi-segment decode: speculative tokens (n_b up to 3), an empty sequence in the batch
+    (the in-kernel binary search), equal token counts (the in-kernel guess), sequences much
+    shorter than max_kv_seq_len (empty segments)."""
+    new, hist = list(new), [70, 5, 0, 9]
     bt = paged_batch(new, hist, hq, hkv, d, dv, bs, layout, dtype, index_dtype, seed=splits)
     scale = d**-0.5
     ref = expected(bt, scale, alibi)
@@ -192,11 +193,19 @@ def test_paged_prefill_and_aliased_output(dtype):
 
 
 # ---------------------------------------------------------------- metadata that must not be trusted
+# These run in a subprocess: a kernel that reads or writes out of bounds may crash the process
+# (the interpreter segfaults) instead of failing an assert.
 
 
-def test_bad_metadata_stays_in_bounds():
-    """Used block ids out of range, kv_seq_len beyond M*BS, cu_seqlens_q not ending at T: the
-    values are wrong, but no kernel may read outside the cache or write outside `out`."""
+def _isolated(check: str) -> None:
+    code = f"import runpy; runpy.run_path({os.path.abspath(__file__)!r})[{check!r}](); print('ok')"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+
+
+def _bad_metadata_check():
     hq, hkv, d, bs = 4, 2, 64, 4
     g = torch.Generator().manual_seed(0)
     kc = torch.randn(5, bs, hkv, d, generator=g).to(DEVICE)
@@ -215,42 +224,34 @@ def test_bad_metadata_stays_in_bounds():
         assert (buf[0] == 7).all() and (buf[5] == 7).all()
 
 
-_INT64_CHECK = r"""
-import torch
-from dlinfer.vendor.triton import attention as A
-from dlinfer.vendor.triton import attention_decode as AD
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-nb, bs, d = 2**21 + 8, 16, 64  # 2**31 + 8192 elements: block_id * block_stride needs int64
-cache = torch.empty(nb, bs, 1, d, dtype=torch.float16, device=dev)  # untouched pages cost no memory on CPU
-ids = torch.tensor([nb - 1, 3, nb - 5], device=dev)
-g = torch.Generator().manual_seed(0)
-cache[ids] = torch.randn(3, bs, 1, d, generator=g).half().to(dev)
-q = torch.randn(2, 2, d, generator=g).half().to(dev)
-cu = torch.tensor([0, 2], dtype=torch.int32, device=dev)
-kv = torch.tensor([40], dtype=torch.int32, device=dev)
-k = cache[ids].reshape(-1, d)[:40].double().cpu()
-for run in ("decode", "prefill"):
-    out = torch.empty(2, 2, d, dtype=torch.float16, device=dev)
-    if run == "decode":
-        AD.paged_decode(q, cache, cache, ids.view(1, 3), cu, kv, 40, d ** -0.5, None, out, "token_major",
-                        num_splits=2)
-    else:
-        A.paged_prefill_attention(q, cache, cache, ids.view(1, 3).int(), cu, kv, 2, 40, d ** -0.5, None, out,
-                                  "token_major")
-    for i in range(2):
-        p = 38 + i
-        ref = torch.softmax(k[: p + 1] @ q[i].double().cpu().T * d ** -0.5, 0).T @ k[: p + 1]
-        err = (out[i].double().cpu() - ref).abs().max().item()
-        assert err < 2 ** -9, (run, err)
-print("ok")
-"""
+def test_bad_metadata_stays_in_bounds():
+    """Used block ids out of range, kv_seq_len beyond M*BS, cu_seqlens_q not ending at T: the
+    values are wrong, but no kernel may read outside the cache or write outside `out`."""
+    _isolated("_bad_metadata_check")
+
+
+def _int64_check():
+    nb, bs, d = 2**21 + 8, 16, 64  # 2**31 + 8192 elements: block_id * block_stride needs int64
+    cache = torch.empty(nb, bs, 1, d, dtype=torch.float16, device=DEVICE)  # untouched pages: no memory on CPU
+    ids = torch.tensor([nb - 1, 3, nb - 5], device=DEVICE)
+    g = torch.Generator().manual_seed(0)
+    cache[ids] = torch.randn(3, bs, 1, d, generator=g).half().to(DEVICE)
+    q = torch.randn(2, 2, d, generator=g).half().to(DEVICE)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    kv = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    k = cache[ids].reshape(-1, 1, d)[:40]
+    ref = reference(q, k, k, [38, 39], d**-0.5, None)
+    for run in ("decode", "prefill"):
+        out = torch.empty(2, 2, d, dtype=torch.float16, device=DEVICE)
+        if run == "decode":
+            AD.paged_decode(q, cache, cache, ids.view(1, 3), cu, kv, 40, d**-0.5, None, out, "token_major",
+                            num_splits=2)
+        else:
+            A.paged_prefill_attention(q, cache, cache, ids.view(1, 3).int(), cu, kv, 2, 40, d**-0.5, None, out,
+                                      "token_major")
+        assert_close(out, ref, torch.float16, f"{run} at block ids near 2**21")
 
 
 def test_int64_cache_offsets():
-    """A cache of 2**31+ elements, read at its last blocks. In a subprocess: with int32 offsets
-    the interpreter segfaults rather than failing an assert."""
-    env = dict(os.environ, TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "0"))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", _INT64_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
+    """A cache of 2**31+ elements read at its last blocks (int32 offsets would wrap)."""
+    _isolated("_int64_check")

@@ -1,5 +1,5 @@
-"""Pieces shared by the Triton attention kernels: tile rules, paged-cache addressing, the
-online-softmax step.
+"""Pieces shared by the Triton attention kernels: dtype and head-dim rules, paged-cache
+addressing, the online-softmax step.
 
 Scores live in log2 units: q.k * softmax_scale * log2(e) (+ slope * log2(e) * (key - query)
 for ALiBi), so every exponential is an exp2. A row's running max m and sum l give its
@@ -26,24 +26,18 @@ def interpreting() -> bool:
 def dots_in_fp32(dtype: torch.dtype) -> bool:
     """Whether the kernels upcast Q/K/V to fp32 right after loading them.
 
-    float32 inputs: always (and the dots run in IEEE fp32, never TF32: the contract says fp32).
-    fp16/bf16: only under TRITON_INTERPRET=1, whose half-precision arithmetic is emulated
-    wrongly (bf16 products are garbage); on a GPU they feed the tensor cores as they are, with
-    fp32 accumulation, and the probabilities are rounded to the value dtype for the P @ V dot.
+    float32: always (and the dots run in IEEE fp32, never TF32: the contract says fp32).
+    fp16 / bf16 on a GPU: never; they feed the tensor cores as they are, with fp32 accumulation,
+    and the probabilities are rounded to the value dtype for the P @ V dot. Under
+    TRITON_INTERPRET=1 bf16 is upcast (the interpreter's bf16 arithmetic is garbage) while fp16
+    keeps the GPU's path, so the interpreter checks that path's numerics too.
     """
-    return dtype == torch.float32 or interpreting()
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
 
 
 def block_dim(d: int) -> int:
     """Head dims need not be powers of two (80, 96, ...): pad the tile, mask the tail."""
     return max(16, triton.next_power_of_2(d))
-
-
-def key_tile(max_len: int, d_tile: int) -> int:
-    """Keys per inner-loop step: 64 (32 for head dims above 128), never much above the longest
-    sequence (small shapes under the interpreter stay cheap). At least 16 for tl.dot."""
-    cap = 64 if d_tile <= 128 else 32
-    return min(cap, max(16, triton.next_power_of_2(max(1, max_len))))
 
 
 def cache_strides(cache: torch.Tensor, kv_layout: str):

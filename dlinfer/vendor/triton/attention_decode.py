@@ -15,8 +15,8 @@ about 4 programs per SM (enough K/V loads in flight to saturate HBM), never into
 than 256 keys (below that the partial write + reduce costs more than the parallelism gains), and
 never into more than 64. No autotuning; a CPU device counts as one SM.
 
-No host syncs: the sequence of each token is found by a binary search over cu_seqlens_q inside
-the kernel, and the grid is sized by T and max_kv_seq_len (upper bounds). The last segment runs to
+No host syncs: the sequence of each token is found inside the kernel (a guess that is exact for
+equal token counts, else a binary search over cu_seqlens_q), and the grid is sized by T and max_kv_seq_len (upper bounds). The last segment runs to
 the token's own context length, so a too-small max_kv_seq_len never drops keys.
 """
 
@@ -35,7 +35,6 @@ from dlinfer.vendor.triton.attention_common import (
     cache_block_size,
     cache_strides,
     dots_in_fp32,
-    key_tile,
     online_softmax_step,
     paged_slots,
 )
@@ -59,12 +58,14 @@ def num_kv_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-def split_plan(max_kv_len: int, num_splits: int, d_tile: int):
-    """(splits, keys per segment, keys per tile): segments are whole tiles; splits that the
-    rounding left empty are dropped."""
+def split_plan(max_kv_len: int, num_splits: int, d_tile: int, fp32: bool = False):
+    """(splits, keys per segment, keys per tile). Keys per tile: 64 (32 for head dims above 128,
+    half that for fp32), at least 16 for tl.dot, never much above a segment. Segments are whole
+    tiles; splits that the rounding left empty are dropped."""
     max_kv = max(1, max_kv_len)
     seg_len = triton.cdiv(max_kv, max(1, num_splits))
-    block_n = key_tile(seg_len, d_tile)
+    cap = (64 if d_tile <= 128 else 32) // (2 if fp32 else 1)
+    block_n = min(cap, max(16, triton.next_power_of_2(seg_len)))
     seg_len = triton.cdiv(seg_len, block_n) * block_n
     return triton.cdiv(max_kv, seg_len), seg_len, block_n
 
@@ -88,9 +89,13 @@ def _decode_split_kernel(
     n_splits = tl.num_programs(2)
     hq = tl.num_programs(1) * G
 
-    # Sequence of token t: the largest b < B with cu[b] <= t (empty sequences are skipped over).
-    lo = t * 0
-    hi = lo + B
+    # Sequence of token t: the b < B with cu[b] <= t < cu[b+1]. First guess t * B // T (exact
+    # when every sequence has the same token count, e.g. plain decode); else a binary search for
+    # the largest b with cu[b] <= t (empty sequences are skipped over).
+    guess = tl.minimum((t.to(tl.int64) * B // tl.num_programs(0)).to(tl.int32), B - 1)
+    hit = (tl.load(cu_ptr + guess) <= t) & (tl.load(cu_ptr + guess + 1) > t)
+    lo = tl.where(hit, guess, 0)
+    hi = tl.where(hit, guess + 1, B)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         right = tl.load(cu_ptr + mid) <= t
@@ -169,12 +174,6 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + t * s_ot + h * s_oh + dv * s_od, cast_to(res, out_ptr.dtype.element_ty), mask=dv < DV)
 
 
-def _warps(dtype: torch.dtype, d_tile: int) -> int:
-    """4 warps; 8 for fp32 (IEEE dots) or head dims above 128, so that ptxas spills no register
-    on sm_80 / sm_90 (checked by compiling for those targets without a GPU)."""
-    return 8 if dtype == torch.float32 or d_tile > 128 else 4
-
-
 def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
                  softmax_scale, alibi_slopes, out, kv_layout, num_splits=None) -> None:
     """Launcher. query [T, Hq, D] -> out [T, Hq, Dv] (may be strided). `num_splits` overrides the
@@ -193,7 +192,8 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
     block_d, block_dv = block_dim(d), block_dim(dv)
     if num_splits is None:
         num_splits = num_kv_splits(t, hkv, max_kv_seq_len, _num_sms(query.device))
-    num_splits, seg_len, block_n = split_plan(max_kv_seq_len, num_splits, max(block_d, block_dv))
+    fp32 = query.dtype == torch.float32
+    num_splits, seg_len, block_n = split_plan(max_kv_seq_len, num_splits, max(block_d, block_dv), fp32)
     split = num_splits > 1
     if split:
         opart = torch.empty((t, hq, num_splits, dv), device=query.device, dtype=torch.float32)
@@ -208,7 +208,7 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
         *query.stride(), *ks, *vs, *block_table.stride(), *out.stride(),
         G=g, D=d, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_ALIBI=alibi_slopes is not None,
-        F32=dots_in_fp32(query.dtype), SPLIT=split, num_warps=_warps(query.dtype, max(block_d, block_dv)),
+        F32=dots_in_fp32(query.dtype), SPLIT=split, num_warps=8 if fp32 or max(block_d, block_dv) > 128 else 4,
     )
     if split:
         _decode_reduce_kernel[(t, hq)](
