@@ -12,7 +12,7 @@ For each graph Dynamo captures it:
 
 Options (the `options=` dict of torch.compile; environment variables give the defaults):
     passes     DLINFER_GRAPH_PASSES     "all" | "none" | "a,b" | "-a,-b"   (see passes/__init__.py)
-    compiler   DLINFER_GRAPH_COMPILER   "auto" | "inductor" | "eager" | a callable(gm, inputs)
+    compiler   DLINFER_GRAPH_COMPILER   "auto" | "inductor" | "direct" | "eager" | a callable(gm, inputs)
     inductor   -                        dict of Inductor config patches (with compiler inductor/auto)
 `mode=` ("max-autotune", ...) is forwarded to Inductor.
 
@@ -58,7 +58,24 @@ def inductor_compiler(gm: fx.GraphModule, example_inputs, config_patches: Option
 
 
 def eager_compiler(gm: fx.GraphModule, example_inputs):
-    """Run the rewritten graph as is (no codegen): Dynamo's Python-overhead removal only."""
+    """Run the rewritten graph as is (no codegen): dlinfer ops still go through torch.ops."""
+    return gm.forward
+
+
+def direct_compiler(gm: fx.GraphModule, example_inputs):
+    """Run the rewritten graph as Python, each dlinfer op bound to its vendor kernel.
+
+    No codegen and no dispatcher: a dlinfer node calls the function `dlinfer.vendor.resolve`
+    gives for its op and device *now* (a later vendor switch does not reach this graph), with the
+    canonical arguments the node already holds. What remains per call is the graph's own Python
+    (views, casts) around the kernels: no model code, no argument checks, no torch.ops dispatch.
+    """
+    for node in fx_utils.dlinfer_nodes(gm.graph):
+        op = fx_utils.dlinfer_op_name(node)
+        tensors = [fx_utils.tval(a) for a in node.all_input_nodes]
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        node.target = selection.resolve(op, device.type)[0]
+    gm.recompile()
     return gm.forward
 
 
@@ -76,7 +93,9 @@ def _choose_compiler(choice, device_type: str, inductor_patches: Dict[str, Any])
         return functools.partial(inductor_compiler, config_patches=inductor_patches)
     if choice == "eager":
         return eager_compiler
-    raise ValueError(f"dlinfer graph: unknown compiler {choice!r}; use 'auto', 'inductor', 'eager' or a callable")
+    if choice == "direct":
+        return direct_compiler
+    raise ValueError(f"dlinfer graph: unknown compiler {choice!r}; use 'auto', 'inductor', 'direct', 'eager' or a callable")
 
 
 def _no_grad(fn: Callable) -> Callable:

@@ -222,19 +222,25 @@ def half_of(node) -> Optional[Tuple[fx.Node, int]]:
     return None
 
 
-def is_dlinfer_op(node, name: Optional[str] = None) -> bool:
-    """node calls torch.ops.dlinfer.<name> (the packet or an overload)."""
+def dlinfer_op_name(node) -> Optional[str]:
+    """<name> when node calls torch.ops.dlinfer.<name> (the packet or an overload), else None."""
     if not isinstance(node, fx.Node) or node.op != "call_function":
-        return False
+        return None
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         qualified = target._schema.name
     elif isinstance(target, torch._ops.OpOverloadPacket):
         qualified = target._qualified_op_name
     else:
-        return False
+        return None
     ns, _, op = qualified.partition("::")
-    return ns == "dlinfer" and (name is None or op == name)
+    return op if ns == "dlinfer" else None
+
+
+def is_dlinfer_op(node, name: Optional[str] = None) -> bool:
+    """node calls torch.ops.dlinfer.<name> (any dlinfer op when name is None)."""
+    op = dlinfer_op_name(node)
+    return op is not None and (name is None or op == name)
 
 
 def dlinfer_nodes(graph: fx.Graph) -> List[fx.Node]:

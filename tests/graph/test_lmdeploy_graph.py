@@ -34,13 +34,18 @@ SCHEDULE = [
 ]
 
 
-def _run(model_dir: Path, eager: bool, max_batch_size: int = 4, schedule=SCHEDULE):
+def _run(model_dir: Path, eager: bool, max_batch_size: int = 4, schedule=SCHEDULE, compiler=None):
     import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 
     config = PytorchEngineConfig(device_type="cpu", dtype="float32", eager_mode=eager, block_size=16,
                                  num_gpu_blocks=64, max_batch_size=max_batch_size)
-    pipe = pipeline(str(model_dir), backend_config=config, log_level="ERROR")
+    with pytest.MonkeyPatch.context() as mp:  # the runner reads DLINFER_GRAPH_COMPILER when built
+        if compiler:
+            mp.setenv("DLINFER_GRAPH_COMPILER", compiler)
+        else:
+            mp.delenv("DLINFER_GRAPH_COMPILER", raising=False)
+        pipe = pipeline(str(model_dir), backend_config=config, log_level="ERROR")
     try:
         runner = pipe.async_engine.engine.executor.model_agent.patched_model
         after_warmup = getattr(runner, "compiles", None)
@@ -50,7 +55,8 @@ def _run(model_dir: Path, eager: bool, max_batch_size: int = 4, schedule=SCHEDUL
             out = pipe(prompts, gen_config=gens, do_preprocess=False)
             tokens.append([list(o.token_ids) for o in out])
         stats = dict(kind=type(runner).__name__, after_warmup=after_warmup, compiles=getattr(runner, "compiles", None),
-                     graph_steps=getattr(runner, "graph_steps", None), buckets=getattr(runner, "buckets", None))
+                     graph_steps=getattr(runner, "graph_steps", None), buckets=getattr(runner, "buckets", None),
+                     compiler=getattr(runner, "_options", {}).get("compiler"))
     finally:
         pipe.close()
     return tokens, stats
@@ -62,29 +68,36 @@ def runs():
 
     cache = {}
 
-    def get(name: str):
+    def get(name: str, compiler=None):
+        folder = tiny_model(name)
         if name not in cache:
-            folder = tiny_model(name)
-            cache[name] = (_run(folder, eager=True), _run(folder, eager=False))
-        return cache[name]
+            cache[name] = _run(folder, eager=True)
+        if (name, compiler) not in cache:
+            cache[name, compiler] = _run(folder, eager=False, compiler=compiler)
+        return cache[name], cache[name, compiler]
 
     return get
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
-def test_graph_mode_tokens_equal_eager(runs, name):
-    (eager_tokens, eager_stats), (graph_tokens, graph_stats) = runs(name)
+# (model, compiler): the runner's default ("direct") on three architectures, Inductor on one.
+CASES = [("llama", None), ("qwen2", None), ("mixtral", None), ("llama", "inductor")]
+
+
+@pytest.mark.parametrize("name,compiler", CASES)
+def test_graph_mode_tokens_equal_eager(runs, name, compiler):
+    (eager_tokens, eager_stats), (graph_tokens, graph_stats) = runs(name, compiler)
     assert eager_stats["kind"] == "GraphRunner" and graph_stats["kind"] == "DlinferGraphRunner"
+    assert graph_stats["compiler"] == (compiler or "direct")
     for step, (e, g) in enumerate(zip(eager_tokens, graph_tokens)):
         assert g == e, f"{name}: request batch {step}: graph mode {g} != eager {e}"
     assert graph_stats["graph_steps"] > sum(max(n) for _, n in SCHEDULE) - len(SCHEDULE)  # decode ran graphs
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])
-def test_recompiles_bounded_by_buckets(runs, name):
+@pytest.mark.parametrize("name,compiler", CASES)
+def test_recompiles_bounded_by_buckets(runs, name, compiler):
     """One graph per bucket, all compiled at warm-up: changing batch sizes (3, 2, 1, 4, 2) and
     growing lengths (block table, max_kv_seq_len) compile nothing more."""
-    _, (_, stats) = runs(name)
+    _, (_, stats) = runs(name, compiler)
     assert stats["buckets"] == [1, 2, 4]
     assert stats["after_warmup"] == len(stats["buckets"])
     assert stats["compiles"] == stats["after_warmup"], stats

@@ -77,3 +77,17 @@ def test_lmdeploy_model_config_keeps_float32_on_cpu(model_dir):
     assert ModelConfig.from_pretrained(str(folder), dtype="bfloat16", device_type="cpu").dtype == torch.bfloat16
     # LMDeploy's own rule for CUDA is unchanged: float32 checkpoints run in float16 there.
     assert ModelConfig.from_pretrained(str(folder), dtype="auto", device_type="cuda").dtype == torch.float16
+
+
+def test_dlinfer_cuda_device_type_resolves_to_dlinfer_backend():
+    """device_type="dlinfer_cuda" (dlinfer's vendor on a CUDA GPU): configured and routed here;
+    running it needs a GPU (docs/lmdeploy.md)."""
+    from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend, CudaOpsBackend
+    from lmdeploy.pytorch.backends import get_backend
+    from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+
+    config = PytorchEngineConfig(device_type="dlinfer_cuda", dtype="float16")
+    assert config.cache_max_entry_count == 0.8  # LMDeploy's GPU default
+    assert get_backend("dlinfer_cuda") is CudaOpsBackend and get_backend("cpu") is CpuOpsBackend
+    assert issubclass(CudaOpsBackend, DlinferOpsBackend) and issubclass(CpuOpsBackend, DlinferOpsBackend)
+    assert choose_dtype(devices.DLINFER_CUDA, "auto", "float16") == "float16"

@@ -31,10 +31,12 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import os
 from typing import Any, Dict, Optional
 
 import torch
 
+from dlinfer.vendor import selection
 from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
 from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
@@ -56,12 +58,15 @@ class DlinferGraphRunner(GraphRunner):
         self.compiles = 0  # graphs the dlinfer backend compiled for this runner
         self.graph_steps = 0  # decode steps that ran a compiled graph
         self._options = dict(compile_options or {})
+        self._options.setdefault("compiler", _default_compiler(device))
         self._compiled = None
         self._failed: Optional[BaseException] = None
         self._buffers: Dict[int, Dict[str, torch.Tensor]] = {}
-        # recompile_limit is per code object: one entry per bucket must fit (raised, never lowered).
+        # Dynamo's recompile_limit (default 8) counts cache entries per code object: the model's
+        # forward gets one per bucket, per engine in the process. Raised as LMDeploy's CUDA graph
+        # runner does (never lowered); past it Dynamo would refuse to compile (fullgraph=True).
         dynamo_config = torch._dynamo.config
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * len(self.buckets))
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 1024)
 
     # -- compilation -------------------------------------------------------------------------
 
@@ -126,7 +131,9 @@ class DlinferGraphRunner(GraphRunner):
         table[batch:, 0] = blocks[0, 0]
 
         def padded(t: torch.Tensor, value) -> torch.Tensor:
-            return t if not pad else torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
+            # Always a new tensor, even with nothing to pad: every step then hands Dynamo tensors
+            # made the same way (an inference tensor or not is part of its guards).
+            return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
 
         kv_seqlens = padded(meta.kv_seqlens, 1)
         new_meta = dataclasses.replace(
@@ -171,6 +178,17 @@ class DlinferGraphRunner(GraphRunner):
     def reset(self):
         super().reset()
         self._buffers.clear()
+
+
+def _default_compiler(device) -> str:
+    """DLINFER_GRAPH_COMPILER if set; else the vendor's own compiler if it declares one; else
+    "direct" (vendor kernels called straight from the captured graph, see docs/graph.md: on the
+    CPU it beats Inductor here, whose opaque custom-op calls cost more than the glue it fuses)."""
+    env = os.environ.get("DLINFER_GRAPH_COMPILER", "").strip()
+    if env:
+        return env
+    vendor = selection.current(torch.device(device).type)
+    return "auto" if vendor.graph_compiler is not None else "direct"
 
 
 def _real_rows(output, batch: int):

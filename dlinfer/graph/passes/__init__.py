@@ -16,12 +16,15 @@ from typing import Callable, Dict, List, Sequence, Union
 
 import torch.fx as fx
 
+from dlinfer.graph.passes.cse import cse_pass
 from dlinfer.graph.passes.rms_norm import add_rms_norm_pass, rms_norm_pass
 from dlinfer.graph.passes.rotary import rotary_pass
 from dlinfer.graph.passes.silu_and_mul import silu_and_mul_pass
 
-# add_rms_norm runs after rms_norm: it fuses adds into the rms_norm nodes the latter wrote.
+# cse first (fewer nodes to match); add_rms_norm after rms_norm: it fuses adds into the rms_norm
+# nodes the latter wrote.
 PASSES: Dict[str, Callable[[fx.GraphModule], int]] = {
+    "cse": cse_pass,
     "rotary": rotary_pass,
     "silu_and_mul": silu_and_mul_pass,
     "rms_norm": rms_norm_pass,

@@ -1,0 +1,233 @@
+"""End to end on CPU: LMDeploy + dlinfer against HF transformers `generate`, same model and prompts.
+
+    .venv/bin/python benchmarks/e2e_cpu.py               # prints the table
+    .venv/bin/python benchmarks/e2e_cpu.py --write-docs  # and writes it into docs/benchmarks.md
+
+Model SmolLM2-135M-Instruct in float32 (scripts/smollm2.py), chat-templated prompts, greedy
+decoding of exactly N new tokens (both sides ban the end-of-sequence token: LMDeploy
+`ignore_eos=True`, HF `min_new_tokens=N`), batch 1 and batch 8.
+
+Decode tokens/s is measured the same way on both sides: B * (N - 1) / (T(N) - T(1)), where T(n)
+is the wall time to generate n new tokens for the whole batch (prefill and first token cancel
+out). Each T is the best of `--repeats` runs, taken round-robin across HF and LMDeploy (both
+loaded in this one process) so that a busy moment of the machine hits all sides alike. HF batches
+are left-padded; LMDeploy batches are submitted at once and run as one continuous batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+
+from smollm2 import build_smollm2  # noqa: E402
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Give three tips for staying healthy.",
+    "Explain in two sentences what a CPU cache is.",
+    "Write a haiku about the sea.",
+    "Why is the sky blue?",
+    "Name three primary colors.",
+    "What does a compiler do?",
+    "Describe a cat in one sentence.",
+)
+DOC = REPO_ROOT / "docs" / "benchmarks.md"
+SECTION = "## End to end on CPU"
+
+
+@dataclass
+class Runner:
+    """One side of the comparison: `run_batch(b, n)` generates n new tokens for the first b prompts."""
+
+    name: str
+    run_batch: Callable[[int, int], None]
+
+
+def hf_runner(folder: Path, prompts: list[str]) -> Runner:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def run(batch: int, n: int) -> None:
+        enc = tokenizer(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False,
+                        return_token_type_ids=False)
+        with torch.inference_mode():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=tokenizer.pad_token_id)
+        assert out.shape[1] == enc.input_ids.shape[1] + n
+
+    return Runner("HF transformers", run)
+
+
+def lmdeploy_runner(folder: Path, prompts: list[str], graph: bool):
+    """(Runner, pipeline to close)."""
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, num_gpu_blocks=64, eager_mode=not graph)
+    pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
+
+    def run(batch: int, n: int) -> None:
+        gen = GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True)
+        outs = pipe.infer(prompts[:batch], gen_config=gen, do_preprocess=False)
+        assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
+
+    return Runner(f"LMDeploy + dlinfer ({'graph' if graph else 'eager'})", run), pipe
+
+
+def decode_rates(runners: list[Runner], new_tokens: int, repeats: int) -> dict[str, dict[int, float]]:
+    """B * (N - 1) / (T(N) - T(1)) per runner and batch; T is the best of `repeats` timings, taken
+    round-robin across runners so that a busy moment of the machine hits all of them alike."""
+    best: dict[tuple, float] = {}
+    for runner in runners:  # warm-up: allocators, lazy inits, compiled graphs
+        for batch in (1, 8):
+            runner.run_batch(batch, new_tokens)
+    for _ in range(repeats):
+        for batch in (1, 8):
+            for n in (new_tokens, 1):
+                for runner in runners:
+                    start = time.perf_counter()
+                    runner.run_batch(batch, n)
+                    key = (runner.name, batch, n)
+                    best[key] = min(best.get(key, float("inf")), time.perf_counter() - start)
+    return {r.name: {b: b * (new_tokens - 1) / (best[(r.name, b, new_tokens)] - best[(r.name, b, 1)])
+                     for b in (1, 8)} for r in runners}
+
+
+class ForeignLoad:
+    """Share of the machine's CPU time used by other processes while the block runs (Linux).
+
+    Decode steps are short parallel regions: with 2 cores, one busy core elsewhere stalls every
+    OpenMP barrier, so numbers taken on a busy machine are meaningless. The table states how
+    busy the machine was; `wait_until_idle` waits for a quiet moment first.
+    """
+
+    @staticmethod
+    def _machine_busy_s() -> float:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_busy_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def __enter__(self):
+        self._start = (time.perf_counter(), self._machine_busy_s(), self._own_busy_s())
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self._start[0]
+        foreign = (self._machine_busy_s() - self._start[1]) - (self._own_busy_s() - self._start[2])
+        self.share = max(0.0, foreign / (wall * os.cpu_count()))
+
+
+def wait_until_idle(max_wait_s: float, threshold: float = 0.05, window_s: float = 5.0) -> float:
+    """Wait (up to max_wait_s) until other processes use < threshold of the CPUs for window_s; the
+    last window's share."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with ForeignLoad() as load:
+            time.sleep(window_s)
+        if load.share < threshold or time.monotonic() > deadline:
+            return load.share
+        print(f"[e2e] machine busy ({100 * load.share:.0f}% CPU used elsewhere), waiting ...", flush=True)
+
+
+def machine() -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = re.search(r"Model name:\s*(.+)", lscpu).group(1).strip()
+    except (OSError, subprocess.CalledProcessError, AttributeError):
+        model = platform.processor() or "unknown CPU"
+    import torch
+
+    return (f"{os.cpu_count()}-core {model}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"Python {platform.python_version()}")
+
+
+def render(rates: dict[str, dict[int, float]], new_tokens: int, foreign_share: float) -> str:
+    names = list(rates)
+    base = names[0]
+    header = "| batch | " + " | ".join(f"{n} | ratio" if n != base else n for n in names) + " |"
+    rows = [header, "|---" * (1 + 2 * len(names) - 1) + "|"]
+    for batch in (1, 8):
+        cells = [f"{rates[base][batch]:.1f}"]
+        for name in names[1:]:
+            cells += [f"{rates[name][batch]:.1f}", f"{rates[name][batch] / rates[base][batch]:.2f}x"]
+        rows.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return "\n".join([
+        SECTION,
+        "",
+        f"SmolLM2-135M-Instruct, float32, greedy, {new_tokens} new tokens, decode tokens/s "
+        "(`benchmarks/e2e_cpu.py`; method in its docstring).",
+        f"Machine: {machine()}. Other processes used {100 * foreign_share:.0f}% of the CPU time during the run.",
+        "",
+        *rows,
+        "",
+    ])
+
+
+def write_section(text: str) -> None:
+    """Replace (or append) the "End to end on CPU" section of docs/benchmarks.md; leave the rest."""
+    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
+    start = doc.find(SECTION)
+    if start < 0:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    else:
+        nxt = doc.find("\n## ", start + len(SECTION))
+        doc = doc[:start] + text + ("" if nxt < 0 else "\n" + doc[nxt + 1:])
+    DOC.write_text(doc)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--graph", action="store_true", help="also run LMDeploy with eager_mode=False")
+    parser.add_argument("--max-wait-idle", type=float, default=600,
+                        help="seconds to wait for other processes to leave the CPUs before measuring")
+    parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOC.relative_to(REPO_ROOT)}")
+    args = parser.parse_args(argv)
+
+    folder = build_smollm2()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True) for q in QUESTIONS]
+    runners, pipes = [hf_runner(folder, prompts)], []
+    for graph in (False, True) if args.graph else (False,):
+        runner, pipe = lmdeploy_runner(folder, prompts, graph)
+        runners.append(runner)
+        pipes.append(pipe)
+    try:
+        wait_until_idle(args.max_wait_idle)
+        with ForeignLoad() as load:
+            rates = decode_rates(runners, args.new_tokens, args.repeats)
+    finally:
+        for pipe in pipes:
+            pipe.close()
+    text = render(rates, args.new_tokens, load.share)
+    print(text)
+    if args.write_docs:
+        write_section(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

