@@ -1,0 +1,47 @@
+"""The per-step metadata memo never returns a stale result."""
+
+import torch
+
+from dlinfer.ops._memo import LastCallMemo
+
+
+def _memo():
+    calls = []
+
+    def f(a, b, n):
+        calls.append(1)
+        return (a.sum() + b.sum() + n).item()
+
+    return LastCallMemo(f), calls
+
+
+def test_hit_on_equal_cpu_tensors_and_views():
+    memo, calls = _memo()
+    base = torch.arange(5)
+    b = torch.ones(3)
+    assert memo(base[1:], b, 2) == 10 + 3 + 2
+    assert memo(base[1:], b, 2) == 15  # a fresh view of the same data: hit
+    assert memo(torch.arange(5)[1:].clone(), b.clone(), 2) == 15  # equal contents: hit
+    assert len(calls) == 1
+
+
+def test_miss_on_in_place_edit_new_values_and_other_scalars():
+    memo, calls = _memo()
+    a, b = torch.arange(4), torch.ones(2)
+    memo(a, b, 0)
+    a[0] = 100
+    assert memo(a, b, 0) == a.sum().item() + 2
+    assert memo(a, b, 1) == a.sum().item() + 3
+    assert memo(a[:3], b, 1) == a[:3].sum().item() + 3
+    assert len(calls) == 4
+
+
+def test_inference_tensors_are_compared_by_value():
+    memo, calls = _memo()
+    with torch.inference_mode():
+        a, b = torch.arange(4), torch.ones(2)
+        memo(a, b, 0)
+        a.add_(1)  # no version counter in inference mode: contents decide
+        assert memo(a, b, 0) == a.sum().item() + 2
+        assert memo(a, b, 0) == a.sum().item() + 2
+    assert len(calls) == 2
