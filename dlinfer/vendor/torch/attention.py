@@ -52,7 +52,8 @@ def _scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.dev
     key = (name, dtype, device)
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = torch.empty(numel, dtype=dtype, device=device)
         bufs[key] = buf
     return buf[:numel]
 
