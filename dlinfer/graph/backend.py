@@ -5,10 +5,13 @@
 
 For each graph Dynamo captures it:
 1. runs the rewrite passes (dlinfer/graph/passes) on Dynamo's FX graph, turning unfused RMSNorm,
-   rotary and SiLU-and-mul patterns into `torch.ops.dlinfer.*` nodes;
+   rotary and SiLU-and-mul patterns into `torch.ops.dlinfer.*` nodes and merging duplicated
+   metadata derivations;
 2. hands the result to a graph compiler: the active vendor's `graph_compiler` when it declares one,
    else Inductor, which keeps every dlinfer op opaque (an extern call to the vendor kernel) and
-   compiles the glue between them.
+   compiles the glue between them. `direct` instead runs the graph as Python with every dlinfer
+   op bound to its vendor kernel (no codegen, no dispatcher): what LMDeploy's graph mode uses on
+   the CPU, where it is the faster of the two (docs/graph.md, docs/benchmarks.md).
 
 Options (the `options=` dict of torch.compile; environment variables give the defaults):
     passes     DLINFER_GRAPH_PASSES     "all" | "none" | "a,b" | "-a,-b"   (see passes/__init__.py)

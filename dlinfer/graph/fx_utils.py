@@ -4,8 +4,8 @@ The passes run on the graph Dynamo hands a backend: torch-level calls (`torch.rs
 `operator.mul`, `Tensor.pow` as a `call_method`, ...) whose nodes carry a FakeTensor in
 `node.meta["example_value"]`. The same computation can be spelled many ways there (`x.pow(2)`,
 `torch.pow(x, 2)`, `x ** 2`, `torch.square(x)`; `x.float()` or `x.to(torch.float32)`), so the
-passes never compare targets directly: they ask `match(node, "mul")` and get the operands back in
-one order-free form. Shapes and dtypes come from the fake values, never from guessing.
+passes never compare targets directly: they ask `is_op(node, "mul")` / `binary(node, "mul")` and
+get the operands back in one form. Shapes and dtypes come from the fake values, never from guessing.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 # canonical name -> (call_function targets, call_method names)
 _OPS = {
-    "add": ({operator.add, operator.iadd, torch.add, torch.Tensor.add}, {"add"}),
-    "mul": ({operator.mul, operator.imul, torch.mul, torch.Tensor.mul, torch.multiply}, {"mul", "multiply"}),
+    # out-of-place only: `x += y` (operator.iadd) writes x, which a rewrite must not drop
+    "add": ({operator.add, torch.add, torch.Tensor.add}, {"add"}),
+    "mul": ({operator.mul, torch.mul, torch.Tensor.mul, torch.multiply}, {"mul", "multiply"}),
     "div": ({operator.truediv, torch.div, torch.true_divide, torch.Tensor.div}, {"div", "true_divide"}),
     "pow": ({operator.pow, torch.pow, torch.Tensor.pow}, {"pow"}),
     "square": ({torch.square, torch.Tensor.square}, {"square"}),
@@ -327,3 +328,92 @@ def erase_dead(nodes: Iterable[fx.Node]) -> None:
                 n.graph.erase_node(n)
                 pending.remove(n)
                 progress = True
+
+
+# -- in-place writes -----------------------------------------------------------------------------
+
+_INPLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+}
+# Calls whose result may share memory with their first argument.
+_VIEW_METHODS = {
+    "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten",
+    "unflatten", "expand", "expand_as", "contiguous", "to", "float", "half", "bfloat16", "double", "type",
+    "type_as", "narrow", "select", "split", "chunk", "unbind", "as_strided", "detach", "movedim", "swapaxes",
+}
+_VIEW_FUNCTIONS = {
+    operator.getitem, torch.reshape, torch.permute, torch.transpose, torch.t, torch.unsqueeze, torch.squeeze,
+    torch.flatten, torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, torch.movedim,
+    torch.swapaxes, torch.as_strided, torch.detach,
+}
+
+
+def _schemas(target) -> list:
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, name)._schema for name in target.overloads()]
+    return []
+
+
+def written_args(node: fx.Node) -> List[fx.Node]:
+    """Argument nodes `node` may write in place (over-approximated): mutable schema arguments of
+    torch ops (dlinfer's caches and outputs), `out=`, `inplace=True`, `x.add_()`, `x += y`, setitem."""
+    if node.op not in ("call_function", "call_method"):
+        return []
+    target, written = node.target, []
+    if "out" in node.kwargs:
+        written.append(node.kwargs["out"])
+    if node.kwargs.get("inplace") is True and node.args:
+        written.append(node.args[0])
+    for schema in _schemas(target):
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    try:
+        inplace_operator = target in _INPLACE_OPERATORS
+    except TypeError:
+        inplace_operator = False
+    if node.args and (inplace_operator or (name.endswith("_") and not name.startswith("__"))):
+        written.append(node.args[0])
+    found: List[fx.Node] = []
+    fx.node.map_arg(written, found.append)
+    return found
+
+
+def _may_alias_input(node: fx.Node) -> Optional[fx.Node]:
+    if node.op == "call_method" and node.target in _VIEW_METHODS and node.args:
+        base = node.args[0]
+    elif node.op == "call_function" and _hashable_in(node.target, _VIEW_FUNCTIONS) and node.args:
+        base = node.args[0]
+    else:
+        return None
+    return base if isinstance(base, fx.Node) else None
+
+
+def _hashable_in(target, table) -> bool:
+    try:
+        return target in table
+    except TypeError:
+        return False
+
+
+def written_aliases(graph: fx.Graph) -> set:
+    """Nodes whose memory something in the graph may write: every written argument together with
+    all it may alias through views (bases, views of bases, views of views). A rewrite that moves
+    the reading of such a node could read it before or after the write: passes leave them alone."""
+    parent = {}
+
+    def find(n):
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    for node in graph.nodes:
+        base = _may_alias_input(node)
+        if base is not None:
+            parent[find(node)] = find(base)
+    roots = {find(w) for n in graph.nodes for w in written_args(n)}
+    return {n for n in graph.nodes if find(n) in roots}

@@ -26,7 +26,7 @@ def capture(fn, *args) -> Tuple[fx.GraphModule, List]:
         return gm.forward
 
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.inference_mode():
         torch.compile(fn, backend=backend, fullgraph=True)(*args)
     return got["gm"], got["inputs"]
 
@@ -49,7 +49,7 @@ def rewrite(gm: fx.GraphModule, *names: str) -> Dict[str, int]:
 
 
 def run_graph(gm: fx.GraphModule, inputs):
-    with torch.no_grad():
+    with torch.inference_mode():
         out = gm(*inputs)
     return out
 

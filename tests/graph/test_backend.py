@@ -43,17 +43,18 @@ def test_llama_layers_fullgraph_one_node_per_op(stack):
         assert not any(leaked in t for t in targets), (leaked, targets)
 
 
-@pytest.fixture(scope="module")
-def compiled_stack(stack):
+@pytest.fixture(scope="module", params=["inductor", "direct"])
+def compiled_stack(request, stack):
+    """The stack compiled once per graph compiler (the backend's default, and LMDeploy's)."""
     torch._dynamo.reset()
-    return torch.compile(stack, backend="dlinfer", fullgraph=True)
+    return torch.compile(stack, backend="dlinfer", fullgraph=True, options={"compiler": request.param})
 
 
 @pytest.mark.parametrize("kv_lens", [[5, 9, 2], [6, 10, 3], [1, 16, 7]])
 def test_backend_matches_eager_outputs_and_caches(stack, compiled_stack, kv_lens):
     x, cos, sin, caches, meta = decode_inputs(kv_lens)
     eager_caches, graph_caches = clone_caches(caches), clone_caches(caches)
-    with torch.no_grad():
+    with torch.inference_mode():
         expected = stack(x, cos, sin, eager_caches, meta)
         got = compiled_stack(x, cos, sin, graph_caches, meta)
     assert_same(got, expected, atol=1e-6, rtol=1e-6)
@@ -67,7 +68,7 @@ def test_inductor_keeps_dlinfer_ops_opaque(stack):
 
     x, cos, sin, caches, meta = decode_inputs([4, 4])
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.inference_mode():
         _, codes = run_and_get_code(torch.compile(stack, backend="dlinfer"), x, cos, sin, caches, meta)
     code = "\n".join(codes)
     for op in ("rms_norm", "add_rms_norm", "linear", "apply_rotary_pos_emb", "fill_kv_cache",
@@ -75,6 +76,37 @@ def test_inductor_keeps_dlinfer_ops_opaque(stack):
         assert f"torch.ops.dlinfer.{op}.default" in code, op
     assert "scaled_dot_product" not in code
     assert "clone" not in code.split("def call(")[1]  # caches mutated in place, never copied
+
+
+def test_direct_compiler_binds_vendor_kernels(stack):
+    """compiler="direct": no torch.ops.dlinfer call left, each node calls its vendor kernel."""
+    from dlinfer.graph.backend import direct_compiler
+    from dlinfer.vendor import resolve
+
+    x, cos, sin, caches, meta = decode_inputs([3, 5])
+    captured_caches = clone_caches(caches)
+    gm, inputs = capture(stack, x, cos, sin, captured_caches, meta)
+    n_ops = dl_counts(gm)
+    forward = direct_compiler(gm, inputs)
+    assert dl_counts(gm) == {}
+    kernels = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert kernels.count(resolve("paged_decode_attention", "cpu")[0]) == n_ops["paged_decode_attention"]
+    assert kernels.count(resolve("linear", "cpu")[0]) == n_ops["linear"]
+    eager_caches, graph_caches = clone_caches(caches), clone_caches(caches)
+    with torch.inference_mode():
+        expected = stack(x, cos, sin, eager_caches, meta)
+        got = forward(*[_swap_caches(t, captured_caches, graph_caches) for t in inputs])
+    assert_same(got, expected, atol=1e-6, rtol=1e-6)
+    assert all(torch.equal(a, b) for pg, pe in zip(graph_caches, eager_caches) for a, b in zip(pg, pe))
+
+
+def _swap_caches(t, old, new):
+    """The graph input `t`, with a cache of `old` (by identity) replaced by the one of `new`."""
+    for pair_old, pair_new in zip(old, new):
+        for a, b in zip(pair_old, pair_new):
+            if t is a:
+                return b
+    return t
 
 
 def _hf_layer():
@@ -97,7 +129,7 @@ def test_hf_decoder_layer_through_backend():
     x, pos = torch.randn(2, 5, 64), torch.arange(5).expand(2, 5)
     torch._dynamo.reset()
     before = backend_mod.stats.copy()
-    with torch.no_grad():
+    with torch.inference_mode():
         expected = forward(x, pos)
         got = torch.compile(forward, backend="dlinfer", fullgraph=True)(x, pos)
     fired = backend_mod.stats - before
@@ -116,7 +148,7 @@ def _graph_of(options=None):
 
     forward = _hf_layer()
     torch._dynamo.reset()
-    with torch.no_grad():
+    with torch.inference_mode():
         torch.compile(forward, backend="dlinfer", options={"compiler": compiler, **(options or {})})(
             torch.randn(1, 3, 64), torch.arange(3)[None])
     return seen
@@ -149,7 +181,7 @@ def test_vendor_graph_compiler_is_used(monkeypatch):
     forward = _hf_layer()
     x, pos = torch.randn(1, 3, 64), torch.arange(3)[None]
     torch._dynamo.reset()
-    with selection.using("graphtest"), torch.no_grad():
+    with selection.using("graphtest"), torch.inference_mode():
         expected = forward(x, pos)
         got = torch.compile(forward, backend="dlinfer")(x, pos)
     assert seen == [{"rms_norm": 1, "add_rms_norm": 1, "apply_rotary_pos_emb": 1}]

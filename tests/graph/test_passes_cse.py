@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import dlinfer.ops as ops
 
-from .helpers import DlinferLlamaStack, assert_same, capture, clone_caches, count, decode_inputs, rewrite, run_graph
+from .helpers import DlinferLlamaStack, assert_same, capture, clone_caches, decode_inputs, rewrite, run_graph
 
 
 def _pads(gm):

@@ -84,11 +84,13 @@ def test_chunk_spelling_and_single_tensor():
     assert counts == {"rotary": 1} and dl_counts(gm) == {"apply_rotary_pos_emb": 1}
 
 
-@pytest.mark.parametrize("case", ["interleaved", "wrong_order", "promotes_dtype", "half_used_elsewhere"])
+@pytest.mark.parametrize("case", ["interleaved", "wrong_order", "promotes_dtype", "half_used_elsewhere",
+                                  "table_written_in_place"])
 def test_not_rewritten(case):
     q = _rand(5, 4, D)
     cos, sin = _tables(5)
-    cos, sin = cos[:, None], sin[:, None]
+    if case != "table_written_in_place":
+        cos, sin = cos[:, None], sin[:, None]
     if case == "interleaved":  # GPT-J style rotate_every_two: another op
         def f(q, c, s):
             rot = torch.stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2)
@@ -99,9 +101,15 @@ def test_not_rewritten(case):
     elif case == "promotes_dtype":  # bf16 q with fp32 tables: the unfused result is fp32
         q = q.bfloat16()
         f = lambda q, c, s: hf_apply_rotary_pos_emb(q, q, c, s, unsqueeze_dim=0)[0]  # noqa: E731
-    else:
+    elif case == "half_used_elsewhere":
         def f(q, c, s):
             x2 = q[..., D // 2:]
             return q * c + torch.cat((-x2, q[..., : D // 2]), -1) * s, x2
+    else:
+        def f(q, c, s):
+            c = c * 1.0
+            cu, su = c[:, None], s[:, None]
+            c.mul_(0.5)  # writes cu too: a rewrite placed after its inputs would read it unwritten
+            return q * cu + torch.cat((-q[..., D // 2:], q[..., : D // 2]), -1) * su
     gm, counts = _check(f, q, cos, sin)
     assert counts == {"rotary": 0} and dl_counts(gm) == {}, gm.code

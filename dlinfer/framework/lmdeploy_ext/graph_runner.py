@@ -10,16 +10,21 @@ What it does
 - A one-token-per-sequence decode step of B sequences is padded to the smallest bucket >= B
   (1, 2, 4, ... max_batches, or `cudagraph_capture_batch_sizes`) and run through
   `torch.compile(model, backend=dlinfer_backend, dynamic=False, fullgraph=True)`; the real rows of
-  the hidden states come back. One graph per bucket, compiled at warm-up.
+  the hidden states come back. One graph per bucket, compiled at warm-up. The graph compiler is
+  "direct" (vendor kernels called from the captured graph, docs/graph.md) unless
+  DLINFER_GRAPH_COMPILER names another or the vendor declares its own.
+- A model Dynamo cannot capture whole logs a warning and runs eagerly.
 
-Keeping recompiles bounded (one per bucket, whatever the lengths):
-- The block table is copied into a fixed-width buffer ([bucket, blocks in the cache]); the torch
-  vendor reads only ceil(max_kv_seq_len / BS) of its columns, so the width costs nothing.
-- `max_kv_seq_len` is the only integer the decode graph reads that changes every step: it is
-  marked dynamic through `torch.compiler.config.dynamic_sources` (a SymInt in the graph, passed
-  to the custom op), so neither its value nor its growth recompiles. Without this Dynamo would
-  specialise on it and recompile at every step.
-- Everything else the graph reads per step is a tensor of fixed shape for the bucket.
+Keeping recompiles bounded (one per bucket, whatever the lengths): the graph is static
+(`dynamic=False`) except for the two things that grow with the sequences, marked dynamic through
+`torch.compiler.config.dynamic_sources`:
+- `max_kv_seq_len`, the only integer the decode graph reads that changes every step (a SymInt
+  in the graph, passed to the custom op); without this Dynamo specialises on it and recompiles
+  at every step;
+- the block table's width (blocks of the longest sequence), kept >= 2 because Dynamo
+  specialises dimensions of size 1 whatever it is told.
+Everything else the graph reads per step is a tensor of fixed shape for the bucket
+(`kv_flatten_size`, which also changes, is never read by the graph).
 
 Padding rows: one token each (cu_seqlens step 1), kv length 1 over the first real sequence's
 first block (finite data, never NaN), KV slot -1, which every vendor's fill_kv_cache drops
@@ -43,7 +48,7 @@ from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 log = logging.getLogger("dlinfer.lmdeploy.graph")
 
 # Dynamo source names of what changes per step but must not recompile (see the module docstring).
-DYNAMIC_SOURCES = r"L\['attn_metadata'\]\.max_kv_seq_len"
+DYNAMIC_SOURCES = r"L\['attn_metadata'\]\.max_kv_seq_len,L\['attn_metadata'\]\.block_offsets:1"
 _FORWARD_KEYS = {"input_ids", "position_ids", "past_key_values", "attn_metadata", "inputs_embeds"}
 
 
@@ -61,7 +66,9 @@ class DlinferGraphRunner(GraphRunner):
         self._options.setdefault("compiler", _default_compiler(device))
         self._compiled = None
         self._failed: Optional[BaseException] = None
-        self._buffers: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._constants: Dict[int, Dict[str, torch.Tensor]] = {}
+        user_sources = torch.compiler.config.dynamic_sources
+        self._dynamic_sources = f"{user_sources},{DYNAMIC_SOURCES}" if user_sources else DYNAMIC_SOURCES
         # Dynamo's recompile_limit (default 8) counts cache entries per code object: the model's
         # forward gets one per bucket, per engine in the process. Raised as LMDeploy's CUDA graph
         # runner does (never lowered); past it Dynamo would refuse to compile (fullgraph=True).
@@ -103,31 +110,25 @@ class DlinferGraphRunner(GraphRunner):
 
     # -- padding to the bucket -------------------------------------------------------------------
 
-    def _buffers_for(self, bucket: int, meta: DlinferAttentionMetadata) -> Dict[str, torch.Tensor]:
-        bufs = self._buffers.get(bucket)
-        if bufs is None:
-            device = meta.block_offsets.device
-            width = max(self.cache_config.num_gpu_blocks, meta.block_offsets.shape[1])
+    def _constants_for(self, bucket: int, meta: DlinferAttentionMetadata) -> Dict[str, torch.Tensor]:
+        """Metadata that is the same at every step of a bucket (one token per row)."""
+        consts = self._constants.get(bucket)
+        if consts is None:
+            device = meta.q_seqlens.device
             steps = torch.arange(bucket + 1, dtype=torch.int32, device=device)
-            bufs = dict(
-                block_offsets=torch.zeros(bucket, width, dtype=meta.block_offsets.dtype, device=device),
-                cu_seqlens_q=steps,
-                cu_seqlens_q_cpu=steps.cpu(),
-                q_seqlens=torch.ones(bucket, dtype=meta.q_seqlens.dtype, device=device),
-            )
-            self._buffers[bucket] = bufs
-        return bufs
+            consts = dict(cu_seqlens_q=steps, cu_seqlens_q_cpu=steps.cpu(),
+                          q_seqlens=torch.ones(bucket, dtype=meta.q_seqlens.dtype, device=device))
+            self._constants[bucket] = consts
+        return consts
 
     def _pad(self, kwargs: Dict[str, Any], batch: int, bucket: int) -> Dict[str, Any]:
         meta: DlinferAttentionMetadata = kwargs["attn_metadata"]
-        bufs = self._buffers_for(bucket, meta)
+        consts = self._constants_for(bucket, meta)
         pad = bucket - batch
         blocks = meta.block_offsets
-        if blocks.shape[1] > bufs["block_offsets"].shape[1]:  # a cache grown since: widen
-            del self._buffers[bucket]
-            bufs = self._buffers_for(bucket, meta)
-        table = bufs["block_offsets"]
-        table[:batch, : blocks.shape[1]].copy_(blocks)
+        # At least 2 columns: Dynamo specialises a dimension of size 1 (dynamic_sources or not).
+        table = blocks.new_zeros(bucket, max(blocks.shape[1], 2))
+        table[:batch, : blocks.shape[1]] = blocks
         table[batch:, 0] = blocks[0, 0]
 
         def padded(t: torch.Tensor, value) -> torch.Tensor:
@@ -139,11 +140,11 @@ class DlinferGraphRunner(GraphRunner):
         new_meta = dataclasses.replace(
             meta,
             block_offsets=table,
-            q_start_loc=bufs["cu_seqlens_q"][:-1],
-            q_seqlens=bufs["q_seqlens"],
+            q_start_loc=consts["cu_seqlens_q"][:-1],
+            q_seqlens=consts["q_seqlens"],
             kv_seqlens=kv_seqlens,
-            cu_seqlens_q=bufs["cu_seqlens_q"],
-            cu_seqlens_q_cpu=bufs["cu_seqlens_q_cpu"],
+            cu_seqlens_q=consts["cu_seqlens_q"],
+            cu_seqlens_q_cpu=consts["cu_seqlens_q_cpu"],
             kv_seqlens_cpu=kv_seqlens if kv_seqlens.device.type == "cpu" else padded(meta.kv_seqlens_cpu, 1),
             kv_start_indices=padded(meta.kv_start_indices.view(-1), -1),
             kv_flatten_size=meta.kv_flatten_size + pad,
@@ -163,10 +164,14 @@ class DlinferGraphRunner(GraphRunner):
         bucket = self.bucket_for(batch)
         padded = self._pad(kwargs, batch, bucket)
         try:
-            with torch.compiler.config.patch(dynamic_sources=DYNAMIC_SOURCES):
+            with torch.compiler.config.patch(dynamic_sources=self._dynamic_sources):
                 output = self._compiled_model()(**padded)
-        except Exception as exc:  # noqa: BLE001 - a model Dynamo cannot capture whole runs eagerly
-            if self.compiles and self.graph_steps:
+        except Exception as exc:  # noqa: BLE001
+            # A model Dynamo cannot capture whole runs eagerly from then on. An error raised by a
+            # kernel once graphs have run is the step's own error: raised, as in eager mode. (The
+            # eager rerun rewrites the same cache slots with the same values.)
+            dynamo_errors = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+            if self.graph_steps and not isinstance(exc, dynamo_errors):
                 raise
             self._failed = exc
             log.warning("dlinfer graph mode: decode step could not be compiled (%s: %s); running eagerly",
@@ -177,7 +182,7 @@ class DlinferGraphRunner(GraphRunner):
 
     def reset(self):
         super().reset()
-        self._buffers.clear()
+        self._constants.clear()
 
 
 def _default_compiler(device) -> str:

@@ -25,6 +25,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from dlinfer.graph import fx_utils as U
+
 _PURE_FUNCTIONS = {
     operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
     operator.neg, F.pad, torch._C._nn.pad, torch.cumsum, torch.add, torch.sub, torch.mul,
@@ -44,39 +46,6 @@ def _is_pure_call(node: fx.Node) -> bool:
         except TypeError:
             return False
     return node.op == "call_method" and node.target in _PURE_METHODS
-
-
-_INPLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-}
-
-
-def _schemas(target) -> list:
-    if isinstance(target, torch._ops.OpOverload):
-        return [target._schema]
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return [getattr(target, name)._schema for name in target.overloads()]
-    return []
-
-
-def _written_args(node: fx.Node) -> list:
-    """Argument nodes `node` may write in place (over-approximated)."""
-    if node.op not in ("call_function", "call_method"):
-        return []
-    target, written = node.target, []
-    if "out" in node.kwargs:
-        written.append(node.kwargs["out"])
-    if node.kwargs.get("inplace") is True and node.args:
-        written.append(node.args[0])
-    for schema in _schemas(target):
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if node.args and (target in _INPLACE_OPERATORS or (name.endswith("_") and not name.startswith("__"))):
-        written.append(node.args[0])
-    return _flatten_nodes(written)
 
 
 def _flatten_nodes(value) -> list:
@@ -117,7 +86,7 @@ def cse_pass(gm: fx.GraphModule) -> int:
                     seen.add(user)
                     stack.append(user)
         derived[ph] = seen
-    written = {w for n in graph.nodes for w in _written_args(n)}
+    written = {w for n in graph.nodes for w in U.written_args(n)}
     clean = {ph for ph in placeholders if not (derived[ph] & written)}
 
     eligible: Set[fx.Node] = set(clean)

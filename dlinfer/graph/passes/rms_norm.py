@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dlinfer.graph import fx_utils as U
 
@@ -103,14 +104,21 @@ def _match(mean: fx.Node):
     return x, weight, float(eps), out, interior
 
 
+def _hidden(x, weight) -> Optional[int]:
+    """H as a static int: x's last dim, or the weight's size when x's is symbolic but equal to it."""
+    xv, wv = U.tval(x), U.tval(weight)
+    if xv is None or wv is None or xv.dim() == 0 or wv.dim() != 1 or not isinstance(wv.shape[0], int):
+        return None
+    return wv.shape[0] if statically_known_true(xv.shape[-1] == wv.shape[0]) else None
+
+
 def _types_ok(x, xf, weight, out) -> bool:
     xv, xfv, wv, ov = U.tval(x), U.tval(xf), U.tval(weight), U.tval(out)
-    if None in (xv, xfv, wv, ov) or xv.dim() == 0:
+    if None in (xv, xfv, wv, ov) or _hidden(x, weight) is None:
         return False
-    hidden = xv.shape[-1]
     return (xfv.dtype == torch.float32 and xv.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and wv.dim() == 1 and isinstance(hidden, int) and wv.shape[0] == hidden
-            and wv.dtype == xv.dtype and ov.dtype == xv.dtype and ov.shape == xv.shape
+            and wv.dtype == xv.dtype and ov.dtype == xv.dtype and ov.dim() == xv.dim()
+            and all(statically_known_true(a == b) for a, b in zip(ov.shape, xv.shape))
             and wv.device == xv.device)
 
 
@@ -125,6 +133,7 @@ def _unflatten(graph: fx.Graph, flat: fx.Node, like: fx.Node) -> fx.Node:
 def rms_norm_pass(gm: fx.GraphModule) -> int:
     """Rewrite every matching RMSNorm; returns how many were rewritten."""
     graph, count = gm.graph, 0
+    written = U.written_aliases(graph)
     for mean in [n for n in graph.nodes if U.is_op(n, "mean")]:
         if getattr(mean, "_erased", False):
             continue
@@ -132,11 +141,13 @@ def rms_norm_pass(gm: fx.GraphModule) -> int:
         if got is None:
             continue
         x, weight, eps, out, interior = got
+        if x in written or weight in written:
+            continue
         anchor = U.insertion_anchor(graph, [x, weight], [out])
         if anchor is None:
             continue
         with graph.inserting_before(anchor.next):
-            flat = _flatten(graph, x, U.tval(x).shape[-1])
+            flat = _flatten(graph, x, _hidden(x, weight))
             normed = U.call(graph, _OP, flat, weight, eps)
             result = _unflatten(graph, normed, x)
         out.replace_all_uses_with(result)
@@ -163,6 +174,7 @@ def _norm_args(norm: fx.Node):
 def add_rms_norm_pass(gm: fx.GraphModule) -> int:
     """Fuse a residual add into the dlinfer.rms_norm it feeds; returns how many were fused."""
     graph, count = gm.graph, 0
+    written = U.written_aliases(graph)
     for norm in [n for n in graph.nodes if U.is_dlinfer_op(n, "rms_norm")]:
         args = _norm_args(norm)
         if args is None:
@@ -173,14 +185,16 @@ def add_rms_norm_pass(gm: fx.GraphModule) -> int:
         if pair is None or not all(isinstance(p, fx.Node) for p in pair):
             continue
         h, r = pair
+        if {h, r, weight, added} & written:
+            continue
         hv, rv, sv, wv = U.tval(h), U.tval(r), U.tval(added), U.tval(weight)
-        if None in (hv, rv, sv, wv) or sv.dim() == 0 or wv.dim() != 1:
+        hidden = _hidden(added, weight)
+        if None in (hv, rv, sv, wv) or hidden is None or not (hv.dtype == rv.dtype == sv.dtype == wv.dtype):
             continue
-        if not (hv.shape == rv.shape == sv.shape and hv.dtype == rv.dtype == sv.dtype == wv.dtype):
-            continue
-        hidden = sv.shape[-1]
-        if not isinstance(hidden, int) or wv.shape[0] != hidden:
-            continue
+        if not (hv.dim() == rv.dim() == sv.dim() and all(
+                statically_known_true(a == b) and statically_known_true(a == c)
+                for a, b, c in zip(sv.shape, hv.shape, rv.shape))):
+            continue  # h + r must not broadcast
         ranks = U.order(graph)
         if isinstance(weight, fx.Node) and ranks[weight] > ranks[added]:
             continue

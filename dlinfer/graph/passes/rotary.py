@@ -199,7 +199,9 @@ def _rewrite(graph: fx.Graph, group: List[_Match]) -> bool:
 def rotary_pass(gm: fx.GraphModule) -> int:
     """Rewrite every matching rotary embedding; returns how many tensors were rotated by dlinfer."""
     graph = gm.graph
+    written = U.written_aliases(graph)
     matches = [m for m in (_match(n) for n in list(graph.nodes) if U.is_op(n, "cat")) if m is not None]
+    matches = [m for m in matches if not {m.x, m.cos, m.sin} & written]
     count, used = 0, set()
     for i, a in enumerate(matches):
         if i in used:

@@ -71,11 +71,12 @@ def _match(mul: fx.Node):
 def silu_and_mul_pass(gm: fx.GraphModule) -> int:
     """Rewrite every matching SiLU-and-mul; returns how many were rewritten."""
     graph, count = gm.graph, 0
+    written = U.written_aliases(graph)
     for mul in [n for n in graph.nodes if U.is_op(n, "mul")]:
         if getattr(mul, "_erased", False):
             continue
         got = _match(mul)
-        if got is None:
+        if got is None or got[0] in written:
             continue
         x, interior = got
         xv = U.tval(x)
