@@ -17,12 +17,15 @@ are left-padded; LMDeploy batches are submitted at once and run as one continuou
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import platform
 import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +151,81 @@ def wait_until_idle(max_wait_s: float, threshold: float = 0.05, window_s: float 
         print(f"[e2e] machine busy ({100 * load.share:.0f}% CPU used elsewhere), waiting ...", flush=True)
 
 
+@contextlib.contextmanager
+def _timed(owner, name: str, totals: Counter, calls: Counter, label: str | None = None):
+    """Within the block, `owner.<name>` accumulates its wall time into totals[label]."""
+    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    is_classmethod = isinstance(original, classmethod)
+    fn = original.__func__ if is_classmethod else original
+    label = label or name
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+            calls[label] += 1
+
+    setattr(owner, name, classmethod(timed) if is_classmethod else timed)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int) -> dict:
+    """Where an eager decode step's time goes: per-op totals of one generation of `batch` prompts.
+
+    Every `dlinfer.ops` function LMDeploy's wrappers call is timed (they look it up on each call),
+    plus the CPU backend's `update_step_context`, the model call and the LM head; "engine" is the
+    rest of a step (LMDeploy's scheduling, sampling, input/output handling). Returns ms per step.
+    """
+    import dlinfer.ops
+    import lmdeploy.pytorch.engine.model_agent.agent as agent
+    from dlinfer.framework.lmdeploy_ext.backend.op_backend import DlinferDeviceOpsBackend
+    from lmdeploy import GenerationConfig
+
+    totals, calls = Counter(), Counter()
+    with contextlib.ExitStack() as stack:
+        for name in dlinfer.ops.__all__:
+            stack.enter_context(_timed(dlinfer.ops, name, totals, calls))
+        stack.enter_context(_timed(DlinferDeviceOpsBackend, "update_step_context", totals, calls))
+        stack.enter_context(_timed(agent, "model_forward", totals, calls, "model call"))
+        stack.enter_context(_timed(agent.BaseModelAgent, "get_logits", totals, calls, "LM head"))
+        start = time.perf_counter()
+        pipe.infer(prompts[:batch], gen_config=GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
+                                                                ignore_eos=True), do_preprocess=False)
+        wall = time.perf_counter() - start
+    steps = calls["model call"]
+    per_step = {k: v * 1e3 / steps for k, v in totals.items()}
+    per_step["engine"] = wall * 1e3 / steps - per_step["model call"] - per_step["LM head"]
+    per_step["step"] = wall * 1e3 / steps
+    per_call = {k: totals[k] * 1e6 / calls[k] for k in totals}
+    return {"ms_per_step": per_step, "us_per_call": per_call, "calls_per_step": {k: calls[k] / steps for k in calls}}
+
+
+def render_budget(budgets: dict[int, dict]) -> str:
+    rows = ["| part of a decode step | " + " | ".join(f"batch {b}: ms/step | us/call" for b in budgets) + " |",
+            "|---" * (1 + 2 * len(budgets)) + "|"]
+    first = next(iter(budgets.values()))
+    order = sorted((k for k in first["ms_per_step"] if k not in ("step", "model call", "engine")),
+                   key=lambda k: -first["ms_per_step"][k])
+    for key in ["step", "model call", *order, "engine"]:
+        cells = []
+        for budget in budgets.values():
+            ms = budget["ms_per_step"].get(key, 0.0)
+            us = budget["us_per_call"].get(key)
+            n = budget["calls_per_step"].get(key)
+            cells += [f"{ms:.1f}", f"{us:.0f} (x{n:.0f})" if us is not None and key not in ("model call",) else ""]
+        label = {"step": "**whole step** (the prefill step included)", "model call": "model call (all layers)",
+                 "LM head": "LM head (its `linear` call is counted in `linear` too)",
+                 "engine": "LMDeploy engine outside the model"}.get(key, f"`{key}`")
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def machine() -> str:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -219,10 +297,24 @@ def main(argv=None) -> int:
         wait_until_idle(args.max_wait_idle)
         with ForeignLoad() as load:
             rates = decode_rates(runners, args.new_tokens, args.repeats)
+        wait_until_idle(args.max_wait_idle)
+        with ForeignLoad() as budget_load:
+            budgets = {b: op_budget(pipes[0], prompts, b, args.new_tokens) for b in (1, 8)}
     finally:
         for pipe in pipes:
             pipe.close()
-    text = render(rates, args.new_tokens, load.share)
+    weight_mb = (folder / "model.safetensors").stat().st_size / 1e6
+    text = render(rates, args.new_tokens, load.share) + "\n" + "\n".join([
+        "Where the time of an eager LMDeploy + dlinfer decode step goes (one timed generation per batch,",
+        f"wall time of each `dlinfer.ops` call; other processes used {100 * budget_load.share:.0f}% of the CPU time):",
+        "",
+        render_budget(budgets),
+        "",
+        f"A decode step reads every weight once: {weight_mb:.0f} MB in float32. At batch 1 `linear` streams them "
+        f"at {weight_mb / budgets[1]['ms_per_step']['linear']:.1f} GB/s, which bounds decode at "
+        f"{1e3 / budgets[1]['ms_per_step']['linear']:.1f} tokens/s even if everything else took no time.",
+        "",
+    ])
     print(text)
     if args.write_docs:
         write_section(text)

@@ -94,10 +94,8 @@ CASES = [  # (q_lens, history, is_decoding): which wrapper path LMDeploy takes
 ]
 
 
-@pytest.mark.parametrize("layout", ["token_major", "head_major"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("q_lens,history,is_decoding", CASES)
-def test_paged_attention_fwd(q_lens, history, is_decoding, dtype, layout):
+def _run_paged_attention(q_lens, history, is_decoding, dtype, layout):
+    """LMDeploy's paged_attention_fwd on one batch; (output, query buffer after, float64 reference)."""
     hq, hkv, d, block_size = 4, 2, 32, 16
     with dlinfer.vendor.using("torch", kv_layout=layout):
         b = _make_batch(q_lens, history, hq, hkv, d, block_size, dtype, layout, is_decoding, seed=len(q_lens))
@@ -114,9 +112,31 @@ def test_paged_attention_fwd(q_lens, history, is_decoding, dtype, layout):
             softmax_scale=d ** -0.5, is_prefill_no_cache=meta.is_prefill_no_cache, kv_scales=None,
             kv_zeros=None, quant_bits=0, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_q_cpu=meta.cu_seqlens_q_cpu,
             kv_seqlens_cpu=meta.kv_seqlens_cpu)
-    expected = _reference_attention(b.query, b.keys, b.values, q_lens, history, d ** -0.5)
+    return out, query[..., :d], _reference_attention(b.query, b.keys, b.values, q_lens, history, d ** -0.5)
+
+
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,history,is_decoding", CASES)
+def test_paged_attention_fwd(q_lens, history, is_decoding, dtype, layout):
+    out, query_after, expected = _run_paged_attention(q_lens, history, is_decoding, dtype, layout)
     _close(out, expected, dtype)
-    _close(query[..., :d], expected, dtype)  # written in place into the query buffer
+    _close(query_after, expected, dtype)  # written in place into the query buffer
+
+
+@pytest.mark.parametrize("q_lens,history,is_decoding", [
+    ([13, 7, 30], [700, 900, 1100], False),
+    ([1, 1, 1, 1], [700, 900, 1100, 1300], True),
+])
+def test_paged_attention_fwd_inside_then_outside_inference_mode(q_lens, history, is_decoding):
+    """LMDeploy runs every forward under torch.inference_mode(); the same process may later call
+    the ops without it (another engine, a test, a script). Longer sequences than elsewhere in this
+    file, so that any buffer an op keeps between calls is first allocated in inference mode."""
+    with torch.inference_mode():
+        out, _, expected = _run_paged_attention(q_lens, history, is_decoding, torch.float32, "token_major")
+    _close(out, expected, torch.float32)
+    out, _, expected = _run_paged_attention(q_lens, history, is_decoding, torch.float32, "token_major")
+    _close(out, expected, torch.float32)
 
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])

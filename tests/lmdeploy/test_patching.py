@@ -140,3 +140,22 @@ def test_lmdeploy_device_types_keep_lmdeploy_behaviour():
     assert utils.is_bf16_supported("camb") is True and utils.is_bf16_supported("cpu") is True
     with pytest.raises(AssertionError):
         utils.get_max_batch_size("tpu")
+
+
+def test_with_cuda_present_engine_modules_keep_real_torch_cuda():
+    """On a machine with a usable CUDA device nothing of torch.cuda is redirected (simulated: the
+    check that decides is `torch.cuda.is_available()`, faked before the adaptor is imported)."""
+    proc = _run("""
+        import torch
+        torch.cuda.is_available = lambda: True
+        import dlinfer.framework.lmdeploy_ext
+        from dlinfer.framework.lmdeploy_ext.patches.cuda_calls import MODULES_WITH_CUDA_CALLS
+        import importlib
+        for name in MODULES_WITH_CUDA_CALLS:
+            assert importlib.import_module(name).torch is torch, name
+        import lmdeploy.pytorch.engine.model_agent.agent as agent
+        assert hasattr(agent._try_to_cuda, "__dlinfer_original__")
+        print("real torch kept")
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "real torch kept" in proc.stdout
