@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     finally:
         pipe.close()
     print(f"\n[main] decode tokens/s, one question at a time: mean {sum(rates) / len(rates):.1f}")
-    print(f"[main] decode tokens/s, {len(QUESTIONS)} questions as one batch: {batch_rate:.1f} ({tokens} tokens)")
+    print(f"[main] decode tokens/s, {len(QUESTIONS)} questions as one batch (answers of different lengths): "
+          f"{batch_rate:.1f} ({tokens} tokens)")
     return 0
 
 
