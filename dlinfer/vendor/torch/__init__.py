@@ -29,7 +29,7 @@ def load() -> Vendor:
         "paged_prefill_attention": "per-sequence block gather + scaled_dot_product_attention",
         "paged_decode_attention": "batched per-token block gather + one scaled_dot_product_attention",
         "fused_moe": "tokens sorted by expert, one GEMM pair per active expert",
-        "linear": "torch.nn.functional.linear",
+        "linear": "float32 on CPU: oneDNN inner product (DLINFER_CPU_LINEAR=aten: F.linear); else F.linear",
     }
     return Vendor(
         name="torch",

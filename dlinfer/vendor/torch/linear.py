@@ -1,11 +1,47 @@
-"""Linear in PyTorch."""
+"""Linear in PyTorch.
 
+On CPU, float32 goes to oneDNN's inner-product primitive (`torch.ops.mkldnn._linear_pointwise`,
+the kernel Inductor's CPU backend calls) instead of `F.linear`, whose float32 path is MKL's
+sgemm. On this project's AMD EPYC (Zen 4) machine MKL streams decode-size weights at about half
+of oneDNN's rate: 1.9x at [1, 576] x [49152, 576], 1.4-9x for the other SmolLM2 projections at
+1-8 rows, and oneDNN is never slower beyond noise at 16-1024 rows (measured in
+`benchmarks/bench_torch_ops.py`; docs/benchmarks.md). bfloat16/float16 `F.linear` is oneDNN
+already. `DLINFER_CPU_LINEAR=aten` turns the oneDNN path off; so does a torch built without
+oneDNN. Both paths are float32 GEMMs with float32 accumulation (different summation orders).
+"""
+
+from __future__ import annotations
+
+import os
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 
+def _onednn_enabled() -> bool:
+    choice = os.environ.get("DLINFER_CPU_LINEAR", "onednn").strip().lower()
+    if choice not in ("onednn", "aten"):
+        raise ValueError(f"DLINFER_CPU_LINEAR must be 'onednn' or 'aten', got {choice!r}")
+    return (choice == "onednn" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+_ONEDNN = _onednn_enabled()
+
+
+def uses_onednn(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear(x, weight, ...)` runs on oneDNN's float32 inner product (inference only:
+    a call that autograd would record keeps `F.linear`)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.is_contiguous() and x.stride(-1) == 1)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """x [N, K], weight [Nout, K], bias [Nout]? -> [N, Nout]."""
+    if uses_onednn(x, weight) and (bias is None or bias.is_contiguous()):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dlinfer.vendor.torch.linear import linear
+
 
 def moe_gating_topk_softmax(router_logits: Tensor, topk: int):
     """[T, E] -> (weights [T, K] f32, ids [T, K] i64); a stable sort puts ties on the lower id."""
@@ -37,8 +39,8 @@ def fused_moe(hidden_states: Tensor, gate_up_weights: Tensor, down_weights: Tens
         pairs = order[start:start + count]
         start += count
         tokens = pairs // k
-        gate_up = F.linear(hidden_states[tokens], gate_up_weights[expert])
+        gate_up = linear(hidden_states[tokens], gate_up_weights[expert], None)
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, down_weights[expert])
+        y = linear(act, down_weights[expert], None)
         out.index_add_(0, tokens, y.float() * flat_weights[pairs].unsqueeze(1))
     return out.to(hidden_states.dtype)
