@@ -3,13 +3,13 @@
 prefill_attention: one SDPA per sequence (causal, no cache).
 paged_prefill_attention: per sequence, gather its blocks from the cache, one SDPA with a
     bottom-right causal mask (the new tokens are the last n of the sequence's kv_len positions).
-paged_decode_attention: batched: every query token gathers the blocks of its sequence (padded to
-    max_kv_seq_len), one SDPA call for the whole batch with a per-token length mask.
+paged_decode_attention: batched: every query token gathers the cache positions it may see
+    (padded to max_kv_seq_len), one SDPA call for the whole batch, masked only where lengths differ.
 Scores and softmax run in fp32 inside SDPA for every dtype.
 """
 
 import threading
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,32 +58,13 @@ def _scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.dev
     return buf[:numel]
 
 
-def _gather(cache: Tensor, blocks: Tensor, kv_layout: str, scratch: Optional[str] = None, dead=None) -> Tensor:
-    """cache blocks [..., nb] -> [..., Hkv, nb*BS, D] (copied; into a scratch buffer if named).
-
-    dead: optional (token, block, offset) indices of masked positions to zero in the copy.
-    """
-    lead, nblk = blocks.shape[:-1], blocks.shape[-1]
-    flat_blocks = blocks.reshape(-1)
-    if cache.is_contiguous():
-        rows = cache.view(cache.shape[0], -1)
-        out = None
-        if scratch is not None:
-            out = _scratch_buffer(scratch, flat_blocks.numel() * rows.shape[1], cache.dtype, cache.device)
-            out = out.view(flat_blocks.numel(), rows.shape[1])
-        g = torch.index_select(rows, 0, flat_blocks, out=out) if out is not None else torch.index_select(
-            rows, 0, flat_blocks)
-        g = g.view(*lead, nblk, *cache.shape[1:])
-    else:
-        g = cache[blocks]
-    if dead is not None:
-        _zero_dead(g, dead, kv_layout)
-    # token_major: [..., nb, BS, H, D]; head_major: [..., nb, H, BS, D]
+def _gather(cache: Tensor, blocks: Tensor, kv_layout: str) -> Tensor:
+    """cache blocks [nb] -> [Hkv, nb*BS, D] (a copy)."""
+    g = cache[blocks]
+    # token_major: [nb, BS, H, D]; head_major: [nb, H, BS, D]
     if kv_layout == HEAD_MAJOR:
-        g = g.transpose(-3, -4)  # [..., H, nb, BS, D]
-        return g.reshape(*g.shape[:-4], g.shape[-4], -1, g.shape[-1])
-    g = g.reshape(*g.shape[:-4], -1, g.shape[-2], g.shape[-1])  # [..., nb*BS, H, D]
-    return g.transpose(-2, -3)
+        return g.transpose(0, 1).reshape(g.shape[1], -1, g.shape[-1])
+    return g.reshape(-1, g.shape[-2], g.shape[-1]).transpose(0, 1)
 
 
 def _block_size(cache: Tensor, kv_layout: str) -> int:
@@ -130,42 +111,65 @@ def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqle
         out[start:end] = o.transpose(0, 1).to(out.dtype)
 
 
+class DecodePlan(NamedTuple):
+    """What every layer of a decode step gathers: query token t reads the cache positions
+    0..L-1 of its sequence at (blocks[t, j], offsets[t, j]) (slots = blocks * BS + offsets).
+    Positions past the token's own repeat its own slot and are masked out; mask is None when no
+    position needs masking (every token sees exactly L positions: batch 1, equal lengths)."""
+
+    blocks: Tensor  # [T, L] int64
+    offsets: Tensor  # [T, L] int64
+    slots: Tensor  # [T * L] int64
+    mask: Optional[Tensor]  # [T, 1|Hq, 1, L] additive float, or None
+
+
 def _decode_plan(cu_seqlens_q: Tensor, kv_seq_len: Tensor, block_table: Tensor, max_kv_seq_len: int,
-                 num_tokens: int, bs: int, nb_total: int, alibi: Optional[Tensor], dtype: torch.dtype):
-    """(blocks [T, nblk] to gather for each query token, attention mask) for a decode step.
+                 num_tokens: int, bs: int, nb_total: int, alibi: Optional[Tensor], dtype: torch.dtype) -> DecodePlan:
+    """The DecodePlan of a step.
 
     Query token t of sequence b (n_b new tokens) sits at position kv_len[b] - n_b + i and sees
-    positions <= its own. Block-table entries past a sequence's last block may hold anything:
-    they are clamped into the cache and masked out.
+    positions <= its own. Only positions a token may see are read (padding repeats its own
+    position), so block-table entries past a sequence's last block and cache slots that were
+    never written (which may hold NaN) are never touched; indices are clamped into the cache.
     """
     device = cu_seqlens_q.device
     tokens = torch.arange(num_tokens, device=device, dtype=torch.int32)
     ends = cu_seqlens_q[1:].contiguous()
-    seq = torch.searchsorted(ends, tokens, right=True).clamp_(max=ends.numel() - 1)
+    seq = torch.searchsorted(ends, tokens, right=True).clamp_(max=ends.numel() - 1).long()
     n_new = (ends - cu_seqlens_q[:-1])[seq]
-    pos = kv_seq_len[seq] - n_new + (tokens - cu_seqlens_q[seq])
-    num_blocks = min(max(1, (max_kv_seq_len + bs - 1) // bs), block_table.shape[1])
-    blocks = block_table[seq.long(), :num_blocks].long().clamp_(0, nb_total - 1)
-    mask = _mask(pos.unsqueeze(-1), num_blocks * bs, alibi, dtype)  # [T, 1|Hq, 1, L]
-    if mask.dtype == torch.bool:  # SDPA would convert a boolean mask on every call
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
-    # Masked positions may hold anything, NaN included, and NaN survives a -inf bias (and 0 * NaN
-    # is NaN): the gathered copies of those positions are zeroed. They are the tails past each
-    # token's position, few when lengths are similar, so a scatter beats a pass over the buffer.
-    beyond = torch.arange(num_blocks * bs, device=device).unsqueeze(0) > pos.unsqueeze(1).long()
-    dead_t, dead_l = beyond.nonzero(as_tuple=True)
-    return blocks, mask, (dead_t, dead_l // bs, dead_l % bs)
+    pos = (kv_seq_len[seq] - n_new + (tokens - cu_seqlens_q[seq])).long()  # [T]
+    length = max(1, min(max_kv_seq_len, block_table.shape[1] * bs))
+    visible = torch.arange(length, device=device).unsqueeze(0)  # [1, L]
+    read = torch.minimum(visible, pos.clamp(min=0).unsqueeze(1))  # [T, L]
+    blocks = block_table[seq].long().gather(1, torch.div(read, bs, rounding_mode="floor")).clamp_(0, nb_total - 1)
+    offsets = read % bs
+    slots = (blocks * bs + offsets).reshape(-1)
+    mask = None
+    if alibi is not None or not bool((pos == length - 1).all()):
+        mask = _mask(pos.unsqueeze(-1), length, alibi, dtype)  # [T, 1|Hq, 1, L]
+        if mask.dtype == torch.bool:  # SDPA would convert a boolean mask on every call
+            mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    return DecodePlan(blocks, offsets, slots, mask)
 
 
-def _zero_dead(g: Tensor, dead, kv_layout: str) -> None:
-    """Zero the masked positions of a gathered [T, nblk, BS, H, D] (or [T, nblk, H, BS, D]) copy."""
-    t_idx, blk_idx, off_idx = dead
-    if t_idx.numel() == 0:
-        return
-    if kv_layout == HEAD_MAJOR:
-        g[t_idx, blk_idx, :, off_idx] = 0
+def _gather_tokens(cache: Tensor, plan: DecodePlan, kv_layout: str, scratch: str) -> Tensor:
+    """[T, Hkv, L, D] (a strided view of a [T, L, Hkv, D] copy) of the positions the plan reads."""
+    t, length = plan.blocks.shape
+    if kv_layout != HEAD_MAJOR and cache.is_contiguous():
+        rows = cache.view(-1, cache.shape[2] * cache.shape[3])  # one row per slot
+        buf = _scratch_buffer(scratch, plan.slots.numel() * rows.shape[1], cache.dtype, cache.device)
+        g = torch.index_select(rows, 0, plan.slots, out=buf.view(-1, rows.shape[1]))
+        g = g.view(t, length, cache.shape[2], cache.shape[3])
+    elif kv_layout == HEAD_MAJOR:
+        g = cache[plan.blocks, :, plan.offsets]  # [T, L, H, D]
     else:
-        g[t_idx, blk_idx, off_idx] = 0
+        g = cache[plan.blocks, plan.offsets]
+    return g.transpose(1, 2)
+
+
+def _decode_dtype(x: Tensor) -> Tensor:
+    # CPU SDPA is several times slower in half precision than in fp32 at decode sizes.
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cpu" else x
 
 
 # The plan is the same for every layer of a step: build it once per step.
@@ -174,13 +178,12 @@ _decode_plan_memo = LastCallMemo(_decode_plan)
 
 def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
                            softmax_scale, alibi_slopes, out, kv_layout) -> None:
-    """All query tokens at once: each gathers its sequence's blocks (padded to max_kv_seq_len),
-    then one SDPA call for the batch with a per-token causal/length mask."""
-    q = _sdpa_dtype(query).unsqueeze(2)  # [T, Hq, 1, D]
-    blocks, mask, dead = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
-                                           _block_size(key_cache, kv_layout), key_cache.shape[0], alibi_slopes,
-                                           q.dtype)
-    k = _sdpa_dtype(_gather(key_cache, blocks, kv_layout, "decode_k", dead))  # [T, Hkv, L, D]
-    v = _sdpa_dtype(_gather(value_cache, blocks, kv_layout, "decode_v", dead))
-    o = _sdpa(q, k, v, mask, softmax_scale, causal=False)  # [T, Hq, 1, Dv]
+    """All query tokens at once: each gathers the positions it may see (padded to the longest),
+    then one SDPA call for the batch, masked only where lengths differ."""
+    q = _decode_dtype(query).unsqueeze(2)  # [T, Hq, 1, D]
+    plan = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
+                             _block_size(key_cache, kv_layout), key_cache.shape[0], alibi_slopes, q.dtype)
+    k = _decode_dtype(_gather_tokens(key_cache, plan, kv_layout, "decode_k"))  # [T, Hkv, L, D]
+    v = _decode_dtype(_gather_tokens(value_cache, plan, kv_layout, "decode_v"))
+    o = _sdpa(q, k, v, plan.mask, softmax_scale, causal=False)  # [T, Hq, 1, Dv]
     out.copy_(o.squeeze(2))
