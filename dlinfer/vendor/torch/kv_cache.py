@@ -1,27 +1,44 @@
 """Paged KV-cache writes in PyTorch."""
 
+from typing import Optional, Tuple
+
 import torch
 from torch import Tensor
 
+from dlinfer.ops._memo import LastCallMemo
 from dlinfer.vendor.base import HEAD_MAJOR
+
+
+def _slot_plan(kv_indices: Tensor, num_slots: int) -> Tuple[Tensor, Optional[Tensor]]:
+    """(int64 slots to write, the rows kept or None when all are): slots outside
+    [0, num_slots) are dropped. Built once per step (every layer writes the same slots)."""
+    slots = kv_indices.long()
+    valid = (slots >= 0) & (slots < num_slots)
+    if bool(valid.all()):
+        return slots, None
+    keep = valid.nonzero().squeeze(1)
+    return slots[keep], keep
+
+
+_slot_plan_memo = LastCallMemo(_slot_plan)
 
 
 def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
                   kv_layout: str) -> None:
     """Write key [T, Hkv, D] / value [T, Hkv, Dv] at slots kv_indices [T] of the caches (in place).
 
-    Slots outside [0, NB*BS) are dropped, so bad metadata never writes outside the cache.
+    Slots outside [0, NB*BS) are dropped, so bad metadata never writes outside the cache. A
+    contiguous token-major cache is one row per slot: one index_copy_ per cache.
     """
     nb = key_cache.shape[0]
     bs = key_cache.shape[2] if kv_layout == HEAD_MAJOR else key_cache.shape[1]
-    slots = kv_indices.long()
-    valid = (slots >= 0) & (slots < nb * bs)
-    if not bool(valid.all()):
-        slots, key, value = slots[valid], key[valid], value[valid]
-    blocks, offsets = slots // bs, slots % bs
-    if kv_layout == HEAD_MAJOR:
-        key_cache[blocks, :, offsets] = key
-        value_cache[blocks, :, offsets] = value
-    else:
-        key_cache[blocks, offsets] = key
-        value_cache[blocks, offsets] = value
+    slots, keep = _slot_plan_memo(kv_indices, nb * bs)
+    if keep is not None:
+        key, value = key[keep], value[keep]
+    for src, cache in ((key, key_cache), (value, value_cache)):
+        if kv_layout != HEAD_MAJOR and cache.is_contiguous():
+            cache.view(nb * bs, -1).index_copy_(0, slots, src.reshape(src.shape[0], -1))
+        elif kv_layout == HEAD_MAJOR:
+            cache[slots // bs, :, slots % bs] = src
+        else:
+            cache[slots // bs, slots % bs] = src

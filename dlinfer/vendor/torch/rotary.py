@@ -1,15 +1,31 @@
-"""Rotate-half rotary embedding in PyTorch (fp32 math, partial rotary supported)."""
+"""Rotate-half rotary embedding in PyTorch (fp32 math, partial rotary supported).
+
+rotate_half(x) * sin == roll(x, R/2) * [-sin[:R/2], sin[R/2:]] exactly (a sign flip is exact), so
+each tensor costs a roll, two multiplies and an add; the signed sin is built once per step (every
+layer of a step passes the same cos/sin). The float32 result is bitwise HF's q * cos +
+rotate_half(q) * sin.
+"""
 
 import torch
 from torch import Tensor
 
+from dlinfer.ops._memo import LastCallMemo
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+
+def _signed_sin(sin: Tensor) -> Tensor:
+    """sin [T, R] -> float32 [T, 1, R] with the first half negated."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).float().unsqueeze(1)
+
+
+_signed_sin_memo = LastCallMemo(_signed_sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     rot = cos.shape[-1]
-    half = rot // 2
     xr = x[..., :rot].float()
-    c, s = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # [T, 1, R]
-    out = xr * c + torch.cat((-xr[..., half:], xr[..., :half]), dim=-1) * s
+    out = xr * cos
+    out += torch.roll(xr, rot // 2, dims=-1) * signed_sin
     if rot == x.shape[-1]:
         return out.to(x.dtype)
     return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
@@ -17,4 +33,6 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor):
     """query [T, Hq, D], key [T, Hkv, D], cos/sin [T, R] -> new (q, k)."""
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    c = cos.float().unsqueeze(1)  # [T, 1, R]
+    s = _signed_sin_memo(sin)
+    return _rotate(query, c, s), _rotate(key, c, s)
