@@ -1,6 +1,7 @@
 """End to end on CPU: LMDeploy + dlinfer against HF transformers `generate`, same model and prompts.
 
     .venv/bin/python benchmarks/e2e_cpu.py               # prints the table
+    .venv/bin/python benchmarks/e2e_cpu.py --graph       # also LMDeploy's graph mode (eager_mode=False)
     .venv/bin/python benchmarks/e2e_cpu.py --write-docs  # and writes it into docs/benchmarks.md
 
 Model SmolLM2-135M-Instruct in float32 (scripts/smollm2.py), chat-templated prompts, greedy
@@ -9,9 +10,13 @@ decoding of exactly N new tokens (both sides ban the end-of-sequence token: LMDe
 
 Decode tokens/s is measured the same way on both sides: B * (N - 1) / (T(N) - T(1)), where T(n)
 is the wall time to generate n new tokens for the whole batch (prefill and first token cancel
-out). Each T is the best of `--repeats` runs, taken round-robin across HF and LMDeploy (both
-loaded in this one process) so that a busy moment of the machine hits all sides alike. HF batches
-are left-padded; LMDeploy batches are submitted at once and run as one continuous batch.
+out). Each T is the best of `--repeats` runs, taken round-robin across the sides so that a busy
+moment of the machine hits all of them alike. HF batches are left-padded; LMDeploy batches are
+submitted at once and run as one continuous batch.
+
+Each side runs in a process of its own (this file with `--worker`), driven over a pipe: sides
+sharing one process would share torch's OpenMP pools and slow each other down (see
+docs/lmdeploy.md, "Threads"), and each side here is what a user would run alone.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
 import platform
 import re
@@ -27,7 +33,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -47,17 +52,22 @@ QUESTIONS = (
 )
 DOC = REPO_ROOT / "docs" / "benchmarks.md"
 SECTION = "## End to end on CPU"
+SIDES = {"hf": "HF transformers", "eager": "LMDeploy + dlinfer (eager)", "graph": "LMDeploy + dlinfer (graph)"}
 
 
-@dataclass
-class Runner:
-    """One side of the comparison: `run_batch(b, n)` generates n new tokens for the first b prompts."""
+def chat_prompts(folder: Path) -> list[str]:
+    from transformers import AutoTokenizer
 
-    name: str
-    run_batch: Callable[[int, int], None]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True) for q in QUESTIONS]
 
 
-def hf_runner(folder: Path, prompts: list[str]) -> Runner:
+# ---------------------------------------------------------------- the sides (worker processes)
+
+
+def hf_side(folder: Path, prompts: list[str]) -> Callable[[int, int], None]:
+    """run(b, n): n new tokens for the first b prompts with HF transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -72,11 +82,11 @@ def hf_runner(folder: Path, prompts: list[str]) -> Runner:
                                  pad_token_id=tokenizer.pad_token_id)
         assert out.shape[1] == enc.input_ids.shape[1] + n
 
-    return Runner("HF transformers", run)
+    return run
 
 
-def lmdeploy_runner(folder: Path, prompts: list[str], graph: bool):
-    """(Runner, pipeline to close)."""
+def lmdeploy_side(folder: Path, prompts: list[str], graph: bool):
+    """(run(b, n) through LMDeploy on device_type="cpu", the pipeline)."""
     import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 
@@ -88,67 +98,7 @@ def lmdeploy_runner(folder: Path, prompts: list[str], graph: bool):
         outs = pipe.infer(prompts[:batch], gen_config=gen, do_preprocess=False)
         assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
 
-    return Runner(f"LMDeploy + dlinfer ({'graph' if graph else 'eager'})", run), pipe
-
-
-def decode_rates(runners: list[Runner], new_tokens: int, repeats: int) -> dict[str, dict[int, float]]:
-    """B * (N - 1) / (T(N) - T(1)) per runner and batch; T is the best of `repeats` timings, taken
-    round-robin across runners so that a busy moment of the machine hits all of them alike."""
-    best: dict[tuple, float] = {}
-    for runner in runners:  # warm-up: allocators, lazy inits, compiled graphs
-        for batch in (1, 8):
-            runner.run_batch(batch, new_tokens)
-    for _ in range(repeats):
-        for batch in (1, 8):
-            for n in (new_tokens, 1):
-                for runner in runners:
-                    start = time.perf_counter()
-                    runner.run_batch(batch, n)
-                    key = (runner.name, batch, n)
-                    best[key] = min(best.get(key, float("inf")), time.perf_counter() - start)
-    return {r.name: {b: b * (new_tokens - 1) / (best[(r.name, b, new_tokens)] - best[(r.name, b, 1)])
-                     for b in (1, 8)} for r in runners}
-
-
-class ForeignLoad:
-    """Share of the machine's CPU time used by other processes while the block runs (Linux).
-
-    Decode steps are short parallel regions: with 2 cores, one busy core elsewhere stalls every
-    OpenMP barrier, so numbers taken on a busy machine are meaningless. The table states how
-    busy the machine was; `wait_until_idle` waits for a quiet moment first.
-    """
-
-    @staticmethod
-    def _machine_busy_s() -> float:
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own_busy_s() -> float:
-        t = os.times()
-        return t.user + t.system
-
-    def __enter__(self):
-        self._start = (time.perf_counter(), self._machine_busy_s(), self._own_busy_s())
-        return self
-
-    def __exit__(self, *exc):
-        wall = time.perf_counter() - self._start[0]
-        foreign = (self._machine_busy_s() - self._start[1]) - (self._own_busy_s() - self._start[2])
-        self.share = max(0.0, foreign / (wall * os.cpu_count()))
-
-
-def wait_until_idle(max_wait_s: float, threshold: float = 0.05, window_s: float = 5.0) -> float:
-    """Wait (up to max_wait_s) until other processes use < threshold of the CPUs for window_s; the
-    last window's share."""
-    deadline = time.monotonic() + max_wait_s
-    while True:
-        with ForeignLoad() as load:
-            time.sleep(window_s)
-        if load.share < threshold or time.monotonic() > deadline:
-            return load.share
-        print(f"[e2e] machine busy ({100 * load.share:.0f}% CPU used elsewhere), waiting ...", flush=True)
+    return run, pipe
 
 
 @contextlib.contextmanager
@@ -206,6 +156,189 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int) -> dict:
     return {"ms_per_step": per_step, "us_per_call": per_call, "calls_per_step": {k: calls[k] / steps for k in calls}}
 
 
+def worker_main(side: str) -> int:
+    """Serve timing requests on stdin/stdout, one JSON object per line:
+    {"run": [b, n]} -> {"seconds": t};  {"budget": [b, n]} -> op_budget(...);  {"info": 1} -> threads, vendor."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel; anything else printed, by
+    os.dup2(2, 1)                                 # Python or native code, goes to stderr
+    sys.stdout = sys.stderr
+    folder = build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
+    prompts = chat_prompts(folder)
+    pipe = None
+    if side == "hf":
+        run = hf_side(folder, prompts)
+    else:
+        run, pipe = lmdeploy_side(folder, prompts, graph=side == "graph")
+    print(json.dumps({"ready": side}), file=out, flush=True)
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            if "run" in request:
+                start = time.perf_counter()
+                run(*request["run"])
+                reply = {"seconds": time.perf_counter() - start}
+            elif "budget" in request:
+                reply = op_budget(pipe, prompts, *request["budget"])
+            else:
+                import torch
+
+                import dlinfer.vendor
+
+                reply = {"threads": torch.get_num_threads(), "vendor": dlinfer.vendor.vendor_name}
+            print(json.dumps(reply), file=out, flush=True)
+    finally:
+        if pipe is not None:
+            pipe.close()
+    return 0
+
+
+class Worker:
+    """One side in its own process (this file with --worker)."""
+
+    def __init__(self, side: str):
+        self.side, self.name = side, SIDES[side]
+        self.proc = subprocess.Popen([sys.executable, "-u", __file__, "--worker", side], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self._read()  # {"ready": side} once loaded and warmed up
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark worker {self.side!r} died (exit code {self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def run_batch(self, batch: int, n: int) -> float:
+        return self.ask(run=[batch, n])["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+# ---------------------------------------------------------------- measuring (driver process)
+
+
+def decode_rates(workers: list[Worker], new_tokens: int, repeats: int) -> dict[str, dict[int, float]]:
+    """B * (N - 1) / (T(N) - T(1)) per side and batch; T is the best of `repeats` timings, taken
+    round-robin across sides so that a busy moment of the machine hits all of them alike."""
+    best: dict[tuple, float] = {}
+    for worker in workers:  # warm-up: allocators, lazy inits, compiled graphs
+        for batch in (1, 8):
+            worker.run_batch(batch, new_tokens)
+    for _ in range(repeats):
+        for batch in (1, 8):
+            for n in (new_tokens, 1):
+                for worker in workers:
+                    key = (worker.name, batch, n)
+                    best[key] = min(best.get(key, float("inf")), worker.run_batch(batch, n))
+    return {w.name: {b: b * (new_tokens - 1) / (best[(w.name, b, new_tokens)] - best[(w.name, b, 1)])
+                     for b in (1, 8)} for w in workers}
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class ForeignLoad:
+    """Share of the machine's CPU time used by processes other than this benchmark (this process
+    and the workers in `pids`) while the block runs (Linux).
+
+    Decode steps are short parallel regions: with 2 cores, one busy core elsewhere stalls every
+    OpenMP barrier, so numbers taken on a busy machine are meaningless. The table states how
+    busy the machine was; `wait_until_idle` waits for a quiet moment first.
+    """
+
+    def __init__(self, pids=()):
+        self.pids = (os.getpid(), *pids)
+
+    @staticmethod
+    def _machine_busy_s() -> float:
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def _own_busy_s(self) -> float:
+        return sum(_cpu_seconds(pid) for pid in self.pids)
+
+    def __enter__(self):
+        self._start = (time.perf_counter(), self._machine_busy_s(), self._own_busy_s())
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self._start[0]
+        foreign = (self._machine_busy_s() - self._start[1]) - (self._own_busy_s() - self._start[2])
+        self.share = max(0.0, foreign / (wall * os.cpu_count()))
+
+
+def wait_until_idle(max_wait_s: float, pids=(), threshold: float = 0.05, window_s: float = 5.0) -> float:
+    """Wait (up to max_wait_s) until other processes use < threshold of the CPUs for window_s; the
+    last window's share."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        with ForeignLoad(pids) as load:
+            time.sleep(window_s)
+        if load.share < threshold or time.monotonic() > deadline:
+            return load.share
+        print(f"[e2e] machine busy ({100 * load.share:.0f}% CPU used elsewhere), waiting ...", flush=True)
+
+
+def read_bandwidth(nbytes: int = 512 << 20) -> float:
+    """Bytes per second this machine reads (a sum over a large float32 tensor, best of 3)."""
+    import torch
+
+    data = torch.ones(nbytes // 4)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def machine(threads: int) -> str:
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model = re.search(r"Model name:\s*(.+)", lscpu).group(1).strip()
+    except (OSError, subprocess.CalledProcessError, AttributeError):
+        model = platform.processor() or "unknown CPU"
+    import torch
+
+    return (f"{os.cpu_count()}-core {model}, torch {torch.__version__} ({threads} threads), "
+            f"Python {platform.python_version()}")
+
+
+# ---------------------------------------------------------------- the report
+
+
+def render(rates: dict[str, dict[int, float]], new_tokens: int, foreign_share: float, info: dict) -> str:
+    names = list(rates)
+    base = names[0]
+    header = "| batch | " + " | ".join(f"{n} | ratio" if n != base else n for n in names) + " |"
+    rows = [header, "|---" * (1 + 2 * len(names) - 1) + "|"]
+    for batch in (1, 8):
+        cells = [f"{rates[base][batch]:.1f}"]
+        for name in names[1:]:
+            cells += [f"{rates[name][batch]:.1f}", f"{rates[name][batch] / rates[base][batch]:.2f}x"]
+        rows.append(f"| {batch} | " + " | ".join(cells) + " |")
+    return "\n".join([
+        SECTION,
+        "",
+        f"SmolLM2-135M-Instruct, float32, greedy, {new_tokens} new tokens, decode tokens/s "
+        "(`benchmarks/e2e_cpu.py`; method in its docstring; each side in its own process).",
+        f"Machine: {machine(info['threads'])}; dlinfer vendor `{info['vendor']}`. Other processes used "
+        f"{100 * foreign_share:.0f}% of the CPU time during the run.",
+        "",
+        *rows,
+        "",
+    ])
+
+
 def render_budget(budgets: dict[int, dict]) -> str:
     rows = ["| part of a decode step | " + " | ".join(f"batch {b}: ms/step | us/call" for b in budgets) + " |",
             "|---" * (1 + 2 * len(budgets)) + "|"]
@@ -224,53 +357,6 @@ def render_budget(budgets: dict[int, dict]) -> str:
                  "engine": "LMDeploy engine outside the model"}.get(key, f"`{key}`")
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
-
-
-def read_bandwidth(nbytes: int = 512 << 20) -> float:
-    """Bytes per second this machine reads (a sum over a large float32 tensor, best of 3)."""
-    import torch
-
-    data = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
-
-
-def machine() -> str:
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model = re.search(r"Model name:\s*(.+)", lscpu).group(1).strip()
-    except (OSError, subprocess.CalledProcessError, AttributeError):
-        model = platform.processor() or "unknown CPU"
-    import torch
-
-    return (f"{os.cpu_count()}-core {model}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-            f"Python {platform.python_version()}")
-
-
-def render(rates: dict[str, dict[int, float]], new_tokens: int, foreign_share: float) -> str:
-    names = list(rates)
-    base = names[0]
-    header = "| batch | " + " | ".join(f"{n} | ratio" if n != base else n for n in names) + " |"
-    rows = [header, "|---" * (1 + 2 * len(names) - 1) + "|"]
-    for batch in (1, 8):
-        cells = [f"{rates[base][batch]:.1f}"]
-        for name in names[1:]:
-            cells += [f"{rates[name][batch]:.1f}", f"{rates[name][batch] / rates[base][batch]:.2f}x"]
-        rows.append(f"| {batch} | " + " | ".join(cells) + " |")
-    return "\n".join([
-        SECTION,
-        "",
-        f"SmolLM2-135M-Instruct, float32, greedy, {new_tokens} new tokens, decode tokens/s "
-        "(`benchmarks/e2e_cpu.py`; method in its docstring).",
-        f"Machine: {machine()}. Other processes used {100 * foreign_share:.0f}% of the CPU time during the run.",
-        "",
-        *rows,
-        "",
-    ])
 
 
 def write_section(text: str) -> None:
@@ -293,44 +379,45 @@ def main(argv=None) -> int:
     parser.add_argument("--max-wait-idle", type=float, default=600,
                         help="seconds to wait for other processes to leave the CPUs before measuring")
     parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOC.relative_to(REPO_ROOT)}")
+    parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
 
     folder = build_smollm2()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True) for q in QUESTIONS]
-    runners, pipes = [hf_runner(folder, prompts)], []
-    for graph in (False, True) if args.graph else (False,):
-        runner, pipe = lmdeploy_runner(folder, prompts, graph)
-        runners.append(runner)
-        pipes.append(pipe)
+    sides = ["hf", "eager"] + (["graph"] if args.graph else [])
+    workers = []
     try:
-        wait_until_idle(args.max_wait_idle)
-        with ForeignLoad() as load:
-            rates = decode_rates(runners, args.new_tokens, args.repeats)
-        wait_until_idle(args.max_wait_idle)
-        with ForeignLoad() as budget_load:
-            budgets = {b: op_budget(pipes[0], prompts, b, args.new_tokens) for b in (1, 8)}
-        read_bw = read_bandwidth()
+        for side in sides:
+            print(f"[e2e] starting {SIDES[side]} ...", flush=True)
+            workers.append(Worker(side))
+        pids = [w.proc.pid for w in workers]
+        info = workers[1].ask(info=1)
+        wait_until_idle(args.max_wait_idle, pids)
+        with ForeignLoad(pids) as load:
+            rates = decode_rates(workers, args.new_tokens, args.repeats)
+        wait_until_idle(args.max_wait_idle, pids)
+        with ForeignLoad(pids) as budget_load:
+            budgets = {b: workers[1].ask(budget=[b, args.new_tokens]) for b in (1, 8)}
     finally:
-        for pipe in pipes:
-            pipe.close()
+        for worker in workers:
+            worker.close()
+    read_bw = read_bandwidth()
+    budgets = {int(b): v for b, v in budgets.items()}
     weight_mb = (folder / "model.safetensors").stat().st_size / 1e6
-    text = render(rates, args.new_tokens, load.share) + "\n" + "\n".join([
+    hf_rate = rates[SIDES["hf"]][1]
+    text = render(rates, args.new_tokens, load.share, info) + "\n" + "\n".join([
         "Where the time of an eager LMDeploy + dlinfer decode step goes (one timed generation per batch,",
         f"wall time of each `dlinfer.ops` call; other processes used {100 * budget_load.share:.0f}% of the CPU time):",
         "",
         render_budget(budgets),
         "",
         f"A decode step reads every weight once: {weight_mb:.0f} MB in float32. At batch 1 `linear` streams them "
-        f"at {weight_mb / budgets[1]['ms_per_step']['linear']:.1f} GB/s, which bounds decode at "
-        f"{1e3 / budgets[1]['ms_per_step']['linear']:.1f} tokens/s even if everything else took no time. "
-        f"This machine reads memory at {read_bw / 1e9:.1f} GB/s (same run), so reading the weights alone takes "
+        f"at {weight_mb / budgets[1]['ms_per_step']['linear']:.1f} GB/s. This machine reads memory at "
+        f"{read_bw / 1e9:.1f} GB/s (same run), so reading the weights alone takes "
         f"{weight_mb * 1e6 / read_bw * 1e3:.1f} ms: no float32 implementation decodes faster than "
-        f"{read_bw / (weight_mb * 1e6):.0f} tokens/s at batch 1 here "
-        f"({read_bw / (weight_mb * 1e6) / rates[runners[0].name][1]:.1f}x the HF rate above).",
+        f"{read_bw / (weight_mb * 1e6):.0f} tokens/s at batch 1 here ({read_bw / (weight_mb * 1e6) / hf_rate:.1f}x "
+        "the HF rate above).",
         "",
     ])
     print(text)

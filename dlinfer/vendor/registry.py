@@ -10,7 +10,7 @@ from dlinfer.errors import VendorError
 from dlinfer.vendor.base import Vendor
 
 ENTRY_POINT_GROUP = "dlinfer.vendors"
-IN_TREE = ("torch", "triton")  # in order of preference is decided per device in selection.py
+IN_TREE = ("torch", "cpu", "triton")  # the preference per device is decided in selection.py
 
 _loaded: Dict[str, Vendor] = {}
 _failures: Dict[str, str] = {}

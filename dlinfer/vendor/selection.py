@@ -1,4 +1,5 @@
-"""Which vendor runs an op: explicit choice, DLINFER_VENDOR, or the best in-tree vendor per device.
+"""Which vendor runs an op: explicit choice, DLINFER_VENDOR, or the best in-tree vendor per device
+(cpu on CPU tensors, triton on CUDA; the torch vendor where those cannot load, with a warning).
 
 Resolution of (op, device type) -> function is cached; `use()` / `reset()` clear the cache.
 An op the chosen vendor lacks (or that DLINFER_FALLBACK_OPS names) falls back to the torch vendor
@@ -28,11 +29,20 @@ def _default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# The in-tree vendor preferred on each device type (else the torch vendor).
+_PREFERRED = {"cuda": "triton", "cpu": "cpu"}
+
+
 def _default_for_device(device_type: str) -> Vendor:
-    if device_type == "cuda":
-        triton_vendor = registry.try_load("triton")
-        if triton_vendor is not None and "cuda" in triton_vendor.device_types:
-            return triton_vendor
+    name = _PREFERRED.get(device_type)
+    if name is not None:
+        vendor = registry.try_load(name)
+        if vendor is not None and device_type in vendor.device_types:
+            return vendor
+        if vendor is None and ("unavailable", name) not in _warned:
+            _warned.add(("unavailable", name))
+            warnings.warn(f"dlinfer: vendor {name!r} cannot load ({registry.failures().get(name)}); ops on "
+                          f"{device_type} run on the torch vendor", stacklevel=3)
     return registry.load("torch")
 
 

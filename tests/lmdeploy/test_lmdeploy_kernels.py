@@ -3,7 +3,7 @@
 These are the exact calls LMDeploy's dlinfer layers make (positional order, keywords, return
 values). Attention metadata comes from the CPU backend's `update_step_context`, caches are in
 the active vendor's layout, and every reference is written here as dense per-sequence float64
-math, independent of dlinfer's code.
+math, independent of dlinfer's code. Every test runs under each CPU vendor (torch, cpu).
 """
 
 from __future__ import annotations
@@ -19,6 +19,16 @@ import dlinfer.vendor
 from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend
 from lmdeploy.pytorch.kernels import dlinfer as kernels
 from lmdeploy.pytorch.kernels.dlinfer.activation import silu_and_mul
+
+CPU_VENDORS = [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
+
+
+@pytest.fixture(params=CPU_VENDORS, autouse=True)
+def vendor(request):
+    """The vendor every call of the test runs on."""
+    with dlinfer.vendor.using(request.param):
+        yield request.param
+
 
 # (atol, rtol) of a result in `dtype` against the float64 reference.
 TOLERANCE = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}
@@ -97,7 +107,7 @@ CASES = [  # (q_lens, history, is_decoding): which wrapper path LMDeploy takes
 def _run_paged_attention(q_lens, history, is_decoding, dtype, layout):
     """LMDeploy's paged_attention_fwd on one batch; (output, query buffer after, float64 reference)."""
     hq, hkv, d, block_size = 4, 2, 32, 16
-    with dlinfer.vendor.using("torch", kv_layout=layout):
+    with dlinfer.vendor.using(dlinfer.vendor.vendor_name, kv_layout=layout):
         b = _make_batch(q_lens, history, hq, hkv, d, block_size, dtype, layout, is_decoding, seed=len(q_lens))
         meta = b.meta
         kernels.fill_kv_cache(b.new_k, b.new_v, b.k_cache, b.v_cache, meta.kv_start_indices,
@@ -141,7 +151,7 @@ def test_paged_attention_fwd_inside_then_outside_inference_mode(q_lens, history,
 
 @pytest.mark.parametrize("layout", ["token_major", "head_major"])
 def test_fill_kv_cache_writes_exact_slots(layout):
-    with dlinfer.vendor.using("torch", kv_layout=layout):
+    with dlinfer.vendor.using(dlinfer.vendor.vendor_name, kv_layout=layout):
         b = _make_batch([5, 12], [3, 20], 4, 2, 16, 8, torch.float32, layout, False, seed=7)
         k_cache, v_cache = kernels.fill_kv_cache(b.new_k, b.new_v, b.k_cache, b.v_cache, b.meta.kv_start_indices,
                                                  k_scales_zeros=[], v_scales_zeros=[], quant_bits=0)

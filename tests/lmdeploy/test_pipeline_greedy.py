@@ -1,7 +1,8 @@
 """`lmdeploy.pipeline` on device_type="cpu" produces HF transformers' greedy tokens (float32).
 
 For each tiny model (Llama, Qwen2, Mixtral, Qwen2-MoE) a batch of prompts of different lengths
-runs through one engine, under two engine settings:
+runs through one engine (the default vendor, cpu; the torch vendor once per model too), under
+two engine settings:
 - prefix caching off, no chunking: prefill without history (`prefill_attention`) and decode;
 - prefix caching on and `max_prefill_token_num=32`: the longest prompt is prefilled in chunks,
   and the batch runs twice so the second pass starts from cached prefix blocks; both reach
@@ -49,11 +50,20 @@ def test_greedy_matches_hf_prefix_cache_off(name, model_dir, hf_reference, monke
     paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
     prefill = _CallCounter(monkeypatch, "prefill_attention")
     with cpu_pipeline(model_dir(name), enable_prefix_caching=False) as pipe:
+        assert dlinfer.vendor.vendor_name == "cpu"  # the default vendor for device_type="cpu"
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     lengths = [len(r.input_ids) for r in results]
     assert len(set(lengths)) == len(PROMPTS) and max(lengths) > 32, lengths
     assert_matches_hf(results, hf_reference(name), NEW_TOKENS)
     assert prefill.count > 0 and paged_prefill.count == 0
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_matches_hf_torch_vendor(name, model_dir, hf_reference):
+    """The torch vendor (the pure-PyTorch reference every op falls back to) end to end."""
+    with dlinfer.vendor.using("torch"), cpu_pipeline(model_dir(name), enable_prefix_caching=False) as pipe:
+        results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert_matches_hf(results, hf_reference(name), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -71,10 +81,11 @@ def test_greedy_matches_hf_prefix_cache_on_chunked_prefill(name, model_dir, hf_r
     assert prefix_hit_calls > 0, "the second pass did not start from cached prefix blocks"
 
 
-def test_greedy_matches_hf_head_major_kv_cache(model_dir, hf_reference, monkeypatch):
+@pytest.mark.parametrize("vendor", ["cpu", "torch"])
+def test_greedy_matches_hf_head_major_kv_cache(vendor, model_dir, hf_reference, monkeypatch):
     """The same engine with the vendor's other KV layout: caches [NB, Hkv, BS, D]."""
     paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
-    with dlinfer.vendor.using("torch", kv_layout="head_major"):
+    with dlinfer.vendor.using(vendor, kv_layout="head_major"):
         with cpu_pipeline(model_dir("llama"), enable_prefix_caching=True, max_prefill_token_num=32) as pipe:
             k_cache = pipe.async_engine.engine.executor.model_agent.cache_engine.gpu_cache[0][0]
             assert k_cache.shape[1:] == (2, 16, 32), k_cache.shape  # [NB, Hkv, BS, D]

@@ -70,6 +70,12 @@ LINEAR_CASES = [
     LinearCase("t37_k4096_n1000_bias", (37,), 4096, 1000, True, False),
     LinearCase("t129_k1000_n3072", (129,), 1000, 3072, False, False),
     LinearCase("b2_t3_k2048_n5120", (2, 3), 2048, 5120, False, False),
+    # few rows, K not a multiple of any vector width, odd N (row-pair kernels end on one row),
+    # weights large enough to be split across threads
+    LinearCase("t1_k2000_n601_bias", (1,), 2000, 601, True, False),
+    LinearCase("t8_k1000_n257", (8,), 1000, 257, False, False),
+    LinearCase("t5_k100_n70_bias", (5,), 100, 70, True, True),
+    LinearCase("t9_k333_n65", (9,), 333, 65, False, True),
 ]
 
 

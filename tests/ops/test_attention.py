@@ -64,6 +64,11 @@ DECODE_CASES = [
     AttnCase("b6_gqa4_d80_bs128_alibi", ((200, 1), (127, 1), (128, 1), (0, 1), (1000, 1), (77, 1)), 16, 4, 80,
              80, 128, False, lens_on_cpu=False, alibi=True),
     AttnCase("b3_multitoken_gqa5_d128_bs16", ((40, 4), (0, 3), (17, 5)), 10, 2, 128, 128, 16, False),
+    # One token, one kv head, a long history: too little work per (token, head) for the threads,
+    # so split-KV kernels cut the keys into several splits and merge them.
+    AttnCase("b1_long_gqa8_d128_bs16_split", ((1900, 1),), 8, 1, 128, 128, 16, False),
+    AttnCase("b2_long_gqa4_d64_bs32_split", ((1300, 1), (517, 1)), 4, 1, 64, 64, 32, False, index_dtype=I64,
+             alibi=True),
 ]
 
 

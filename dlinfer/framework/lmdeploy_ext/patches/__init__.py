@@ -15,6 +15,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     env_check,
     model_agent,
     model_dtype,
+    openmp_pool,
 )
 
 PATCHES = (
@@ -25,6 +26,7 @@ PATCHES = (
     env_check,         # LMDeploy's torch check runs on the engine's device
     cuda_calls,        # streams/events/"cuda" strings in the engine modules
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
+    openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up
 )
 
 

@@ -1,0 +1,62 @@
+"""The cpu vendor: C++ kernels for the decode-time hot path on CPUs.
+
+dlinfer's default on CPU tensors. Its kernels (`csrc/`, built on first use by `build.py`) cover
+what a decode step spends its time on: `linear` at few rows (a weight-streaming matrix-vector
+kernel; BLAS beyond 8 rows), `paged_decode_attention` read straight from the paged cache,
+`fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb` and `silu_and_mul`, each one
+call instead of several torch ops. Prefill attention and the MoE ops are the torch vendor's
+implementations, named as such in the op table (no fallback warning: they are this vendor's
+choice). float32/bfloat16/float16, both KV-cache layouts, ALiBi.
+
+When no C++ compiler can build the kernels, the vendor does not load (`python -m dlinfer env`
+says why) and CPU ops run on the torch vendor.
+"""
+
+from dlinfer.vendor.base import FEATURE_ALIBI, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
+
+NOTES = {
+    "linear": "C++: float32 at <= 8 rows, a weight-streaming kernel (each W row read once for all rows); "
+              "otherwise the torch vendor's path (oneDNN / F.linear)",
+    "paged_decode_attention": "C++: reads the paged cache in place, (token, kv head[, split]) per thread, "
+                              "GQA heads share each K/V row, online softmax in fp32, split-KV when the batch is small",
+    "fill_kv_cache": "C++: one row copy per (token, head), slots outside the cache skipped",
+    "rms_norm": "C++: one pass per row, fp32 statistics, HF Llama order",
+    "add_rms_norm": "C++: residual add fused into the rms_norm pass",
+    "apply_rotary_pos_emb": "C++: q and k in one call, fp32 rotate-half, partial rotary",
+    "silu_and_mul": "C++: fused fp32 silu(gate) * up",
+    "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
+    "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention)",
+    "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
+    "fused_moe": "the torch vendor's (tokens sorted by expert, GEMMs through this vendor's linear)",
+}
+
+
+def load() -> Vendor:
+    from dlinfer.vendor.cpu import build
+
+    build.build()  # raises when the kernels cannot be built: the registry records why
+
+    from dlinfer.vendor.cpu import activation, attention, kv_cache, linear, norm, rotary
+    from dlinfer.vendor.torch import attention as torch_attention
+    from dlinfer.vendor.torch import moe as torch_moe
+
+    ops = {
+        "rms_norm": norm.rms_norm,
+        "add_rms_norm": norm.add_rms_norm,
+        "apply_rotary_pos_emb": rotary.apply_rotary_pos_emb,
+        "fill_kv_cache": kv_cache.fill_kv_cache,
+        "prefill_attention": torch_attention.prefill_attention,
+        "paged_prefill_attention": torch_attention.paged_prefill_attention,
+        "paged_decode_attention": attention.paged_decode_attention,
+        "moe_gating_topk_softmax": torch_moe.moe_gating_topk_softmax,
+        "fused_moe": torch_moe.fused_moe,
+        "silu_and_mul": activation.silu_and_mul,
+        "linear": linear.linear,
+    }
+    return Vendor(
+        name="cpu",
+        device_types=("cpu",),
+        kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR),
+        ops=ops,
+        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI}), notes=dict(NOTES)),
+    )

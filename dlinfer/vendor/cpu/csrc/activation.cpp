@@ -1,0 +1,56 @@
+// silu_and_mul: out = silu(x[:, :I]) * x[:, I:] in float32 math, rounded as F.silu(gate) * up:
+//   silu(g) = g / (1 + exp(-g)), rounded to the activation dtype (F.silu stores it), times up,
+//   rounded to the activation dtype.
+#include "common.h"
+
+#include <cmath>
+#include <vector>
+
+namespace dlinfer_cpu {
+namespace {
+
+template <typename T>
+void silu_mul_rows(const T* x, int64_t ldx, T* out, int64_t N, int64_t I) {
+  auto rows = [&](int64_t begin, int64_t end) {
+    std::vector<float> g(I), u(I);
+    const Vec one(1.f);
+    for (int64_t n = begin; n < end; ++n) {
+      to_float(x + n * ldx, g.data(), I);
+      to_float(x + n * ldx + I, u.data(), I);
+      int64_t i = 0;
+      for (; i + kLanes <= I; i += kLanes) {
+        const Vec gv = Vec::loadu(g.data() + i);
+        (gv / (one + gv.neg().exp())).store(g.data() + i);
+      }
+      for (; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+      if constexpr (!std::is_same_v<T, float>) {
+        for (int64_t k = 0; k < I; ++k) g[k] = static_cast<float>(static_cast<T>(g[k]));
+      }
+      for (int64_t k = 0; k < I; ++k) g[k] *= u[k];
+      from_float(g.data(), out + n * I, I);
+    }
+  };
+  if (N * I * 2 * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {
+    rows(0, N);
+  } else {
+    at::parallel_for(0, N, 1, rows);
+  }
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [N, 2I], rows dense");
+  const int64_t N = x.size(0), I = x.size(1) / 2;
+  at::Tensor out = at::empty({N, I}, x.options());
+  dispatch_float(x.scalar_type(), "silu_and_mul",
+                 [&]<typename T>() { silu_mul_rows<T>(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), N, I); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+}
+
+}  // namespace dlinfer_cpu

@@ -1,0 +1,349 @@
+// paged_decode_attention: each query token attends to its sequence's cached keys, read straight
+// from the paged cache (no gather copy), in float32, with an online softmax.
+//
+// Work items are (token, kv head, split): the G = Hq / Hkv query heads that share a kv head are
+// done together, so each cached key and value row is read once per item and used G times. When
+// tokens x kv heads are too few to keep every thread busy (batch 1), each token's keys are cut
+// into S splits of whole blocks (flash-decoding): every split keeps its running max m, sum l and
+// weighted value sum, and a second pass merges the splits:
+//   M = max_s m_s,  out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+// Per block of BS keys: scores s = q.k * scale (+ alibi slope * (key pos - query pos)), then
+//   m' = max(m, max s);  l = l e^(m - m') + sum e^(s - m');  acc = acc e^(m - m') + sum e^(s - m') v.
+// Token i of sequence b (n_b new tokens) sits at position kv_len[b] - n_b + i and sees keys
+// 0 .. that position. Block ids are clamped into the cache and lengths into the block table (and
+// max_kv_seq_len), so bad metadata can never read outside the cache.
+#include "common.h"
+
+#include <cmath>
+#include <vector>
+
+namespace dlinfer_cpu {
+namespace {
+
+struct CacheView {
+  const void* data;
+  int64_t s_block, s_pos, s_head;  // element strides
+};
+
+struct DecodeArgs {
+  int64_t T, Hq, Hkv, G, D, Dv, NB, BS, Mb, S;
+  int64_t bytes;  // K/V bytes the call reads
+  float scale;
+  const float* alibi;  // [Hq] or nullptr
+  CacheView k, v;
+  const int64_t* tok_seq;  // [T] sequence of each token
+  const int64_t* tok_len;  // [T] keys each token sees (0 .. pos), clamped to the block table
+  const int64_t* tok_pos;  // [T] query position
+  IndexReader table;
+  int64_t s_table;
+};
+
+// Scratch of one work item, reused across the items a thread runs.
+struct ItemScratch {
+  std::vector<float> q, scores, acc, kbuf, vbuf, m, l;
+  void size(const DecodeArgs& a) {
+    q.resize(a.G * a.D);
+    scores.resize(a.G * a.BS);
+    acc.resize(a.G * a.Dv);
+    kbuf.resize(a.BS * a.D);  // a block's keys / values as float32 (bf16 / fp16 caches only)
+    vbuf.resize(a.BS * a.Dv);
+    m.resize(a.G);
+    l.resize(a.G);
+  }
+};
+
+// K/V bytes below which the whole call runs on the calling thread.
+constexpr int64_t kMinParallelAttentionBytes = 256 * 1024;
+
+// A block's n rows (keys or values) as float32: in place for a float32 cache, else converted
+// into `buf` (rows then `width` apart). Returns (rows, row stride).
+template <typename T>
+std::pair<const float*, int64_t> block_rows(const T* base, int64_t s_pos, int64_t n, int64_t width, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {base, s_pos};
+  } else {
+    for (int64_t p = 0; p < n; ++p) to_float(base + p * s_pos, buf + p * width, width);
+    return {buf, width};
+  }
+}
+
+// scores[g][p] = q_g . k_p for 4 keys at a time: 4 x G independent accumulator chains.
+inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, int64_t n,
+                         float* scores, int64_t lds) {
+  auto reduce = [](const Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v); };
+  int64_t p = 0;
+  for (; p + 4 <= n; p += 4) {
+    const float* k0 = k + p * ldk;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+      int64_t d = 0;
+      for (; d + kLanes <= D; d += kLanes) {
+        const Vec qv = Vec::loadu(qg + d);
+        a0 = at::vec::fmadd(qv, Vec::loadu(k0 + d), a0);
+        a1 = at::vec::fmadd(qv, Vec::loadu(k0 + ldk + d), a1);
+        a2 = at::vec::fmadd(qv, Vec::loadu(k0 + 2 * ldk + d), a2);
+        a3 = at::vec::fmadd(qv, Vec::loadu(k0 + 3 * ldk + d), a3);
+      }
+      if (d < D) {
+        const int64_t r = D - d;
+        const Vec qv = Vec::loadu(qg + d, r);
+        a0 = at::vec::fmadd(qv, Vec::loadu(k0 + d, r), a0);
+        a1 = at::vec::fmadd(qv, Vec::loadu(k0 + ldk + d, r), a1);
+        a2 = at::vec::fmadd(qv, Vec::loadu(k0 + 2 * ldk + d, r), a2);
+        a3 = at::vec::fmadd(qv, Vec::loadu(k0 + 3 * ldk + d, r), a3);
+      }
+      float* sg = scores + g * lds + p;
+      sg[0] = reduce(a0);
+      sg[1] = reduce(a1);
+      sg[2] = reduce(a2);
+      sg[3] = reduce(a3);
+    }
+  }
+  for (; p < n; ++p)
+    for (int64_t g = 0; g < G; ++g) scores[g * lds + p] = dot(q + g * D, k + p * ldk, D);
+}
+
+// acc[0:width] += sum_p w[p] * v[p][0:width] for NV (<= 4) full vectors: acc stays in registers.
+template <int NV>
+inline void weighted_rows(const float* w, const float* v, int64_t ldv, int64_t n, float* acc) {
+  Vec a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = Vec::loadu(acc + i * kLanes);
+  for (int64_t p = 0; p < n; ++p) {
+    const Vec wp(w[p]);
+    for (int i = 0; i < NV; ++i) a[i] = at::vec::fmadd(wp, Vec::loadu(v + p * ldv + i * kLanes), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) a[i].store(acc + i * kLanes);
+}
+
+// acc[0:Dv] += sum_p w[p] * v[p][0:Dv], in register-sized column chunks.
+inline void block_values(const float* w, const float* v, int64_t ldv, int64_t n, int64_t Dv, float* acc) {
+  int64_t d = 0;
+  for (; d + 4 * kLanes <= Dv; d += 4 * kLanes) weighted_rows<4>(w, v + d, ldv, n, acc + d);
+  switch ((Dv - d) / kLanes) {
+    case 3: weighted_rows<3>(w, v + d, ldv, n, acc + d); break;
+    case 2: weighted_rows<2>(w, v + d, ldv, n, acc + d); break;
+    case 1: weighted_rows<1>(w, v + d, ldv, n, acc + d); break;
+  }
+  d += (Dv - d) / kLanes * kLanes;
+  for (; d < Dv; ++d)
+    for (int64_t p = 0; p < n; ++p) acc[d] += w[p] * v[p * ldv + d];
+}
+
+// Softmax bookkeeping of one block for one head: scores s[0:n] become e^(s - m'), and m, l and
+// acc (Dv) are updated for the new maximum m'.
+inline void online_softmax(float* s, int64_t n, float& m, float& l, float* acc, int64_t Dv) {
+  float bmax = *std::max_element(s, s + n);
+  const float m_new = std::max(m, bmax);
+  const float corr = std::exp(m - m_new);  // 0 for the first block (m = -inf)
+  const Vec vm(m_new);
+  Vec vsum(0.f);
+  int64_t p = 0;
+  for (; p + kLanes <= n; p += kLanes) {
+    const Vec e = (Vec::loadu(s + p) - vm).exp();
+    e.store(s + p);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (; p < n; ++p) {
+    s[p] = std::exp(s[p] - m_new);
+    sum += s[p];
+  }
+  l = l * corr + sum;
+  m = m_new;
+  if (corr != 1.f) scale(corr, acc, Dv);
+}
+
+// Runs one (token, kv head, split) item; leaves m, l (per query head) and acc (G x Dv) in w.
+template <typename T>
+void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int64_t hkv, int64_t split,
+              ItemScratch& w) {
+  const int64_t G = a.G, D = a.D, Dv = a.Dv, BS = a.BS;
+  for (int64_t g = 0; g < G; ++g) to_float(q_tok + (hkv * G + g) * sq_h, w.q.data() + g * D, D);
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  const int64_t len = a.tok_len[t];
+  const int64_t blocks = (len + BS - 1) / BS;
+  const int64_t per_split = (blocks + a.S - 1) / a.S;
+  const int64_t j0 = split * per_split, j1 = std::min(blocks, j0 + per_split);
+  const int64_t seq = a.tok_seq[t], qpos = a.tok_pos[t];
+  const T* kc = static_cast<const T*>(a.k.data);
+  const T* vc = static_cast<const T*>(a.v.data);
+  for (int64_t j = j0; j < j1; ++j) {
+    int64_t blk = a.table[seq * a.s_table + j];
+    blk = std::min(std::max<int64_t>(blk, 0), a.NB - 1);
+    const int64_t n = std::min(BS, len - j * BS);
+    auto [k, ldk] = block_rows(kc + blk * a.k.s_block + hkv * a.k.s_head, a.k.s_pos, n, D, w.kbuf.data());
+    block_scores(w.q.data(), G, D, k, ldk, n, w.scores.data(), BS);
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = w.scores.data() + g * BS;
+      const float slope = a.alibi ? a.alibi[hkv * G + g] : 0.f;
+      for (int64_t p = 0; p < n; ++p) {
+        s[p] *= a.scale;
+        if (a.alibi) s[p] += slope * static_cast<float>(j * BS + p - qpos);
+      }
+      online_softmax(s, n, w.m[g], w.l[g], w.acc.data() + g * Dv, Dv);
+    }
+    auto [v, ldv] = block_rows(vc + blk * a.v.s_block + hkv * a.v.s_head, a.v.s_pos, n, Dv, w.vbuf.data());
+    for (int64_t g = 0; g < G; ++g) block_values(w.scores.data() + g * BS, v, ldv, n, Dv, w.acc.data() + g * Dv);
+  }
+}
+
+template <typename T>
+void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out) {
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t sq_t = query.stride(0), sq_h = query.stride(1);
+  const int64_t so_t = out.stride(0), so_h = out.stride(1);
+  const int64_t items = a.T * a.Hkv * a.S;
+  const int64_t G = a.G, Dv = a.Dv, S = a.S;
+  // Partial results of every split (S > 1 only): m, l [T, Hq, S]; acc [T, Hq, S, Dv].
+  std::vector<float> part_ml, part_acc;
+  if (S > 1) {
+    part_ml.resize(a.T * a.Hq * S * 2);
+    part_acc.resize(a.T * a.Hq * S * Dv);
+  }
+  auto run_items = [&](int64_t begin, int64_t end) {
+    thread_local ItemScratch w;
+    w.size(a);
+    const float* m = w.m.data();
+    const float* l = w.l.data();
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t split = it % S, hkv = (it / S) % a.Hkv, t = it / (S * a.Hkv);
+      run_item<T>(a, q + t * sq_t, sq_h, t, hkv, split, w);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = hkv * G + g;
+        const float* acc = w.acc.data() + g * Dv;
+        if (S == 1) {
+          const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // a token that sees no key gets zeros
+          float* row = w.vbuf.data();  // free between items
+          for (int64_t i = 0; i < Dv; ++i) row[i] = acc[i] * inv;
+          from_float(row, o + t * so_t + h * so_h, Dv);
+        } else {
+          const int64_t pi = (t * a.Hq + h) * S + split;
+          part_ml[pi * 2] = m[g];
+          part_ml[pi * 2 + 1] = l[g];
+          std::memcpy(part_acc.data() + pi * Dv, acc, Dv * sizeof(float));
+        }
+      }
+    }
+  };
+  if (a.bytes < kMinParallelAttentionBytes) {
+    run_items(0, items);  // a few hundred keys: less work than waking the pool
+  } else {
+    at::parallel_for(0, items, 1, run_items);
+  }
+  if (S == 1) return;
+  at::parallel_for(0, a.T * a.Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(Dv);
+    for (int64_t th = begin; th < end; ++th) {
+      const float* ml = part_ml.data() + th * S * 2;
+      float mmax = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < S; ++s) mmax = std::max(mmax, ml[s * 2]);
+      std::fill(row.begin(), row.end(), 0.f);
+      float total = 0.f;
+      if (mmax > -std::numeric_limits<float>::infinity()) {
+        for (int64_t s = 0; s < S; ++s) {
+          if (ml[s * 2 + 1] == 0.f) continue;
+          const float f = std::exp(ml[s * 2] - mmax);
+          total += f * ml[s * 2 + 1];
+          axpy(f, part_acc.data() + (th * S + s) * Dv, row.data(), Dv);
+        }
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t i = 0; i < Dv; ++i) row[i] *= inv;
+      const int64_t t = th / a.Hq, h = th % a.Hq;
+      from_float(row.data(), o + t * so_t + h * so_h, Dv);
+    }
+  });
+}
+
+// Splits per (token, kv head): only when tokens x kv heads leave threads idle (fewer than two items
+// per thread), and never below 256 keys a split.
+int64_t num_splits(int64_t tokens, int64_t kv_heads, int64_t longest, int64_t block_size, int64_t threads) {
+  const int64_t base = tokens * kv_heads;
+  if (base == 0 || base >= 2 * threads) return 1;
+  const int64_t want = (2 * threads + base - 1) / base;
+  const int64_t most = std::max<int64_t>(1, ((longest + block_size - 1) / block_size * block_size) / 256);
+  return std::min(want, most);
+}
+
+CacheView cache_view(const at::Tensor& cache, bool head_major) {
+  // token_major [NB, BS, H, D]; head_major [NB, H, BS, D]
+  return head_major ? CacheView{cache.data_ptr(), cache.stride(0), cache.stride(2), cache.stride(1)}
+                    : CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
+                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out, bool head_major) {
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "paged_decode_attention: the last dim of query, out and the caches must be dense");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(), "paged_decode_attention: dtypes must match");
+  TORCH_CHECK(cu_seqlens_q.is_contiguous() && kv_seq_len.is_contiguous(), "lengths must be contiguous");
+  DecodeArgs a{};
+  a.T = query.size(0);
+  a.Hq = query.size(1);
+  a.D = query.size(2);
+  a.Hkv = head_major ? key_cache.size(1) : key_cache.size(2);
+  a.BS = head_major ? key_cache.size(2) : key_cache.size(1);
+  a.NB = key_cache.size(0);
+  a.Dv = value_cache.size(3);
+  a.G = a.Hq / a.Hkv;
+  a.Mb = block_table.size(1);
+  a.scale = static_cast<float>(softmax_scale);
+  a.k = cache_view(key_cache, head_major);
+  a.v = cache_view(value_cache, head_major);
+  a.table = IndexReader(block_table);
+  a.s_table = block_table.stride(0);
+  TORCH_CHECK(block_table.stride(1) == 1, "block_table rows must be dense");
+  if (alibi_slopes.has_value()) {
+    TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous(), "alibi_slopes");
+    a.alibi = alibi_slopes->data_ptr<float>();
+  }
+  if (a.T == 0 || a.NB == 0) {
+    if (a.T) out.zero_();
+    return;
+  }
+  // Per token: its sequence, position and the number of keys it sees.
+  const int64_t B = kv_seq_len.size(0);
+  IndexReader cu(cu_seqlens_q), kvl(kv_seq_len);
+  std::vector<int64_t> tok_seq(a.T, 0), tok_len(a.T, 0), tok_pos(a.T, 0);
+  const int64_t cap = std::min(a.Mb * a.BS, std::max<int64_t>(max_kv_seq_len, 0));
+  int64_t longest = 0, keys = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t start = std::max<int64_t>(cu[b], 0), end = std::min<int64_t>(cu[b + 1], a.T);
+    for (int64_t t = start; t < end; ++t) {
+      const int64_t pos = kvl[b] - (cu[b + 1] - cu[b]) + (t - cu[b]);
+      tok_seq[t] = b;
+      tok_pos[t] = pos;
+      tok_len[t] = std::min(std::max<int64_t>(pos + 1, 0), cap);
+      longest = std::max(longest, tok_len[t]);
+      keys += tok_len[t];
+    }
+  }
+  a.tok_seq = tok_seq.data();
+  a.tok_len = tok_len.data();
+  a.tok_pos = tok_pos.data();
+  a.bytes = keys * a.Hkv * (a.D + a.Dv) * static_cast<int64_t>(query.element_size());
+  a.S = num_splits(a.T, a.Hkv, longest, a.BS, at::get_num_threads());
+  dispatch_float(query.scalar_type(), "paged_decode_attention", [&]<typename T>() { decode<T>(a, query, out); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+      "Tensor cu_seqlens_q, Tensor kv_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
+      "Tensor(a!) out, bool head_major) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.def("decode_num_splits(int tokens, int kv_heads, int longest, int block_size, int threads) -> int",
+        &num_splits);
+}
+
+}  // namespace dlinfer_cpu

@@ -1,0 +1,106 @@
+// linear for few rows: y[M, N] = x[M, K] W[N, K]^T (+ bias), float32, M <= kMaxRows.
+//
+// At decode sizes (one to a few tokens) a linear layer is a matrix-vector product bound by the
+// speed at which W streams from memory; BLAS kernels built for large M leave half of that
+// bandwidth unused. Here each thread walks a contiguous band of W's rows front to back, two rows
+// at a time, and every row of W, once loaded, is used for all M rows of x: 2 x M vector
+// accumulators (16 at M = 8, plus 8 vectors of x and 2 of W: the 32 AVX-512 registers), one
+// horizontal sum per output. At M = 8 the FMAs alone take as long as the memory stream, so the
+// two only overlap when the stream is requested well ahead: a software prefetch into L2 runs
+// 16 KB ahead of the loads (measured on Zen 4: M = 8 from 13 to 28 GB/s, M = 1 unchanged at
+// ~28 GB/s, the machine's read bandwidth). Bigger M is compute-bound: the caller uses BLAS.
+#include "common.h"
+
+namespace dlinfer_cpu {
+namespace {
+
+constexpr int kMaxRows = 8;
+constexpr int64_t kPrefetchFloats = 4096;  // 16 KB ahead in the weight stream
+
+template <int M, int R>
+void rows_band(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
+               int64_t K, int64_t N) {
+  const int64_t kv = K - K % kLanes;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    Vec acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
+    const float* wr = w + n * K;
+    for (int64_t k = 0; k < kv; k += kLanes) {
+      Vec wv[R];
+      for (int r = 0; r < R; ++r) {
+        __builtin_prefetch(wr + r * K + k + kPrefetchFloats, 0, 1);  // prefetcht2
+        wv[r] = Vec::loadu(wr + r * K + k);
+      }
+      for (int m = 0; m < M; ++m) {
+        const Vec xv = Vec::loadu(x + m * ldx + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = at::vec::fmadd(wv[r], xv, acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int m = 0; m < M; ++m) {
+        if (kv < K) {  // K tail: a partial vector (the missing lanes load as zero)
+          acc[r][m] = at::vec::fmadd(Vec::loadu(wr + r * K + kv, K - kv), Vec::loadu(x + m * ldx + kv, K - kv),
+                                     acc[r][m]);
+        }
+        float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][m]);
+        y[m * N + n + r] = bias ? s + bias[n + r] : s;
+      }
+    }
+  }
+  if (n < n1) rows_band<M, 1>(x, ldx, w, bias, y, n, n1, K, N);  // R > 1: the last rows one by one
+}
+
+template <int M>
+void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
+  constexpr int R = 2;
+  const int64_t bytes = N * K * static_cast<int64_t>(sizeof(float));
+  if (bytes < kMinParallelBytes) {
+    rows_band<M, R>(x, ldx, w, bias, y, 0, N, K, N);
+    return;
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max<int64_t>((N + threads - 1) / threads, 1);
+  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { rows_band<M, R>(x, ldx, w, bias, y, b, e, K, N); });
+}
+
+at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_few_rows: shapes");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear_few_rows: float32 only");
+  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "linear_few_rows: x rows and weight must be dense");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M <= kMaxRows, "linear_few_rows: at most ", kMaxRows, " rows");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias");
+    b = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldx = x.stride(0);
+  switch (M) {
+    case 0: break;
+    case 1: run_rows<1>(xp, ldx, wp, b, yp, K, N); break;
+    case 2: run_rows<2>(xp, ldx, wp, b, yp, K, N); break;
+    case 3: run_rows<3>(xp, ldx, wp, b, yp, K, N); break;
+    case 4: run_rows<4>(xp, ldx, wp, b, yp, K, N); break;
+    case 5: run_rows<5>(xp, ldx, wp, b, yp, K, N); break;
+    case 6: run_rows<6>(xp, ldx, wp, b, yp, K, N); break;
+    case 7: run_rows<7>(xp, ldx, wp, b, yp, K, N); break;
+    case 8: run_rows<8>(xp, ldx, wp, b, yp, K, N); break;
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def("linear_few_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("linear_few_rows", c10::DispatchKey::CPU, &linear_few_rows);
+  m.def("max_few_rows() -> int", []() -> int64_t { return kMaxRows; });
+}
+
+}  // namespace dlinfer_cpu

@@ -1,0 +1,90 @@
+// rms_norm and add_rms_norm, one pass per row, float32 statistics, HF Llama order:
+//   s   = h + r                       (add_rms_norm: rounded to the activation dtype, returned)
+//   y   = s * (1 / sqrt(mean(s^2) + eps))   in float32, rounded to the activation dtype
+//   out = y * w                       (product in float32, rounded to the activation dtype; w is
+//                                      passed as float32, so a float32 weight of a bf16 model
+//                                      multiplies unrounded, as in PyTorch's type promotion)
+#include "common.h"
+
+#include <cmath>
+#include <vector>
+
+namespace dlinfer_cpu {
+namespace {
+
+template <typename T>
+void norm_rows(const T* x, int64_t ldx, const T* r, int64_t ldr, const float* wf, T* out, T* summed, int64_t N, int64_t H,
+               float eps) {
+  auto rows = [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(H), rf(r ? H : 0);
+    for (int64_t n = begin; n < end; ++n) {
+      float* s = buf.data();
+      to_float(x + n * ldx, s, H);
+      if (r) {
+        to_float(r + n * ldr, rf.data(), H);
+        for (int64_t i = 0; i < H; ++i) s[i] = s[i] + rf[i];
+        from_float(s, summed + n * H, H);  // the sum in the activation dtype ...
+        to_float(summed + n * H, s, H);    // ... is what gets normalised
+      }
+      Vec acc(0.f);
+      int64_t i = 0;
+      for (; i + kLanes <= H; i += kLanes) {
+        Vec v = Vec::loadu(s + i);
+        acc = at::vec::fmadd(v, v, acc);
+      }
+      float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+      for (; i < H; ++i) ss += s[i] * s[i];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* o = out + n * H;
+      for (int64_t k = 0; k < H; ++k) {
+        const T y = static_cast<T>(s[k] * inv);
+        o[k] = static_cast<T>(static_cast<float>(y) * wf[k]);
+      }
+    }
+  };
+  if (N * H * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {
+    rows(0, N);
+  } else {
+    at::parallel_for(0, N, 1, rows);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
+                                        const at::Tensor& weight, double eps) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1 && weight.is_contiguous(), "rms_norm: shapes");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == hidden.size(1), "rms_norm: weight must be float32 [H]");
+  const int64_t N = hidden.size(0), H = hidden.size(1);
+  at::Tensor out = at::empty({N, H}, hidden.options());
+  at::Tensor summed;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->scalar_type() == hidden.scalar_type(),
+                "add_rms_norm: residual");
+    summed = at::empty({N, H}, hidden.options());
+  }
+  dispatch_float(hidden.scalar_type(), "rms_norm", [&]<typename T>() {
+    norm_rows<T>(hidden.data_ptr<T>(), hidden.stride(0), residual ? residual->data_ptr<T>() : nullptr,
+                 residual ? residual->stride(0) : 0, weight.data_ptr<float>(), out.data_ptr<T>(),
+                 residual ? summed.data_ptr<T>() : nullptr, N, H, static_cast<float>(eps));
+  });
+  return {out, summed};
+}
+
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm(hidden, std::nullopt, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return norm(hidden, residual, weight, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def("rms_norm(Tensor hidden_states, Tensor weight, float epsilon) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("add_rms_norm(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+}
+
+}  // namespace dlinfer_cpu

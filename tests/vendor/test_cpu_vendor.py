@@ -1,0 +1,122 @@
+"""The cpu vendor: selection, which path each call takes, and what bad metadata cannot do.
+
+Its numerics are covered by the op parity suite (tests/ops runs every available vendor); this file
+checks what is particular to it.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import dlinfer.vendor
+from dlinfer.vendor import registry, selection
+
+pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(),
+                                reason=f"cpu vendor cannot load here: {registry.failures().get('cpu')}")
+
+
+def _run(code: str, **env) -> str:
+    import os
+
+    full_env = {**os.environ, **env}
+    for key, value in env.items():
+        if value is None:
+            full_env.pop(key)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_default_vendor_on_cpu_is_cpu_and_env_overrides_it():
+    code = "import dlinfer.vendor as V, dlinfer.ops as ops, torch; ops.rms_norm(torch.ones(1, 8), torch.ones(8)); " \
+           "print(V.vendor_name, V.current('cpu').name)"
+    assert _run(code, DLINFER_VENDOR=None) == "cpu cpu"
+    assert _run(code, DLINFER_VENDOR="torch") == "torch torch"
+
+
+def test_a_cpu_vendor_that_cannot_build_leaves_the_torch_vendor_with_a_warning(monkeypatch):
+    def broken():
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(registry, "_loaded", {k: v for k, v in registry._loaded.items() if k != "cpu"})
+    monkeypatch.setattr(registry, "_failures", {})
+    real = registry._load_uncached
+    monkeypatch.setattr(registry, "_load_uncached", lambda name: broken() if name == "cpu" else real(name))
+    selection.reset()
+    try:
+        with pytest.warns(UserWarning, match=r"vendor 'cpu' cannot load \(RuntimeError: no C\+\+ compiler\)"):
+            assert selection.current("cpu").name == "torch"
+        assert "cpu" not in registry.available()
+    finally:
+        selection.reset()
+
+
+def test_linear_path_choice():
+    from dlinfer.vendor.cpu import linear as cpu_linear
+
+    w = torch.randn(5, 7)
+    for rows in range(cpu_linear.MAX_ROWS + 1):
+        assert cpu_linear.uses_few_rows(torch.randn(rows, 7), w, None)
+    assert cpu_linear.MAX_ROWS == 8
+    assert not cpu_linear.uses_few_rows(torch.randn(cpu_linear.MAX_ROWS + 1, 7), w, None)  # BLAS beyond
+    assert not cpu_linear.uses_few_rows(torch.randn(1, 7, dtype=torch.bfloat16), w.bfloat16(), None)
+    assert not cpu_linear.uses_few_rows(torch.randn(1, 7), torch.randn(7, 5).t(), None)  # strided weight
+    assert not cpu_linear.uses_few_rows(torch.randn(1, 7, requires_grad=True), w, None)  # autograd records it
+    with torch.inference_mode():
+        assert cpu_linear.uses_few_rows(torch.randn(1, 7, requires_grad=True), w, None)
+    x = torch.randn(3, 20)[:, 2:9]  # row stride 20: rows need only be dense
+    assert cpu_linear.uses_few_rows(x, w, torch.randn(5))
+    torch.testing.assert_close(cpu_linear.linear(x, w, None), x.double().matmul(w.double().t()).float())
+
+
+@pytest.mark.parametrize("tokens,kv_heads,longest,threads,splits", [
+    (1, 1, 1901, 2, 4),    # tests/ops "b1_long_..._split": 4 splits on this 2-thread machine
+    (2, 1, 1301, 2, 2),    # "b2_long_..._split"
+    (1, 1, 200, 2, 1),     # too short to split (< 256 keys a split)
+    (1, 3, 4000, 2, 2),    # 3 items for 2 threads
+    (8, 8, 4000, 16, 1),   # enough items
+    (0, 8, 0, 2, 1),
+])
+def test_decode_split_rule(tokens, kv_heads, longest, threads, splits):
+    assert torch.ops.dlinfer_cpu.decode_num_splits(tokens, kv_heads, longest, 16, threads) == splits
+
+
+def test_parity_suite_exercises_the_split_kernel():
+    assert torch.get_num_threads() >= 1
+    for tokens, longest in ((1, 1901), (2, 1301)):
+        assert torch.ops.dlinfer_cpu.decode_num_splits(tokens, 1, longest, 16, torch.get_num_threads()) > 1
+
+
+def test_garbage_block_ids_and_slots_stay_inside_the_caches():
+    """Value checks off (the op layer would reject these): the kernels themselves must clamp
+    block ids and skip slots outside the cache rather than touch memory they do not own."""
+    vendor = dlinfer.vendor.get("cpu")
+    nb, bs, h, d = 3, 4, 2, 16
+    k_cache = torch.randn(nb, bs, h, d)
+    v_cache = torch.randn(nb, bs, h, d)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    key, value = torch.randn(4, h, d), torch.randn(4, h, d)
+    slots = torch.tensor([-1, nb * bs, 2**40, 5])
+    vendor.ops["fill_kv_cache"](key, value, k_cache, v_cache, slots, "token_major")
+    before_k.view(-1, h, d)[5] = key[3]
+    before_v.view(-1, h, d)[5] = value[3]
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+    q = torch.randn(2, 4, d)
+    out = torch.full((2, 4, d), float("nan"))
+    table = torch.tensor([[2**30, -5, 1], [0, 7, 2**20]], dtype=torch.int64)
+    vendor.ops["paged_decode_attention"](q, k_cache, v_cache, table, torch.tensor([0, 1, 2], dtype=torch.int32),
+                                         torch.tensor([12, 9], dtype=torch.int32), 12, d ** -0.5, None, out,
+                                         "token_major")
+    assert torch.isfinite(out).all()
+
+
+def test_kernels_are_built_for_the_detected_instruction_set():
+    from dlinfer.vendor.cpu import build
+
+    assert build.module_name().endswith(build.isa().lower())
+    assert build.isa() in ("AVX512", "AVX2", "DEFAULT")
+    assert "-ffp-contract=off" in build.flags()
