@@ -134,12 +134,13 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int) -> dict:
     """
     import dlinfer.ops
     import lmdeploy.pytorch.engine.model_agent.agent as agent
+    from dlinfer.vendor import OP_NAMES
     from dlinfer.framework.lmdeploy_ext.backend.op_backend import DlinferDeviceOpsBackend
     from lmdeploy import GenerationConfig
 
     totals, calls = Counter(), Counter()
     with contextlib.ExitStack() as stack:
-        for name in dlinfer.ops.__all__:
+        for name in OP_NAMES:
             stack.enter_context(_timed(dlinfer.ops, name, totals, calls))
         stack.enter_context(_timed(DlinferDeviceOpsBackend, "update_step_context", totals, calls))
         stack.enter_context(_timed(agent, "model_forward", totals, calls, "model call"))

@@ -14,12 +14,25 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+_check_values: Optional[bool] = None  # None: read DLINFER_CHECK_VALUES at the next op call
+
+
+def set_value_checks(enabled: Optional[bool]) -> None:
+    """Turn the value checks on or off for this process; None re-reads DLINFER_CHECK_VALUES
+    (otherwise read once, when the first op runs)."""
+    global _check_values
+    _check_values = enabled
+
+
 def check_values_enabled() -> bool:
     # Value checks read tensor data: under torch.compile they would be data-dependent graph
     # breaks (fullgraph=True fails), so they run in eager mode only.
+    global _check_values
     if torch.compiler.is_compiling():
         return False
-    return os.environ.get("DLINFER_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+    if _check_values is None:
+        _check_values = os.environ.get("DLINFER_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+    return _check_values
 
 
 def describe(t) -> str:
@@ -54,12 +67,24 @@ def tensor(
     for i, d in enumerate(dims):
         if d.__class__ is int and shape[i] != d:
             raise InvalidArgumentError(op, name, f"size {d} in dim {i} of {_spec(dims)}", describe(t))
-    if dtypes is not None and t.dtype not in dtypes:
-        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
-        raise InvalidArgumentError(op, name, f"dtype {names}", describe(t))
+    if dtypes is not None:
+        dtype_in(op, name, t, dtypes)
     if device is not None and t.device != device:
         raise InvalidArgumentError(op, name, f"device {device}", describe(t))
     return t
+
+
+def rank_at_least(op: str, name: str, t, rank: int, spec: str) -> int:
+    """t.dim() of a tensor of rank >= `rank` (spec names the expected shape in the error)."""
+    if not isinstance(t, torch.Tensor) or t.dim() < rank:
+        raise InvalidArgumentError(op, name, f"a tensor {spec}", describe(t))
+    return t.dim()
+
+
+def dtype_in(op: str, name: str, t: torch.Tensor, dtypes: Sequence[torch.dtype]) -> None:
+    if t.dtype not in dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise InvalidArgumentError(op, name, f"dtype {names}", describe(t))
 
 
 def same_dtype(op: str, name: str, t: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Callable, Tuple
 
 import torch
 
@@ -25,12 +26,20 @@ class _Tracing:
         return copy.copy(resolve(op, device_type)[1])
 
 
-def vendor_for(op: str, device: torch.device) -> Vendor:
-    """The vendor that will run `op` on `device` (after any fallback to torch)."""
-    vendor = _Tracing.vendor(op, device.type) if torch.compiler.is_compiling() else resolve(op, device.type)[1]
-    if "*" not in vendor.device_types and device.type not in vendor.device_types:
-        raise UnsupportedError(vendor.name, op, f"tensors on device type {device.type!r}")
-    return vendor
+def kernel_for(op: str, device: torch.device) -> Tuple[Callable, Vendor]:
+    """(what to call with the canonical arguments, the vendor behind it) for `op` on `device`.
+
+    Eagerly that is the vendor's function itself (after any fallback to torch); while
+    torch.compile traces it is `torch.ops.dlinfer.<op>`, so the op becomes one graph node.
+    """
+    device_type = device.type
+    if torch.compiler.is_compiling():
+        fn, vendor = getattr(torch.ops.dlinfer, op), _Tracing.vendor(op, device_type)
+    else:
+        fn, vendor = resolve(op, device_type)
+    if device_type not in vendor.device_types and "*" not in vendor.device_types:
+        raise UnsupportedError(vendor.name, op, f"tensors on device type {device_type!r}")
+    return fn, vendor
 
 
 def require(vendor: Vendor, op: str, feature: str) -> None:
@@ -48,8 +57,3 @@ def check_head_dim(vendor: Vendor, op: str, head_dim: int) -> None:
     if dims is not None and head_dim not in dims:
         raise UnsupportedError(vendor.name, op, f"head dim {head_dim} (supported: {dims})")
 
-
-def run(op: str, device: torch.device, *args):
-    if torch.compiler.is_compiling():
-        return getattr(torch.ops.dlinfer, op)(*args)
-    return resolve(op, device.type)[0](*args)

@@ -6,8 +6,9 @@ Deriving canonical metadata from them (cumulative offsets, int32 casts, a decode
 once per step instead of once per layer removes most host overhead of small decode steps.
 
 Only for SMALL metadata tensors. A tensor argument matches the remembered one when:
-- on the CPU: same shape, dtype and strides and equal contents (compared against a private
-  copy: a few microseconds for lengths and block tables, and immune to in-place edits);
+- on the CPU: same dtype, shape and strides and equal contents. Contents are compared as Python
+  lists up to `_LIST_LIMIT` elements (well under a microsecond for lengths), beyond that with
+  `torch.equal` against a private copy; either way immune to in-place edits;
 - on an accelerator: same memory viewed the same way (data pointer, shape, strides, dtype) with
   an unchanged version counter (bumped by any in-place write). The previous arguments are kept
   alive, so their memory cannot be reused by a new tensor while remembered. Inference-mode
@@ -21,25 +22,62 @@ from typing import Any, Callable, Tuple
 
 import torch
 
+_LIST_LIMIT = 256  # CPU tensors up to this many elements are fingerprinted by their values
+
 
 class _Uncacheable(Exception):
     pass
 
 
-def _key(a):
+class _Copy:
+    """Fingerprint of a larger CPU tensor: equal to a tensor of the same contents."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.clone()
+
+    def __eq__(self, other):
+        return isinstance(other, _Copy) and torch.equal(self.tensor, other.tensor)
+
+
+def _fingerprint(a):
     if not isinstance(a, torch.Tensor):
         return a
-    if a.device.type == "cpu":
-        return ("cpu", a.shape, a.stride(), a.dtype)
+    if a.is_cpu:
+        meta = (a.dtype, a.shape, a.stride())
+        return (meta, a.tolist()) if a.numel() <= _LIST_LIMIT else (meta, _CopyRef(a))
     if a.is_inference():
         raise _Uncacheable
     return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, a._version)
 
 
+class _CopyRef:
+    """A larger CPU tensor argument, compared by contents against a remembered `_Copy`."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def __eq__(self, other):
+        return isinstance(other, _Copy) and torch.equal(self.tensor, other.tensor)
+
+    def freeze(self) -> _Copy:
+        return _Copy(self.tensor)
+
+
+def _frozen(fp):
+    """A fingerprint safe to keep: large CPU tensors replaced by private copies."""
+    if isinstance(fp, tuple) and len(fp) == 2 and isinstance(fp[1], _CopyRef):
+        return (fp[0], fp[1].freeze())
+    return fp
+
+
 class LastCallMemo:
     """Remembers f(*args) for the last args seen (see the module docstring for what matches)."""
 
-    __slots__ = ("_fn", "_key", "_args", "_copies", "_value")
+    __slots__ = ("_fn", "_key", "_args", "_value")
 
     def __init__(self, fn: Callable):
         self._fn = fn
@@ -48,21 +86,20 @@ class LastCallMemo:
     def clear(self) -> None:
         self._key = None
         self._args: Tuple = ()  # kept alive on purpose (see the module docstring)
-        self._copies: Tuple = ()  # private copies of the CPU tensor arguments
         self._value: Any = None
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             return self._fn(*args)
         try:
-            key = tuple(_key(a) for a in args)
+            key = tuple(_fingerprint(a) for a in args)
         except _Uncacheable:
             return self._fn(*args)
-        if key == self._key:
-            cpu_args = [a for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu"]
-            if all(torch.equal(a, c) for a, c in zip(cpu_args, self._copies)):
-                return self._value
+        # Compare new (left) against remembered (right): _CopyRef.__eq__ runs against the _Copy.
+        if self._key is not None and len(key) == len(self._key) and all(
+                k == r for k, r in zip(key, self._key)):
+            return self._value
         value = self._fn(*args)
-        self._copies = tuple(a.clone() for a in args if isinstance(a, torch.Tensor) and a.device.type == "cpu")
-        self._args, self._key, self._value = args, key, value
+        self._key = tuple(_frozen(k) for k in key)
+        self._args, self._value = args, value
         return value

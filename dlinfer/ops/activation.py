@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops._dispatch import check_dtype, run, vendor_for
+from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
 def silu_and_mul(input_tensor: Tensor, dim: int = -1) -> Tensor:
@@ -15,19 +15,19 @@ def silu_and_mul(input_tensor: Tensor, dim: int = -1) -> Tensor:
     Returns a new tensor [..., I] in the input dtype.
     """
     op = "silu_and_mul"
-    if not isinstance(input_tensor, Tensor) or input_tensor.dim() < 1:
-        raise C.InvalidArgumentError(op, "input_tensor", "a tensor [..., 2I]", C.describe(input_tensor))
-    C.tensor(op, "input_tensor", input_tensor, ["..."] * input_tensor.dim(), C.FLOAT_DTYPES)
-    ndim = input_tensor.dim()
+    ndim = C.rank_at_least(op, "input_tensor", input_tensor, 1, "[..., 2I]")
+    C.dtype_in(op, "input_tensor", input_tensor, C.FLOAT_DTYPES)
     if not isinstance(dim, int) or not -ndim <= dim < ndim:
         raise C.InvalidArgumentError(op, "dim", f"an int in [{-ndim}, {ndim})", C.describe(dim))
     dim = dim % ndim
     if input_tensor.shape[dim] % 2:
         raise C.InvalidArgumentError(op, "input_tensor", f"an even size in dim {dim}", C.describe(input_tensor))
-    vendor = vendor_for(op, input_tensor.device)
+    kernel, vendor = kernel_for(op, input_tensor.device)
     check_dtype(vendor, op, input_tensor.dtype)
+    if ndim == 2 and dim == 1:
+        return kernel(input_tensor)
     x = input_tensor if dim == ndim - 1 else input_tensor.movedim(dim, -1)
     lead = x.shape[:-1]
-    out = run(op, x.device, x.reshape(-1, x.shape[-1]))
+    out = kernel(x.reshape(-1, x.shape[-1]))
     out = out.view(*lead, x.shape[-1] // 2)
     return out if dim == ndim - 1 else out.movedim(-1, dim)

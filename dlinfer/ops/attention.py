@@ -19,7 +19,7 @@ from torch import Tensor
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
 from dlinfer.ops._memo import LastCallMemo
-from dlinfer.ops._dispatch import check_dtype, check_head_dim, require, run, vendor_for
+from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
 from dlinfer.ops.kv_cache import cache_dims
 from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
@@ -70,7 +70,9 @@ def _alibi(op: str, vendor, alibi_slopes, query: Tensor) -> Optional[Tensor]:
 
 
 def _on_device_int32(t: Tensor, device: torch.device) -> Tensor:
-    return t.to(device=device, dtype=torch.int32, non_blocking=True)
+    # Always a new tensor: these results are memoised across calls, and the caller may edit its
+    # own length tensors in place later.
+    return t.to(device=device, dtype=torch.int32, non_blocking=True, copy=True)
 
 
 def _cu_from_ends(ends: Tensor, device: torch.device) -> Tensor:
@@ -153,7 +155,7 @@ def prefill_attention(
     if actual_seq_lengths_cpu is not None:
         C.length_tensor(op, "actual_seq_lengths_cpu", actual_seq_lengths_cpu, b, query.device)
     max_q = t if max_q_seq_len is None else C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
-    vendor = vendor_for(op, query.device)
+    kernel, vendor = kernel_for(op, query.device)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
     scale = _scale(op, softmax_scale, d)
@@ -172,7 +174,7 @@ def prefill_attention(
             raise InvalidArgumentError(op, "max_q_seq_len", f">= {int(q_seq_len.max())}", str(max_q))
     if t == 0:
         return out
-    run(op, query.device, query, key, value, cu, max_q, scale, alibi, out)
+    kernel(query, key, value, cu, max_q, scale, alibi, out)
     return out
 
 
@@ -182,7 +184,7 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
     query = _query(op, query)
     t, hq, d = query.shape
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
-    vendor = vendor_for(op, query.device)
+    kernel, vendor = kernel_for(op, query.device)
     _quant(op, vendor, quant_bits, kv_scales, kv_zeros)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
@@ -192,7 +194,7 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
     if head_size_v:
         dv = C.integer(op, "head_size_v", head_size_v, 1)
     cache_dims(op, "value_cache", value_cache, layout, hkv, dv, query.device, query.dtype)
-    if tuple(value_cache.shape[:3]) != tuple(key_cache.shape[:3]):
+    if value_cache.shape[:3] != key_cache.shape[:3]:
         raise InvalidArgumentError(op, "value_cache", f"blocks like key_cache {list(key_cache.shape[:3])}",
                                    C.describe(value_cache))
     C.integer(op, "block_size", block_size, 1)
@@ -206,7 +208,8 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
     alibi = _alibi(op, vendor, alibi_slopes, query)
     out = _output(op, query, dv, attn_output)
     cu, kv = _paged_lengths_memo(q_seq_len, kv_seq_len, query.device)
-    if C.check_values_enabled() and b:
+    check_values = C.check_values_enabled()
+    if check_values and b:
         _check_cu_values(op, "q_seq_len", cu, t)
         kv_cpu, n_cpu = kv_seq_len.cpu().long(), (cu[1:] - cu[:-1]).cpu().long()
         if bool((kv_cpu < n_cpu).any()) or bool((kv_cpu > m * bs).any()):
@@ -217,7 +220,7 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
             raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
                                        f"ids in [{int(ids.min())}, {int(ids.max())}]")
-    return query, layout, cu, kv, scale, alibi, out
+    return kernel, query, layout, cu, kv, scale, alibi, out, check_values
 
 
 def paged_prefill_attention(
@@ -262,7 +265,7 @@ def paged_prefill_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_prefill_attention"
-    query, layout, cu, kv, scale, alibi, out = _paged_common(
+    kernel, query, layout, cu, kv, scale, alibi, out, check_values = _paged_common(
         op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
         num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
     t, _, d = query.shape
@@ -275,12 +278,11 @@ def paged_prefill_attention(
             C.same_dtype(op, name, new, query, "query")
     max_q = C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
-    if C.check_values_enabled() and kv.numel():
+    if check_values and kv.numel():
         _check_bounds(op, cu, kv, max_q, max_kv)
     if query.shape[0] == 0:
         return out
-    run(op, query.device, query, key_cache, value_cache, block_table, cu, kv, max_q, max_kv, scale, alibi, out,
-        layout)
+    kernel(query, key_cache, value_cache, block_table, cu, kv, max_q, max_kv, scale, alibi, out, layout)
     return out
 
 
@@ -319,13 +321,13 @@ def paged_decode_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_decode_attention"
-    query, layout, cu, kv, scale, alibi, out = _paged_common(
+    kernel, query, layout, cu, kv, scale, alibi, out, check_values = _paged_common(
         op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
         num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
-    if C.check_values_enabled() and kv.numel():
+    if check_values and kv.numel():
         _check_bounds(op, cu, kv, None, max_kv)
     if query.shape[0] == 0:
         return out
-    run(op, query.device, query, key_cache, value_cache, block_table, cu, kv, max_kv, scale, alibi, out, layout)
+    kernel(query, key_cache, value_cache, block_table, cu, kv, max_kv, scale, alibi, out, layout)
     return out

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops._dispatch import check_dtype, require, run, vendor_for
+from dlinfer.ops._dispatch import check_dtype, kernel_for, require
 from dlinfer.vendor.base import FEATURE_KV_QUANT
 from dlinfer.vendor.base import HEAD_MAJOR
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
@@ -61,7 +61,7 @@ def fill_kv_cache(
     C.tensor(op, "kv_indices", kv_indices, (t,), C.INDEX_DTYPES, key.device)
     if quant_bits not in (0, None, 4, 8):
         raise InvalidArgumentError(op, "quant_bits", "0, 4 or 8", str(quant_bits))
-    vendor = vendor_for(op, key.device)
+    kernel, vendor = kernel_for(op, key.device)
     if quant_bits:
         require(vendor, op, FEATURE_KV_QUANT)
     check_dtype(vendor, op, key.dtype)
@@ -75,5 +75,5 @@ def fill_kv_cache(
         if lo < 0 or hi >= nb * bs:
             raise InvalidArgumentError(op, "kv_indices", f"slots in [0, {nb * bs})", f"slots in [{lo}, {hi}]")
     if t:
-        run(op, key.device, key, value, key_cache, value_cache, kv_indices, layout)
+        kernel(key, value, key_cache, value_cache, kv_indices, layout)
     return key_cache, value_cache

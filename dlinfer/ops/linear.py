@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops._dispatch import check_dtype, run, vendor_for
+from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, all_reduce: bool = False, group="") -> Tensor:
@@ -21,18 +21,22 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, all_reduce:
     Returns a new tensor [..., N].
     """
     op = "linear"
-    if not isinstance(x, Tensor) or x.dim() < 1:
-        raise C.InvalidArgumentError(op, "x", "a tensor [..., K]", C.describe(x))
-    C.tensor(op, "x", x, ["..."] * x.dim(), C.FLOAT_DTYPES)
+    ndim = C.rank_at_least(op, "x", x, 1, "[..., K]")
+    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
     k = x.shape[-1]
-    C.tensor(op, "weight", weight, ("N", k), C.FLOAT_DTYPES, x.device)
+    device = x.device
+    C.tensor(op, "weight", weight, ("N", k), C.FLOAT_DTYPES, device)
     C.same_dtype(op, "weight", weight, x, "x")
+    n = weight.shape[0]
     if bias is not None:
-        C.tensor(op, "bias", bias, (weight.shape[0],), C.FLOAT_DTYPES, x.device)
+        C.tensor(op, "bias", bias, (n,), C.FLOAT_DTYPES, device)
         C.same_dtype(op, "bias", bias, x, "x")
-    vendor = vendor_for(op, x.device)
+    kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, x.dtype)
-    out = run(op, x.device, x.reshape(-1, k), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if ndim == 2:
+        out = kernel(x, weight, bias)
+    else:
+        out = kernel(x.reshape(-1, k), weight, bias).view(*x.shape[:-1], n)
     if all_reduce:
         import torch.distributed as dist
 

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops._dispatch import check_dtype, require, run, vendor_for
+from dlinfer.ops._dispatch import check_dtype, kernel_for, require
 from dlinfer.vendor.base import FEATURE_EXPERT_PARALLEL, FEATURE_GROUPED_ROUTER
 
 
@@ -39,10 +39,10 @@ def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata=None)
     topk = C.integer(op, "topk", topk, 1)
     if topk > e:
         raise InvalidArgumentError(op, "topk", f"<= the number of experts {e}", str(topk))
-    vendor = vendor_for(op, router_logits.device)
+    kernel, vendor = kernel_for(op, router_logits.device)
     _metadata(op, vendor, moe_metadata)
     check_dtype(vendor, op, router_logits.dtype)
-    return run(op, router_logits.device, router_logits, topk)
+    return kernel(router_logits, topk)
 
 
 def fused_moe(
@@ -83,7 +83,7 @@ def fused_moe(
     if topk_weights.shape[1] != topk:
         raise InvalidArgumentError(op, "topk", f"topk_weights' K = {topk_weights.shape[1]}", str(topk))
     C.tensor(op, "topk_ids", topk_ids, (t, topk), C.INDEX_DTYPES, dev)
-    vendor = vendor_for(op, dev)
+    kernel, vendor = kernel_for(op, dev)
     _metadata(op, vendor, moe_metadata)
     if chunked_moe_layout is not None:
         require(vendor, op, "chunked MoE weight layout")
@@ -94,4 +94,4 @@ def fused_moe(
             raise InvalidArgumentError(op, "topk_ids", f"ids in [0, {e})", f"ids in [{lo}, {hi}]")
     if t == 0:
         return hidden_states.new_empty((0, h))
-    return run(op, dev, hidden_states, gate_up_weights, down_weights, topk_weights, topk_ids, bool(renormalize))
+    return kernel(hidden_states, gate_up_weights, down_weights, topk_weights, topk_ids, bool(renormalize))

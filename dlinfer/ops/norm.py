@@ -8,18 +8,22 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops._dispatch import check_dtype, run, vendor_for
+from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
 def _check_common(op: str, hidden_states, weight, epsilon) -> int:
-    if not isinstance(hidden_states, Tensor) or hidden_states.dim() < 1:
-        raise C.InvalidArgumentError(op, "hidden_states", "a tensor [..., H]", C.describe(hidden_states))
-    C.tensor(op, "hidden_states", hidden_states, (*["..."] * (hidden_states.dim() - 1), "H"), C.FLOAT_DTYPES)
+    C.rank_at_least(op, "hidden_states", hidden_states, 1, "[..., H]")
+    C.dtype_in(op, "hidden_states", hidden_states, C.FLOAT_DTYPES)
     hidden = hidden_states.shape[-1]
     C.tensor(op, "weight", weight, (hidden,), C.FLOAT_DTYPES, hidden_states.device)
     if not isinstance(epsilon, (float, int)) or isinstance(epsilon, bool) or epsilon < 0:
         raise C.InvalidArgumentError(op, "epsilon", "a float >= 0", C.describe(epsilon))
     return hidden
+
+
+def _rows(t: Tensor, hidden: int) -> Tensor:
+    """t [..., H] as [N, H] (itself when already 2-D)."""
+    return t if t.dim() == 2 else t.reshape(-1, hidden)
 
 
 def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Tensor:
@@ -31,10 +35,10 @@ def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Te
     """
     op = "rms_norm"
     hidden = _check_common(op, hidden_states, weight, epsilon)
-    vendor = vendor_for(op, hidden_states.device)
+    kernel, vendor = kernel_for(op, hidden_states.device)
     check_dtype(vendor, op, hidden_states.dtype)
-    out = run(op, hidden_states.device, hidden_states.reshape(-1, hidden), weight, float(epsilon))
-    return out.view(hidden_states.shape)
+    out = kernel(_rows(hidden_states, hidden), weight, float(epsilon))
+    return out if hidden_states.dim() == 2 else out.view(hidden_states.shape)
 
 
 def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Tuple[Tensor, Tensor]:
@@ -49,10 +53,9 @@ def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilo
     hidden = _check_common(op, hidden_states, weight, epsilon)
     C.tensor(op, "residual", residual, tuple(hidden_states.shape), C.FLOAT_DTYPES, hidden_states.device)
     C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
-    vendor = vendor_for(op, hidden_states.device)
+    kernel, vendor = kernel_for(op, hidden_states.device)
     check_dtype(vendor, op, hidden_states.dtype)
-    normed, added = run(
-        op, hidden_states.device, hidden_states.reshape(-1, hidden), residual.reshape(-1, hidden), weight,
-        float(epsilon),
-    )
+    normed, added = kernel(_rows(hidden_states, hidden), _rows(residual, hidden), weight, float(epsilon))
+    if hidden_states.dim() == 2:
+        return normed, added
     return normed.view(hidden_states.shape), added.view(hidden_states.shape)

@@ -7,14 +7,26 @@ from typing import Tuple
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops._dispatch import check_dtype, run, vendor_for
+from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
-def _tokens_heads_dim(op: str, name: str, t) -> Tuple[int, int, int]:
+def _three_dims(op: str, name: str, t, dims, device=None) -> Tensor:
+    """t as [T, H, D] (a leading batch dim of 1 dropped), checked against dims."""
     if isinstance(t, Tensor) and t.dim() == 4 and t.shape[0] == 1:
         t = t[0]
-    C.tensor(op, name, t, ("T", "H", "D"), C.FLOAT_DTYPES)
-    return tuple(t.shape)
+    return C.tensor(op, name, t, dims, C.FLOAT_DTYPES, device)
+
+
+def _check_table(op: str, name: str, table, device) -> None:
+    C.rank_at_least(op, name, table, 1, "[T, R]")
+    C.dtype_in(op, name, table, C.FLOAT_DTYPES)
+    if table.device != device:
+        raise C.InvalidArgumentError(op, name, f"device {device}", C.describe(table))
+
+
+def _as_rows(table: Tensor, t: int, rot: int) -> Tensor:
+    """A cos / sin table with t*R elements as [t, R]."""
+    return table if table.dim() == 2 and table.shape[0] == t else table.reshape(t, rot)
 
 
 def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
@@ -29,21 +41,21 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -
         rotate_half(x) = cat(-x[..., R/2:], x[..., :R/2]).
     """
     op = "apply_rotary_pos_emb"
-    t, hq, d = _tokens_heads_dim(op, "query", query)
-    _, hkv, _ = _tokens_heads_dim(op, "key", key)
-    q3 = query.reshape(t, hq, d)
-    C.tensor(op, "key", key[0] if key.dim() == 4 else key, (t, hkv, d), C.FLOAT_DTYPES, query.device)
+    q3 = _three_dims(op, "query", query, ("T", "Hq", "D"))
+    t, _, d = q3.shape
+    device = q3.device
+    k3 = _three_dims(op, "key", key, (t, "Hkv", d), device)
     C.same_dtype(op, "key", key, query, "query")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if not isinstance(table, Tensor) or table.dim() < 1:
-            raise C.InvalidArgumentError(op, name, "a tensor [T, R]", C.describe(table))
-        C.tensor(op, name, table, ["..."] * table.dim(), C.FLOAT_DTYPES, query.device)
+    _check_table(op, "cos", cos, device)
+    _check_table(op, "sin", sin, device)
     rot = cos.shape[-1]
     if rot > d or rot % 2 or rot == 0 or cos.numel() != t * rot:
         raise C.InvalidArgumentError(op, "cos", f"{t}*R elements, R = last dim even and <= {d}", C.describe(cos))
-    if tuple(sin.shape) != tuple(cos.shape):
+    if sin.shape != cos.shape:
         raise C.InvalidArgumentError(op, "sin", f"the shape of cos {list(cos.shape)}", C.describe(sin))
-    vendor = vendor_for(op, query.device)
+    kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, query.dtype)
-    q_out, k_out = run(op, query.device, q3, key.reshape(t, hkv, d), cos.reshape(t, rot), sin.reshape(t, rot))
+    q_out, k_out = kernel(q3, k3, _as_rows(cos, t, rot), _as_rows(sin, t, rot))
+    if q3 is query:
+        return q_out, k_out
     return q_out.view(query.shape), k_out.view(key.shape)

@@ -12,7 +12,7 @@ from dlinfer.vendor.base import HEAD_MAJOR
 def _slot_plan(kv_indices: Tensor, num_slots: int) -> Tuple[Tensor, Optional[Tensor]]:
     """(int64 slots to write, the rows kept or None when all are): slots outside
     [0, num_slots) are dropped. Built once per step (every layer writes the same slots)."""
-    slots = kv_indices.long()
+    slots = kv_indices.to(torch.int64, copy=True)  # memoised: must not alias the caller's tensor
     valid = (slots >= 0) & (slots < num_slots)
     if bool(valid.all()):
         return slots, None
