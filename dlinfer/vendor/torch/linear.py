@@ -5,7 +5,7 @@ the kernel Inductor's CPU backend calls) instead of `F.linear`, whose float32 pa
 sgemm. On this project's AMD EPYC (Zen 4) machine MKL streams decode-size weights at about half
 of oneDNN's rate: 1.9x at [1, 576] x [49152, 576], 1.4-9x for the other SmolLM2 projections at
 1-8 rows, and oneDNN is never slower beyond noise at 16-1024 rows (measured in
-`benchmarks/bench_torch_ops.py`; docs/benchmarks.md). bfloat16/float16 `F.linear` is oneDNN
+an earlier `benchmarks/` script of this repository; docs/benchmarks.md). bfloat16/float16 `F.linear` is oneDNN
 already. `DLINFER_CPU_LINEAR=aten` turns the oneDNN path off; so does a torch built without
 oneDNN. Both paths are float32 GEMMs with float32 accumulation (different summation orders).
 """

@@ -12,22 +12,22 @@ namespace {
 template <typename T>
 void silu_mul_rows(const T* x, int64_t ldx, T* out, int64_t N, int64_t I) {
   auto rows = [&](int64_t begin, int64_t end) {
-    std::vector<float> g(I), u(I);
     const Vec one(1.f);
     for (int64_t n = begin; n < end; ++n) {
-      to_float(x + n * ldx, g.data(), I);
-      to_float(x + n * ldx + I, u.data(), I);
+      const T* g = x + n * ldx;
+      const T* u = g + I;
+      T* o = out + n * I;
       int64_t i = 0;
       for (; i + kLanes <= I; i += kLanes) {
-        const Vec gv = Vec::loadu(g.data() + i);
-        (gv / (one + gv.neg().exp())).store(g.data() + i);
+        const Vec gv = load_vec(g + i);
+        const Vec silu = round_to<T>(gv / (one + gv.neg().exp()));
+        store_vec(o + i, silu * load_vec(u + i));
       }
-      for (; i < I; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
-      if constexpr (!std::is_same_v<T, float>) {
-        for (int64_t k = 0; k < I; ++k) g[k] = static_cast<float>(static_cast<T>(g[k]));
+      for (; i < I; ++i) {
+        const float gi = static_cast<float>(g[i]);
+        const float silu = static_cast<float>(static_cast<T>(gi / (1.f + std::exp(-gi))));
+        o[i] = static_cast<T>(silu * static_cast<float>(u[i]));
       }
-      for (int64_t k = 0; k < I; ++k) g[k] *= u[k];
-      from_float(g.data(), out + n * I, I);
     }
   };
   if (N * I * 2 * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {

@@ -50,6 +50,18 @@ inline void store_vec<float>(float* p, const Vec& v) {
   v.store(p);
 }
 
+// v rounded to T and back (the value a float32 result has once stored in T); v itself for float.
+template <typename T>
+inline Vec round_to(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    T tmp[kLanes];
+    store_vec(tmp, v);
+    return load_vec(tmp);
+  }
+}
+
 // n float32 values of `src` (any of the three dtypes) into `dst`.
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {

@@ -1,0 +1,237 @@
+"""dlinfer's CPU vendors (torch, cpu) against naive PyTorch, op by op, on this machine's CPU.
+
+Prints, per op and size, the median time of a naive implementation of the same math (the
+baseline: per-sequence loops for attention, per-token loops for fill_kv_cache and fused_moe,
+unfused eager torch for the elementwise ops, `x @ w.t()` for linear) and of dlinfer's public op
+on each CPU vendor (checks included), with the ratio baseline / vendor (> 1: dlinfer faster).
+Memory-bound ops also print the bytes they must read per second against this machine's read
+bandwidth, measured in the same run.
+
+Sizes: a 7B-class layer (Llama-3-8B: H 4096, Hq 32, Hkv 8, D 128, I 14336) with batch and
+context scaled for a 2-core CPU, plus the decode-time `linear` of SmolLM2-135M (H 576, 30 layers),
+whose weights stream from memory at every call like a real decode step's.
+
+    .venv/bin/python benchmarks/bench_cpu_ops.py [--quick] [--vendors torch,cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import dlinfer.ops as ops
+import dlinfer.vendor
+from dlinfer.utils.hugepages import empty_on_huge_pages
+
+H, HQ, HKV, D, INTER = 4096, 32, 8, 128, 14336
+BS = 64
+
+
+def timeit(fn, min_time=0.3, min_reps=3):
+    fn()  # warm-up
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(nbytes=512 << 20):
+    """Bytes per second a sum over a large float32 tensor reads (the machine's read bandwidth)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / timeit(lambda: src.sum(), min_time=0.5)
+
+
+def copy_bandwidth(nbytes=256 << 20):
+    """Source bytes per second of a large tensor copy (reads and writes: about half the above)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return nbytes / timeit(lambda: dst.copy_(src), min_time=0.5)
+
+
+# ---------------------------------------------------------------- naive implementations
+def naive_rms_norm(x, w, eps):
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * w
+
+
+def naive_rotary(q, k, cos, sin):
+    def rot(x):
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        return torch.cat((-x2, x1), -1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rot(q) * s, k * c + rot(k) * s
+
+
+def naive_fill(k, v, kc, vc, slots):
+    for t, slot in enumerate(slots.tolist()):
+        kc[slot // BS, slot % BS] = k[t]
+        vc[slot // BS, slot % BS] = v[t]
+
+
+def naive_attention_one(q, k, v, scale):
+    """q [n, Hq, D], k/v [L, Hkv, D] (last n keys are q's own) -> [n, Hq, D]; fp32 math."""
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, 1).float().transpose(0, 1)
+    v = v.repeat_interleave(g, 1).float().transpose(0, 1)
+    s = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale
+    n, L = q.shape[0], k.shape[1]
+    allowed = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+    s = s.masked_fill(~allowed, float("-inf"))
+    return (s.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+
+
+def naive_paged(q, kc, vc, table, cu, kv_lens, scale):
+    out = torch.empty_like(q)
+    for b in range(len(kv_lens)):
+        s, e, L = int(cu[b]), int(cu[b + 1]), int(kv_lens[b])
+        blocks = table[b, : (L + BS - 1) // BS]
+        k = kc[blocks].reshape(-1, HKV, D)[:L]
+        v = vc[blocks].reshape(-1, HKV, D)[:L]
+        out[s:e] = naive_attention_one(q[s:e], k, v, scale)
+    return out
+
+
+def naive_moe(x, gate_up, down, w, ids):
+    out = torch.zeros_like(x, dtype=torch.float32)
+    inter = gate_up.shape[1] // 2
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = gate_up[e] @ x[t]
+            out[t] += w[t, j] * (down[e] @ (F.silu(gu[:inter]) * gu[inter:])).float()
+    return out.to(x.dtype)
+
+
+def paged_setup(batch, ctx, new, dtype):
+    """Decode / prefill inputs over a paged cache in random block order. The caches sit on 2 MB
+    pages, as the LMDeploy adaptor allocates its CPU KV cache (backend/cache.py)."""
+    num_blocks_seq = (ctx + BS - 1) // BS
+    nb = batch * num_blocks_seq + 3
+    kc = empty_on_huge_pages((nb, BS, HKV, D), dtype).normal_()
+    vc = empty_on_huge_pages((nb, BS, HKV, D), dtype).normal_()
+    table = torch.randperm(nb)[: batch * num_blocks_seq].view(batch, num_blocks_seq).int()
+    q = torch.randn(batch * new, HQ, D, dtype=dtype)
+    kv_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    cu = torch.arange(0, batch * new + 1, new, dtype=torch.int32)
+    return q, kc, vc, table, cu, kv_lens
+
+
+# ---------------------------------------------------------------- the run
+class Table:
+    def __init__(self, vendors, bandwidth, copy_bw):
+        self.vendors, self.bw, self.copy_bw = vendors, bandwidth, copy_bw
+        head = " | ".join(f"{v} ms | ratio" for v in vendors)
+        print(f"| op | size | naive ms | {head} | bytes read by the fastest vendor |")
+        print("|---" * (4 + 2 * len(vendors)) + "|", flush=True)
+
+    def case(self, name, size, naive, call, nbytes=None):
+        """naive(): the baseline; call(): the public op (run under each vendor); nbytes: what a
+        memory-bound op must read per call."""
+        base = timeit(naive)
+        cells, best = [], None
+        for v in self.vendors:
+            with dlinfer.vendor.using(v):
+                t = timeit(call)
+            best = t if best is None else min(best, t)
+            cells += [f"{t * 1e3:.3f}", f"{base / t:.2f}x"]
+        note = (f"{nbytes / best / 1e9:.1f} GB/s = {nbytes / best / self.bw:.2f} of read bw, "
+                f"{nbytes / best / self.copy_bw:.2f} of copy bw" if nbytes else "")
+        print(f"| {name} | {size} | {base * 1e3:.3f} | " + " | ".join(cells) + f" | {note} |", flush=True)
+
+
+def run(quick: bool, vendors):
+    torch.manual_seed(0)
+    dtype = torch.float32
+    bw, copy_bw = read_bandwidth(), copy_bandwidth()
+    print(f"vendors {vendors}; CPU, {torch.get_num_threads()} threads, {dtype}; this machine, same run: "
+          f"read bandwidth {bw / 1e9:.1f} GB/s, copy bandwidth {copy_bw / 1e9:.1f} GB/s\n")
+    tab = Table(vendors, bw, copy_bw)
+
+    # linear at decode: SmolLM2-135M's four projections of all 30 layers, cycled, so every call
+    # streams its weights from memory (425 MB).
+    shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+    layers = [[torch.randn(n, k, dtype=dtype) for n, k in shapes] for _ in range(30)]
+    nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
+    for rows in (1, 8):
+        xs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
+        tab.case("linear", f"T={rows}, 120 SmolLM2 weights",
+                 lambda: [xs[w.shape[1]] @ w.t() for layer in layers for w in layer],
+                 lambda: [ops.linear(xs[w.shape[1]], w) for layer in layers for w in layer], nbytes)
+    del layers
+
+    for tokens, label in ((8, "decode T=8"), (512, "prefill T=512")):
+        x = torch.randn(tokens, H, dtype=dtype)
+        w = torch.randn(H, dtype=dtype)
+        tab.case("rms_norm", label, lambda: naive_rms_norm(x, w, 1e-6), lambda: ops.rms_norm(x, w, 1e-6))
+        tab.case("add_rms_norm", label, lambda: (naive_rms_norm(x + x, w, 1e-6), x + x),
+                 lambda: ops.add_rms_norm(x, x, w, 1e-6))
+        q = torch.randn(tokens, HQ, D, dtype=dtype)
+        k = torch.randn(tokens, HKV, D, dtype=dtype)
+        cos, sin = torch.randn(tokens, D, dtype=dtype), torch.randn(tokens, D, dtype=dtype)
+        tab.case("apply_rotary_pos_emb", label, lambda: naive_rotary(q, k, cos, sin),
+                 lambda: ops.apply_rotary_pos_emb(q, k, cos, sin))
+        gu = torch.randn(tokens, 2 * (INTER // 4), dtype=dtype)
+        tab.case("silu_and_mul", label + " I/4", lambda: F.silu(gu[:, : INTER // 4]) * gu[:, INTER // 4:],
+                 lambda: ops.silu_and_mul(gu))
+        nb = tokens // BS + 8
+        kc = torch.zeros(nb, BS, HKV, D, dtype=dtype)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(nb * BS)[:tokens]
+        kv = torch.randn(tokens, HKV, D, dtype=dtype)
+        tab.case("fill_kv_cache", label, lambda: naive_fill(kv, kv, kc, vc, slots),
+                 lambda: ops.fill_kv_cache(kv, kv, kc, vc, slots))
+
+    scale = D ** -0.5
+    for batch, ctx in ((1, 2048), (8, 1024)) if not quick else ((8, 512),):
+        q, kc, vc, table, cu, kv_lens = paged_setup(batch, ctx, 1, dtype)
+        kv_bytes = 2 * batch * ctx * HKV * D * kc.element_size()
+        tab.case("paged_decode_attention", f"B={batch} ctx={ctx}", lambda: naive_paged(q, kc, vc, table, cu, kv_lens, scale),
+                 lambda: ops.paged_decode_attention(q, kc, vc, table, BS, cu[1:], kv_lens, ctx, HQ, HKV), kv_bytes)
+    batch, ctx, new = 2, 768, 256
+    q, kc, vc, table, cu, kv_lens = paged_setup(batch, ctx, new, dtype)
+    tab.case("paged_prefill_attention", f"B={batch} new={new} ctx={ctx}",
+             lambda: naive_paged(q, kc, vc, table, cu, kv_lens, scale),
+             lambda: ops.paged_prefill_attention(q, None, None, kc, vc, table, BS, cu[1:], kv_lens, new, ctx, HQ,
+                                                 HKV, []))
+    lens = torch.tensor([300, 212], dtype=torch.int32)
+    t = int(lens.sum())
+    q, k, v = (torch.randn(t, HQ, D, dtype=dtype), torch.randn(t, HKV, D, dtype=dtype),
+               torch.randn(t, HKV, D, dtype=dtype))
+
+    def naive_prefill():
+        out, s = torch.empty_like(q), 0
+        for n in lens.tolist():
+            out[s:s + n] = naive_attention_one(q[s:s + n], k[s:s + n], v[s:s + n], scale)
+            s += n
+        return out
+
+    tab.case("prefill_attention", "B=2 T=512", naive_prefill,
+             lambda: ops.prefill_attention(q, k, v, None, None, lens, lens, 300, HQ, HKV, []))
+
+    e, topk, hm, im = 8, 2, 1024, 1792  # Mixtral-like, scaled 1/4 in H and 1/8 in I
+    for tokens, label in ((8, "decode T=8"), (128, "prefill T=128")):
+        logits = torch.randn(tokens, e, dtype=dtype)
+        tab.case("moe_gating_topk_softmax", label, lambda: torch.topk(torch.softmax(logits.float(), -1), topk, -1),
+                 lambda: ops.moe_gating_topk_softmax(logits, topk))
+        x = torch.randn(tokens, hm, dtype=dtype)
+        gate_up = torch.randn(e, 2 * im, hm, dtype=dtype) * 0.02
+        down = torch.randn(e, hm, im, dtype=dtype) * 0.02
+        w, ids = ops.moe_gating_topk_softmax(logits, topk)
+        tab.case("fused_moe", label + f" E={e} H={hm} I={im}", lambda: naive_moe(x, gate_up, down, w, ids),
+                 lambda: ops.fused_moe(x, gate_up, down, w, ids, topk, False))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer attention sizes")
+    parser.add_argument("--vendors", default=None, help="comma-separated (default: the CPU vendors that load)")
+    args = parser.parse_args()
+    names = args.vendors.split(",") if args.vendors else [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
+    run(args.quick, names)
