@@ -27,7 +27,7 @@ def env_report() -> str:
         f"python        {platform.python_version()} ({sys.executable})",
         f"platform      {platform.platform()}",
     ]
-    for dist in ("torch", "triton", "lmdeploy", "transformers"):
+    for dist in ("torch", "triton", "lmdeploy", "transformers", "ninja"):
         lines.append(f"{dist:<13} {_version(dist)}")
     lines.append("")
     lines.append("vendors:")
@@ -35,8 +35,13 @@ def env_report() -> str:
     for name in registry.known_names():
         if name in loadable:
             v = registry.load(name)
+            extra = ""
+            if name == "cpu":
+                from dlinfer.vendor.cpu import build
+
+                extra = f" kernels={build.isa()} ({build.module_name()})"
             lines.append(f"  {name:<10} ok      devices={','.join(v.device_types)} kv_layouts={','.join(v.kv_layouts)}"
-                         f" ops={len(v.ops)}/11")
+                         f" ops={len(v.ops)}/11{extra}")
         else:
             lines.append(f"  {name:<10} failed  {registry.failures().get(name, '?')}")
     try:

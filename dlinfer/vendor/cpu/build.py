@@ -15,7 +15,10 @@ writes them as two (only `fmadd` fuses), so the elementwise ops round as PyTorch
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -49,6 +52,36 @@ def module_name() -> str:
     return f"dlinfer_cpu_kernels_{isa().lower()}"
 
 
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's builder runs `ninja` from PATH; a venv's ninja (the `ninja` wheel) is not on it when
+    the venv was not activated. Within the block it is (PATH is restored afterwards)."""
+    saved = os.environ.get("PATH", "")
+    if not shutil.which("ninja"):
+        candidates = [os.path.dirname(sys.executable)]
+        try:
+            import ninja
+
+            candidates.insert(0, ninja.BIN_DIR)
+        except (ImportError, AttributeError):
+            pass
+        found = [folder for folder in candidates if os.path.exists(os.path.join(folder, "ninja"))]
+        if found:
+            os.environ["PATH"] = found[0] + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
+
+
+def _fingerprint() -> str:
+    """What the build depends on: sources, flags, torch."""
+    digest = hashlib.sha256(" ".join(flags() + [torch.__version__]).encode())
+    for source in sorted(CSRC.iterdir()):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()
+
+
 def _log(msg: str) -> None:
     print(f"[dlinfer] {msg}", file=sys.stderr, flush=True)
 
@@ -60,19 +93,22 @@ def build() -> None:
     from torch.utils.cpp_extension import _get_build_directory, load
 
     name = module_name()
-    build_dir = _get_build_directory(name, verbose=False)
-    fresh = not any(Path(build_dir).glob("*.so"))
+    stamp = Path(_get_build_directory(name, verbose=False)) / "dlinfer.stamp"
+    fingerprint = _fingerprint()
+    fresh = not stamp.is_file() or stamp.read_text() != fingerprint
     if fresh:
-        _log(f"building the cpu vendor's kernels for {isa()} (first use on this machine, about a minute) "
-             f"in {build_dir}")
+        _log(f"building the cpu vendor's kernels for {isa()} (once per machine and source change, about a "
+             f"minute) in {stamp.parent}")
     start = time.perf_counter()
-    load(
-        name=name,
-        sources=[str(CSRC / s) for s in SOURCES],
-        extra_cflags=flags(),
-        extra_include_paths=[str(CSRC)],
-        is_python_module=False,
-        verbose=os.environ.get("DLINFER_BUILD_VERBOSE", "0") not in ("", "0"),
-    )
+    with _ninja_on_path():
+        load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=flags(),
+            extra_include_paths=[str(CSRC)],
+            is_python_module=False,
+            verbose=os.environ.get("DLINFER_BUILD_VERBOSE", "0") not in ("", "0"),
+        )
     if fresh:
+        stamp.write_text(fingerprint)
         _log(f"cpu vendor kernels built in {time.perf_counter() - start:.0f} s")
