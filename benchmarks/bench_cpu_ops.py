@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 import dlinfer.ops as ops
 import dlinfer.vendor
-from dlinfer.utils.hugepages import empty_on_huge_pages
 
 H, HQ, HKV, D, INTER = 4096, 32, 8, 128, 14336
 BS = 64
@@ -110,12 +109,11 @@ def naive_moe(x, gate_up, down, w, ids):
 
 
 def paged_setup(batch, ctx, new, dtype):
-    """Decode / prefill inputs over a paged cache in random block order. The caches sit on 2 MB
-    pages, as the LMDeploy adaptor allocates its CPU KV cache (backend/cache.py)."""
+    """Decode / prefill inputs over a paged cache in random block order."""
     num_blocks_seq = (ctx + BS - 1) // BS
     nb = batch * num_blocks_seq + 3
-    kc = empty_on_huge_pages((nb, BS, HKV, D), dtype).normal_()
-    vc = empty_on_huge_pages((nb, BS, HKV, D), dtype).normal_()
+    kc = torch.randn(nb, BS, HKV, D, dtype=dtype)
+    vc = torch.randn(nb, BS, HKV, D, dtype=dtype)
     table = torch.randperm(nb)[: batch * num_blocks_seq].view(batch, num_blocks_seq).int()
     q = torch.randn(batch * new, HQ, D, dtype=dtype)
     kv_lens = torch.full((batch,), ctx, dtype=torch.int32)

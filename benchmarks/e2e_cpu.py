@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/e2e_cpu.py               # prints the table
     .venv/bin/python benchmarks/e2e_cpu.py --graph       # also LMDeploy's graph mode (eager_mode=False)
+    .venv/bin/python benchmarks/e2e_cpu.py --graph --inductor   # and graph mode with Inductor
     .venv/bin/python benchmarks/e2e_cpu.py --write-docs  # and writes it into docs/benchmarks.md
 
 Model SmolLM2-135M-Instruct in float32 (scripts/smollm2.py), chat-templated prompts, greedy
@@ -52,7 +53,8 @@ QUESTIONS = (
 )
 DOC = REPO_ROOT / "docs" / "benchmarks.md"
 SECTION = "## End to end on CPU"
-SIDES = {"hf": "HF transformers", "eager": "LMDeploy + dlinfer (eager)", "graph": "LMDeploy + dlinfer (graph)"}
+SIDES = {"hf": "HF transformers", "eager": "LMDeploy + dlinfer (eager)", "graph": "LMDeploy + dlinfer (graph)",
+         "inductor": "LMDeploy + dlinfer (graph, Inductor)"}
 
 
 def chat_prompts(folder: Path) -> list[str]:
@@ -93,10 +95,11 @@ def lmdeploy_side(folder: Path, prompts: list[str], graph: bool):
     config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, num_gpu_blocks=64, eager_mode=not graph)
     pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
 
-    def run(batch: int, n: int) -> None:
+    def run(batch: int, n: int) -> list[list[int]]:
         gen = GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True)
         outs = pipe.infer(prompts[:batch], gen_config=gen, do_preprocess=False)
         assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
+        return [list(o.token_ids) for o in outs]
 
     return run, pipe
 
@@ -158,18 +161,23 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int) -> dict:
 
 
 def worker_main(side: str) -> int:
-    """Serve timing requests on stdin/stdout, one JSON object per line:
-    {"run": [b, n]} -> {"seconds": t};  {"budget": [b, n]} -> op_budget(...);  {"info": 1} -> threads, vendor."""
+    """Serve requests on stdin/stdout, one JSON object per line: {"run": [b, n]} -> {"seconds": t};
+    {"tokens": [b, n]} -> the greedy token ids (LMDeploy sides); {"budget": [b, n]} -> op_budget(...);
+    {"info": 1} -> threads, vendor, start-up seconds, graphs compiled."""
     out = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel; anything else printed, by
     os.dup2(2, 1)                                 # Python or native code, goes to stderr
     sys.stdout = sys.stderr
     folder = build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
     prompts = chat_prompts(folder)
+    if side == "inductor":
+        os.environ["DLINFER_GRAPH_COMPILER"] = "inductor"  # read when the graph runner is built
+    start = time.perf_counter()
     pipe = None
     if side == "hf":
         run = hf_side(folder, prompts)
     else:
-        run, pipe = lmdeploy_side(folder, prompts, graph=side == "graph")
+        run, pipe = lmdeploy_side(folder, prompts, graph=side in ("graph", "inductor"))
+    startup = time.perf_counter() - start
     print(json.dumps({"ready": side}), file=out, flush=True)
     try:
         for line in sys.stdin:
@@ -178,6 +186,8 @@ def worker_main(side: str) -> int:
                 start = time.perf_counter()
                 run(*request["run"])
                 reply = {"seconds": time.perf_counter() - start}
+            elif "tokens" in request:
+                reply = {"tokens": run(*request["tokens"])}
             elif "budget" in request:
                 reply = op_budget(pipe, prompts, *request["budget"])
             else:
@@ -185,7 +195,9 @@ def worker_main(side: str) -> int:
 
                 import dlinfer.vendor
 
-                reply = {"threads": torch.get_num_threads(), "vendor": dlinfer.vendor.vendor_name}
+                runner = pipe.async_engine.engine.executor.model_agent.patched_model if pipe else None
+                reply = {"threads": torch.get_num_threads(), "vendor": dlinfer.vendor.vendor_name,
+                         "startup_s": startup, "graphs": getattr(runner, "compiles", 0)}
             print(json.dumps(reply), file=out, flush=True)
     finally:
         if pipe is not None:
@@ -215,6 +227,9 @@ class Worker:
 
     def run_batch(self, batch: int, n: int) -> float:
         return self.ask(run=[batch, n])["seconds"]
+
+    def tokens(self, batch: int, n: int) -> list[list[int]]:
+        return self.ask(tokens=[batch, n])["tokens"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -360,6 +375,21 @@ def render_budget(budgets: dict[int, dict]) -> str:
     return "\n".join(rows)
 
 
+def render_modes(infos: dict[str, dict], same_tokens: dict[str, bool], batch: int, n: int) -> str:
+    rows = ["| LMDeploy side | build + warm-up s | decode graphs compiled | greedy tokens equal eager's |",
+            "|---|---|---|---|"]
+    for name, info in infos.items():
+        rows.append(f"| {name} | {info['startup_s']:.0f} | {info['graphs']} | "
+                    f"{'yes' if same_tokens[name] else 'NO'} |")
+    return "\n".join([
+        f"Start-up of each LMDeploy side (model load, KV cache, warm-up with one graph per batch bucket; "
+        f"first run of a fresh process) and its greedy tokens for batch {batch}, {n} new tokens:",
+        "",
+        *rows,
+        "",
+    ])
+
+
 def write_section(text: str) -> None:
     """Replace (or append) the "End to end on CPU" section of docs/benchmarks.md; leave the rest."""
     doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
@@ -377,6 +407,8 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--graph", action="store_true", help="also run LMDeploy with eager_mode=False")
+    parser.add_argument("--inductor", action="store_true",
+                        help="also run graph mode with DLINFER_GRAPH_COMPILER=inductor")
     parser.add_argument("--max-wait-idle", type=float, default=600,
                         help="seconds to wait for other processes to leave the CPUs before measuring")
     parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOC.relative_to(REPO_ROOT)}")
@@ -386,14 +418,17 @@ def main(argv=None) -> int:
         return worker_main(args.worker)
 
     folder = build_smollm2()
-    sides = ["hf", "eager"] + (["graph"] if args.graph else [])
+    sides = ["hf", "eager"] + (["graph"] if args.graph else []) + (["inductor"] if args.inductor else [])
     workers = []
     try:
         for side in sides:
             print(f"[e2e] starting {SIDES[side]} ...", flush=True)
             workers.append(Worker(side))
         pids = [w.proc.pid for w in workers]
-        info = workers[1].ask(info=1)
+        infos = {w.name: w.ask(info=1) for w in workers[1:]}
+        info = infos[workers[1].name]
+        eager_ids = workers[1].tokens(8, 48)
+        same_tokens = {w.name: w.tokens(8, 48) == eager_ids for w in workers[1:]}
         wait_until_idle(args.max_wait_idle, pids)
         with ForeignLoad(pids) as load:
             rates = decode_rates(workers, args.new_tokens, args.repeats)
@@ -407,7 +442,8 @@ def main(argv=None) -> int:
     budgets = {int(b): v for b, v in budgets.items()}
     weight_mb = (folder / "model.safetensors").stat().st_size / 1e6
     hf_rate = rates[SIDES["hf"]][1]
-    text = render(rates, args.new_tokens, load.share, info) + "\n" + "\n".join([
+    text = render(rates, args.new_tokens, load.share, info) + "\n" + render_modes(infos, same_tokens, 8, 48) + \
+        "\n" + "\n".join([
         "Where the time of an eager LMDeploy + dlinfer decode step goes (one timed generation per batch,",
         f"wall time of each `dlinfer.ops` call; other processes used {100 * budget_load.share:.0f}% of the CPU time):",
         "",
