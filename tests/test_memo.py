@@ -45,3 +45,16 @@ def test_inference_tensors_are_compared_by_value():
         assert memo(a, b, 0) == a.sum().item() + 2
         assert memo(a, b, 0) == a.sum().item() + 2
     assert len(calls) == 2
+
+
+def test_large_cpu_tensors_compared_by_contents():
+    """Beyond _LIST_LIMIT elements the memo keeps a private copy and compares with torch.equal."""
+    memo, calls = _memo()
+    a, b = torch.arange(1000), torch.ones(300)
+    expected = a.sum().item() + 300
+    assert memo(a, b, 0) == expected
+    assert memo(a.clone(), b.clone(), 0) == expected  # equal contents: hit
+    assert len(calls) == 1
+    a[999] = 0  # an in-place edit of the remembered argument itself is seen
+    assert memo(a, b, 0) == a.sum().item() + 300
+    assert len(calls) == 2

@@ -29,31 +29,9 @@ class _Uncacheable(Exception):
     pass
 
 
-class _Copy:
-    """Fingerprint of a larger CPU tensor: equal to a tensor of the same contents."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor.clone()
-
-    def __eq__(self, other):
-        return isinstance(other, _Copy) and torch.equal(self.tensor, other.tensor)
-
-
-def _fingerprint(a):
-    if not isinstance(a, torch.Tensor):
-        return a
-    if a.is_cpu:
-        meta = (a.dtype, a.shape, a.stride())
-        return (meta, a.tolist()) if a.numel() <= _LIST_LIMIT else (meta, _CopyRef(a))
-    if a.is_inference():
-        raise _Uncacheable
-    return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, a._version)
-
-
-class _CopyRef:
-    """A larger CPU tensor argument, compared by contents against a remembered `_Copy`."""
+class _Contents:
+    """A larger CPU tensor's contents, compared with torch.equal: the argument itself while a call
+    is matched, a private copy once remembered (`frozen`)."""
 
     __slots__ = ("tensor",)
 
@@ -61,16 +39,27 @@ class _CopyRef:
         self.tensor = tensor
 
     def __eq__(self, other):
-        return isinstance(other, _Copy) and torch.equal(self.tensor, other.tensor)
+        return isinstance(other, _Contents) and torch.equal(self.tensor, other.tensor)
 
-    def freeze(self) -> _Copy:
-        return _Copy(self.tensor)
+    def frozen(self) -> "_Contents":
+        return _Contents(self.tensor.clone())
+
+
+def _fingerprint(a):
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.is_cpu:
+        meta = (a.dtype, a.shape, a.stride())
+        return (meta, a.tolist()) if a.numel() <= _LIST_LIMIT else (meta, _Contents(a))
+    if a.is_inference():
+        raise _Uncacheable
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype, a.device, a._version)
 
 
 def _frozen(fp):
     """A fingerprint safe to keep: large CPU tensors replaced by private copies."""
-    if isinstance(fp, tuple) and len(fp) == 2 and isinstance(fp[1], _CopyRef):
-        return (fp[0], fp[1].freeze())
+    if isinstance(fp, tuple) and len(fp) == 2 and isinstance(fp[1], _Contents):
+        return (fp[0], fp[1].frozen())
     return fp
 
 
@@ -95,7 +84,6 @@ class LastCallMemo:
             key = tuple(_fingerprint(a) for a in args)
         except _Uncacheable:
             return self._fn(*args)
-        # Compare new (left) against remembered (right): _CopyRef.__eq__ runs against the _Copy.
         if self._key is not None and len(key) == len(self._key) and all(
                 k == r for k, r in zip(key, self._key)):
             return self._value
