@@ -56,6 +56,4 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, query.dtype)
     q_out, k_out = kernel(q3, k3, _as_rows(cos, t, rot), _as_rows(sin, t, rot))
-    if q3 is query:
-        return q_out, k_out
-    return q_out.view(query.shape), k_out.view(key.shape)
+    return (q_out if q3 is query else q_out.view(query.shape)), (k_out if k3 is key else k_out.view(key.shape))

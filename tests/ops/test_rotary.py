@@ -55,6 +55,8 @@ def _run(vendor, case, dtype, lead_batch=False):
     cos, sin = cos_sin(case.T, case.r, dtype, g)
     if lead_batch:
         q, k = q.unsqueeze(0), k.unsqueeze(0)
+    elif lead_batch is None:  # mixed: only the key has the leading batch dim
+        k = k.unsqueeze(0)
     exp_q, exp_k = ref.apply_rotary_pos_emb(q, k, cos, sin)
     with active(vendor):
         out_q, out_k = ops.apply_rotary_pos_emb(q, k, cos, sin)
@@ -77,3 +79,9 @@ def test_apply_rotary_pos_emb(vendor, case, dtype):
 def test_apply_rotary_pos_emb_leading_batch_dim(vendor, case, dtype):
     skip_unless_supported(vendor, dtype)
     _run(vendor, case, dtype, lead_batch=True)
+
+
+@pytest.mark.parametrize("vendor,case", vendor_params(LEAD_BATCH_CASES))
+def test_apply_rotary_pos_emb_key_alone_with_batch_dim(vendor, case):
+    """Each output keeps its own input's shape when only one of them has the batch dim."""
+    _run(vendor, case, torch.float32, lead_batch=None)

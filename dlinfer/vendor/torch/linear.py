@@ -2,12 +2,12 @@
 
 On CPU, float32 goes to oneDNN's inner-product primitive (`torch.ops.mkldnn._linear_pointwise`,
 the kernel Inductor's CPU backend calls) instead of `F.linear`, whose float32 path is MKL's
-sgemm. On this project's AMD EPYC (Zen 4) machine MKL streams decode-size weights at about half
-of oneDNN's rate: 1.9x at [1, 576] x [49152, 576], 1.4-9x for the other SmolLM2 projections at
-1-8 rows, and oneDNN is never slower beyond noise at 16-1024 rows (measured in
-an earlier `benchmarks/` script of this repository; docs/benchmarks.md). bfloat16/float16 `F.linear` is oneDNN
-already. `DLINFER_CPU_LINEAR=aten` turns the oneDNN path off; so does a torch built without
-oneDNN. Both paths are float32 GEMMs with float32 accumulation (different summation orders).
+sgemm: over SmolLM2's 120 decode-time projections oneDNN streams the weights about 1.5x faster at
+1 and 8 rows (`benchmarks/bench_cpu_ops.py`, the torch column against `x @ w.t()`;
+docs/benchmarks.md). bfloat16/float16 `F.linear` is oneDNN already. `DLINFER_CPU_LINEAR=aten`
+turns the oneDNN path off; so does a torch built without oneDNN. Both paths are float32 GEMMs
+with float32 accumulation (different summation orders). (The cpu vendor goes further at these
+sizes with its own kernel, and uses this function beyond 8 rows.)
 """
 
 from __future__ import annotations
