@@ -88,6 +88,7 @@ def _patched_objects():
         "PytorchEngineConfig.__post_init__": PytorchEngineConfig.__dict__["__post_init__"],
         "PytorchEngineConfig.__init__": PytorchEngineConfig.__dict__["__init__"],
         "BaseModelAgent.__init__": agent.BaseModelAgent.__dict__["__init__"],
+        "BaseModelAgent.warmup": agent.BaseModelAgent.__dict__["warmup"],
         "agent._try_to_cuda": agent._try_to_cuda,
         "agent.torch": agent.torch,
     }
@@ -159,3 +160,21 @@ def test_with_cuda_present_engine_modules_keep_real_torch_cuda():
     """)
     assert proc.returncode == 0, proc.stderr
     assert "real torch kept" in proc.stdout
+
+
+def test_warmup_frees_the_openmp_pool_for_dlinfer_cpu_only(monkeypatch):
+    """patches/openmp_pool.py: after a CPU engine's warm-up the warm-up thread's pool is freed;
+    an agent of any other device type is left alone. (That the patch is installed on
+    BaseModelAgent.warmup: test_import_twice_and_reload_patch_once.)"""
+    from types import SimpleNamespace
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    import dlinfer.framework.lmdeploy_ext.patches.openmp_pool as openmp_pool
+
+    freed = []
+    monkeypatch.setattr(openmp_pool, "release_thread_pool", lambda: freed.append(1) or True)
+    warmup = openmp_pool._patch_warmup(lambda self: "warm")
+    assert warmup(SimpleNamespace(device_ctx=SimpleNamespace(device_type="cuda"))) == "warm"
+    assert freed == []
+    assert warmup(SimpleNamespace(device_ctx=SimpleNamespace(device_type="cpu"))) == "warm"
+    assert freed == [1]
