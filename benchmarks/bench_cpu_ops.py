@@ -144,16 +144,9 @@ class Table:
         print(f"| {name} | {size} | {base * 1e3:.3f} | " + " | ".join(cells) + f" | {note} |", flush=True)
 
 
-def run(quick: bool, vendors):
-    torch.manual_seed(0)
-    dtype = torch.float32
-    bw, copy_bw = read_bandwidth(), copy_bandwidth()
-    print(f"vendors {vendors}; CPU, {torch.get_num_threads()} threads, {dtype}; this machine, same run: "
-          f"read bandwidth {bw / 1e9:.1f} GB/s, copy bandwidth {copy_bw / 1e9:.1f} GB/s\n")
-    tab = Table(vendors, bw, copy_bw)
-
-    # linear at decode: SmolLM2-135M's four projections of all 30 layers, cycled, so every call
-    # streams its weights from memory (425 MB).
+def linear_cases(tab, dtype):
+    """linear at decode: SmolLM2-135M's four projections of all 30 layers, cycled, so that every
+    call streams its weights from memory (425 MB, freed when this returns)."""
     shapes = ((960, 576), (576, 576), (3072, 576), (576, 1536))
     layers = [[torch.randn(n, k, dtype=dtype) for n, k in shapes] for _ in range(30)]
     nbytes = sum(w.numel() * w.element_size() for layer in layers for w in layer)
@@ -162,7 +155,17 @@ def run(quick: bool, vendors):
         tab.case("linear", f"T={rows}, 120 SmolLM2 weights",
                  lambda: [xs[w.shape[1]] @ w.t() for layer in layers for w in layer],
                  lambda: [ops.linear(xs[w.shape[1]], w) for layer in layers for w in layer], nbytes)
-    del layers
+
+
+def run(quick: bool, vendors):
+    torch.manual_seed(0)
+    dtype = torch.float32
+    bw, copy_bw = read_bandwidth(), copy_bandwidth()
+    print(f"vendors {vendors}; CPU, {torch.get_num_threads()} threads, {dtype}; this machine, same run: "
+          f"read bandwidth {bw / 1e9:.1f} GB/s, copy bandwidth {copy_bw / 1e9:.1f} GB/s\n")
+    tab = Table(vendors, bw, copy_bw)
+
+    linear_cases(tab, dtype)
 
     for tokens, label in ((8, "decode T=8"), (512, "prefill T=512")):
         x = torch.randn(tokens, H, dtype=dtype)

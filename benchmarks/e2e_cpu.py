@@ -304,19 +304,6 @@ def wait_until_idle(max_wait_s: float, pids=(), threshold: float = 0.05, window_
         print(f"[e2e] machine busy ({100 * load.share:.0f}% CPU used elsewhere), waiting ...", flush=True)
 
 
-def read_bandwidth(nbytes: int = 512 << 20) -> float:
-    """Bytes per second this machine reads (a sum over a large float32 tensor, best of 3)."""
-    import torch
-
-    data = torch.ones(nbytes // 4)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
-
-
 def machine(threads: int) -> str:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -438,6 +425,8 @@ def main(argv=None) -> int:
     finally:
         for worker in workers:
             worker.close()
+    from bench_cpu_ops import read_bandwidth  # benchmarks/ is on sys.path when this file runs
+
     read_bw = read_bandwidth()
     budgets = {int(b): v for b, v in budgets.items()}
     weight_mb = (folder / "model.safetensors").stat().st_size / 1e6

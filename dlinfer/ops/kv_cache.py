@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
-import torch
 from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Tuple
 
-import torch
 from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError

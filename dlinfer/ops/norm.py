@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Tuple
 
-import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C

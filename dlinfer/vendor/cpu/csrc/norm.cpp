@@ -7,7 +7,6 @@
 #include "common.h"
 
 #include <cmath>
-#include <vector>
 
 namespace dlinfer_cpu {
 namespace {
@@ -69,8 +68,9 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden, const std::opt
   at::Tensor out = at::empty({N, H}, hidden.options());
   at::Tensor summed;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->dim() == 2 && residual->stride(1) == 1 && residual->scalar_type() == hidden.scalar_type(),
-                "add_rms_norm: residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == N && residual->size(1) == H &&
+                    residual->stride(1) == 1 && residual->scalar_type() == hidden.scalar_type(),
+                "add_rms_norm: residual must be [N, H] like hidden_states, rows dense");
     summed = at::empty({N, H}, hidden.options());
   }
   dispatch_float(hidden.scalar_type(), "rms_norm", [&]<typename T>() {
