@@ -28,7 +28,7 @@ echo "[bootstrap] dlinfer (editable)" >&2
 # themselves when a source changes). Without a C++ compiler this fails and CPU ops run on the torch
 # vendor: a warning, not a failed setup.
 echo "[bootstrap] dlinfer cpu vendor kernels" >&2
-"$VENV/bin/python" -c "import dlinfer.vendor as v; v.get('cpu')" \
+"$VENV/bin/python" -c "import dlinfer.vendor as v; v.load('cpu')" \
   || echo "[bootstrap] WARNING: the cpu vendor's kernels did not build; CPU ops will use the torch vendor" >&2
 echo "$want" > "$STAMP"
 echo "[bootstrap] done" >&2

@@ -2,7 +2,7 @@
 
 import torch
 
-from dlinfer.ops._memo import LastCallMemo
+from dlinfer.utils.memo import LastCallMemo
 
 
 def _memo():

@@ -2,7 +2,9 @@
 
 Every op validates its arguments (InvalidArgumentError names the op, the argument, what was
 expected and what came) before any kernel runs or any cache is written, then dispatches to the
-active vendor (`dlinfer.vendor`). Each op also exists as `torch.ops.dlinfer.<name>`.
+active vendor (`dlinfer.vendor`). Each op also exists as `torch.ops.dlinfer.<name>`. The list of
+ops, their canonical signatures and fake implementations: the op table,
+`dlinfer/vendor/op_table.py` (docs/design.md, "The op table").
 
 Value checks (slots inside the cache, lengths inside the block table: they read tensor data, a
 device sync off the CPU) run when DLINFER_CHECK_VALUES=1, read when the first op runs;
@@ -18,18 +20,7 @@ from dlinfer.ops.linear import linear
 from dlinfer.ops.moe import fused_moe, moe_gating_topk_softmax
 from dlinfer.ops.norm import add_rms_norm, rms_norm
 from dlinfer.ops.rotary import apply_rotary_pos_emb
+from dlinfer.vendor.op_table import OP_NAMES
 
-__all__ = [
-    "set_value_checks",
-    "rms_norm",
-    "add_rms_norm",
-    "apply_rotary_pos_emb",
-    "fill_kv_cache",
-    "prefill_attention",
-    "paged_prefill_attention",
-    "paged_decode_attention",
-    "moe_gating_topk_softmax",
-    "fused_moe",
-    "silu_and_mul",
-    "linear",
-]
+# Every op of the table, by the public name (tests/ops/test_opcheck.py checks each is defined here).
+__all__ = ["set_value_checks", *OP_NAMES]

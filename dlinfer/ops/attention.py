@@ -1,6 +1,6 @@
 """Attention: varlen prefill without a cache, and prefill / decode over the paged KV cache.
 
-Sequence lengths follow LMDeploy 0.18's calls (see DESIGN.md "Shared conventions"):
+Sequence lengths follow LMDeploy 0.18's calls (docs/design.md, "Lengths and positions"):
   prefill_attention: q_seq_len = per-sequence lengths [B].
   paged_prefill_attention, paged_decode_attention: q_seq_len = cumulative END offsets [B]
   (cu_seqlens_q[1:]): sequence b owns query rows q_seq_len[b-1] : q_seq_len[b].
@@ -18,10 +18,10 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops._memo import LastCallMemo
+from dlinfer.utils.memo import LastCallMemo
 from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
-from dlinfer.ops.kv_cache import cache_dims
-from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT
+from dlinfer.ops.kv_cache import cache_dims, check_quant_bits
+from dlinfer.vendor.base import FEATURE_ALIBI
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
@@ -92,13 +92,6 @@ def _prefill_lengths(q_seq_len: Tensor, actual_seq_lengths_cpu: Optional[Tensor]
 # Every layer of a step passes the same lengths: derive the canonical ones once per step.
 _paged_lengths_memo = LastCallMemo(_paged_lengths)
 _prefill_lengths_memo = LastCallMemo(_prefill_lengths)
-
-
-def _quant(op: str, vendor, quant_bits, kv_scales, kv_zeros) -> None:
-    if quant_bits not in (0, None, 4, 8):
-        raise InvalidArgumentError(op, "quant_bits", "0, 4 or 8", str(quant_bits))
-    if quant_bits:
-        require(vendor, op, FEATURE_KV_QUANT)
 
 
 def _check_cu_values(op: str, name: str, cu: Tensor, t: int) -> None:
@@ -180,12 +173,12 @@ def prefill_attention(
 
 def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
                   num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                  kv_scales, kv_zeros, quant_bits):
+                  quant_bits):
     query = _query(op, query)
     t, hq, d = query.shape
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
     kernel, vendor = kernel_for(op, query.device)
-    _quant(op, vendor, quant_bits, kv_scales, kv_zeros)
+    check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
     layout = active_kv_layout(query.device.type)
@@ -261,13 +254,14 @@ def paged_prefill_attention(
     num_q_heads, num_kv_heads: Hq, Hkv.  attn_mask: ignored (causal).
     head_size_v: Dv (0: the value cache's last dim).  softmax_scale: default D ** -0.5.
     alibi_slopes: [Hq] float32 or None.  attn_output: optional [T, Hq, Dv] output, WRITTEN.
-    kv_scales, kv_zeros, quant_bits: quantised cache; quant_bits != 0 raises UnsupportedError.
+    kv_scales, kv_zeros, quant_bits: the quantised cache (quant_bits 4 or 8), which no in-tree vendor
+        implements yet: quant_bits != 0 raises UnsupportedError; the scales are read only then.
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_prefill_attention"
     kernel, query, layout, cu, kv, scale, alibi, out, check_values = _paged_common(
         op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
+        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits)
     t, _, d = query.shape
     hkv = num_kv_heads
     for name, new, dim in (("key", key, d), ("value", value, out.shape[2])):
@@ -323,7 +317,7 @@ def paged_decode_attention(
     op = "paged_decode_attention"
     kernel, query, layout, cu, kv, scale, alibi, out, check_values = _paged_common(
         op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
+        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     if check_values and kv.numel():
         _check_bounds(op, cu, kv, None, max_kv)

@@ -15,14 +15,9 @@ from dlinfer.vendor.selection import current, kv_layout, reset, resolve, use, us
 
 __all__ = [
     "Vendor", "Capabilities", "TOKEN_MAJOR", "HEAD_MAJOR", "KV_LAYOUTS", "OP_NAMES",
-    "available", "failures", "known_names", "load", "get",
+    "available", "failures", "known_names", "load",
     "current", "kv_layout", "reset", "resolve", "use", "using",
 ]
-
-
-def get(name: str) -> Vendor:
-    """The vendor named `name` (VendorError if it cannot load)."""
-    return load(name)
 
 
 def __getattr__(attr):

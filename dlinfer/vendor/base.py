@@ -2,15 +2,12 @@
 
 A vendor is a plain `Vendor` value. In-tree vendors live in `dlinfer/vendor/<name>/` and expose
 `load() -> Vendor`; out-of-tree vendors register the same callable under the entry-point group
-`dlinfer.vendors` (see examples/dlinfer_vendor_example).
+`dlinfer.vendors` (see examples/dlinfer_vendor_example and docs/vendors.md).
 
-KV-cache layouts (per layer):
-  TOKEN_MAJOR: key_cache [NB, BS, Hkv, D], value_cache [NB, BS, Hkv, Dv]
-  HEAD_MAJOR:  key_cache [NB, Hkv, BS, D], value_cache [NB, Hkv, BS, Dv]
-
-Op table: `ops` maps an op name (see `OP_NAMES`) to the vendor's function, which takes the
-*canonical* arguments documented in `dlinfer/ops/_custom_ops.py` (already validated and
-normalised by `dlinfer.ops`). An op missing from the table falls back to the torch vendor.
+`Vendor.ops` maps op names (`OP_NAMES`, from the op table `dlinfer/vendor/op_table.py`) to the
+vendor's functions, which take the *canonical* arguments the op table's schemas give (already
+validated and normalised by `dlinfer.ops`). An op missing from a vendor's table falls back to the
+torch vendor. KV-cache layouts: `dlinfer/vendor/kv_layouts.py`.
 """
 
 from __future__ import annotations
@@ -20,23 +17,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 
-TOKEN_MAJOR = "token_major"
-HEAD_MAJOR = "head_major"
-KV_LAYOUTS = (TOKEN_MAJOR, HEAD_MAJOR)
-
-OP_NAMES = (
-    "rms_norm",
-    "add_rms_norm",
-    "apply_rotary_pos_emb",
-    "fill_kv_cache",
-    "prefill_attention",
-    "paged_prefill_attention",
-    "paged_decode_attention",
-    "moe_gating_topk_softmax",
-    "fused_moe",
-    "silu_and_mul",
-    "linear",
-)
+from dlinfer.vendor.kv_layouts import HEAD_MAJOR, KV_LAYOUTS, TOKEN_MAJOR  # noqa: F401  (re-exported)
+from dlinfer.vendor.op_table import OP_NAMES
 
 # Features an op may be asked for that a vendor may lack (checked before dispatch).
 FEATURE_ALIBI = "alibi_slopes"

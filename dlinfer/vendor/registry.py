@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import threading
 from typing import Callable, Dict
 
 from dlinfer.errors import VendorError
@@ -14,6 +15,7 @@ IN_TREE = ("torch", "cpu", "triton")  # the preference per device is decided in 
 
 _loaded: Dict[str, Vendor] = {}
 _failures: Dict[str, str] = {}
+_lock = threading.Lock()  # one load per vendor, even when two threads ask at once
 
 
 def _entry_points() -> Dict[str, importlib.metadata.EntryPoint]:
@@ -44,16 +46,22 @@ def _load_uncached(name: str) -> Vendor:
 
 
 def try_load(name: str):
-    """The vendor, or None when it cannot load here (the reason is kept for `load`'s error)."""
+    """The vendor, or None when it cannot load here. Either outcome is remembered for the
+    process: a vendor that failed (no compiler, no Triton) is not retried at every lookup, and
+    its reason is what `load`'s error and `failures()` report."""
     if name in _loaded:
         return _loaded[name]
-    try:
-        vendor = _load_uncached(name)
-    except Exception as exc:  # a vendor's import may fail in any way: keep the reason
-        _failures[name] = f"{type(exc).__name__}: {exc}"
+    if name in _failures:
         return None
-    _loaded[name] = vendor
-    _failures.pop(name, None)
+    with _lock:
+        if name in _loaded or name in _failures:
+            return _loaded.get(name)
+        try:
+            vendor = _load_uncached(name)
+        except Exception as exc:  # a vendor's import may fail in any way: keep the reason
+            _failures[name] = f"{type(exc).__name__}: {exc}"
+            return None
+        _loaded[name] = vendor
     return vendor
 
 
@@ -76,9 +84,3 @@ def available() -> list:
 def failures() -> Dict[str, str]:
     """Vendor name -> why it failed to load (after a load attempt)."""
     return dict(_failures)
-
-
-def forget() -> None:
-    """Drop the load cache (after installing a vendor package in a running process)."""
-    _loaded.clear()
-    _failures.clear()

@@ -12,9 +12,7 @@ import torch.fx as fx
 import dlinfer.ops as ops
 from dlinfer.graph import fx_utils as U
 from dlinfer.graph import passes
-
-OP_NAMES = ("rms_norm", "add_rms_norm", "apply_rotary_pos_emb", "fill_kv_cache", "paged_decode_attention",
-            "silu_and_mul", "linear")
+from dlinfer.vendor.op_table import OP_NAMES
 
 
 def capture(fn, *args) -> Tuple[fx.GraphModule, List]:

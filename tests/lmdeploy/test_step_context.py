@@ -89,6 +89,6 @@ def test_block_shapes_follow_vendor_layout():
     with dlinfer.vendor.using("torch", kv_layout="token_major"):
         assert CpuOpsBackend.get_k_block_shape(16, 2, 32, torch.float32) == (16, 2, 32)
         assert CpuOpsBackend.get_v_block_shape(16, 2, 24, torch.float32) == (16, 2, 24)
-    if "head_major" in dlinfer.vendor.get("torch").kv_layouts:
+    if "head_major" in dlinfer.vendor.load("torch").kv_layouts:
         with dlinfer.vendor.using("torch", kv_layout="head_major"):
             assert CpuOpsBackend.get_k_block_shape(16, 2, 32, torch.float32) == (2, 16, 32)

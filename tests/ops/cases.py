@@ -32,7 +32,7 @@ def vendor_marks(vendor):
 
 
 def vendor_layouts(vendor):
-    return tuple(dlinfer.vendor.get(vendor).kv_layouts)
+    return tuple(dlinfer.vendor.load(vendor).kv_layouts)
 
 
 def vendor_params(cases=None, with_layout=False):
@@ -62,12 +62,12 @@ def skip_unless_supported(vendor, dtype=None, head_dim=None, feature=None):
     reference implementation every op falls back to, must run everything: never skipped."""
     if vendor == "torch":
         return
-    caps = dlinfer.vendor.get(vendor).capabilities
+    caps = dlinfer.vendor.load(vendor).capabilities
     if dtype is not None and dtype not in caps.dtypes:
         pytest.skip(f"{vendor} declares no {dtype}")
     if head_dim is not None and caps.head_dims is not None and head_dim not in caps.head_dims:
         pytest.skip(f"{vendor} declares no head dim {head_dim}")
-    if feature is not None and not dlinfer.vendor.get(vendor).supports(feature):
+    if feature is not None and not dlinfer.vendor.load(vendor).supports(feature):
         pytest.skip(f"{vendor} declares no {feature}")
 
 

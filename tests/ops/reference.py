@@ -1,4 +1,4 @@
-"""Independent float64 references for the dlinfer op contract (docs: /work/shared/DESIGN.md).
+"""Independent float64 references for the dlinfer op contract (docs/design.md, docs/ops.md).
 
 Written from the math alone: plain loops per sequence, per head and per token, dense attention
 per sequence, a per-token gather from the paged cache. Nothing here imports dlinfer. Every

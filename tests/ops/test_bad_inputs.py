@@ -304,7 +304,7 @@ def test_good_call_accepted_no_cache(vendor, op):
 def test_quantised_kv_unsupported(vendor, layout, op):
     """quant_bits=8 on a vendor without a quantised cache: UnsupportedError naming vendor, op and
     feature; caches untouched."""
-    if dlinfer.vendor.get(vendor).supports(FEATURE_KV_QUANT):
+    if dlinfer.vendor.load(vendor).supports(FEATURE_KV_QUANT):
         pytest.skip(f"{vendor} supports a quantised KV cache")
     kwargs = good_call(op, layout)
     kwargs["quant_bits"] = 8

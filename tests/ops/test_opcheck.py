@@ -1,5 +1,6 @@
 """torch.library.opcheck on every torch.ops.dlinfer op (schema, fake impl, autograd registration,
-AOT dispatch), with the canonical arguments of dlinfer/ops/_custom_ops.py, under each vendor."""
+AOT dispatch), with the canonical arguments of the op table (dlinfer/vendor/op_table.py), under each
+vendor. The op list is the table's: an op added there without samples here fails."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
 import dlinfer.vendor
 from dlinfer.vendor.base import FEATURE_ALIBI
+from dlinfer.vendor.op_table import OPS
 
 from . import reference as ref
 from .cases import DEVICE, active, alloc_cache, gen, make_block_table, randn, vendor_params
@@ -56,15 +58,10 @@ def _samples(name, layout, g):
     raise KeyError(name)
 
 
-OPS = ["rms_norm", "add_rms_norm", "apply_rotary_pos_emb", "silu_and_mul", "linear", "moe_gating_topk_softmax",
-       "fused_moe", "fill_kv_cache", "prefill_attention", "paged_prefill_attention", "paged_decode_attention"]
-CACHE_OPS = {"fill_kv_cache", "paged_prefill_attention", "paged_decode_attention"}
-
-
 def _params():
     out = []
-    for name in OPS:
-        for vp in vendor_params(with_layout=name in CACHE_OPS):
+    for name, spec in OPS.items():
+        for vp in vendor_params(with_layout=spec.takes_kv_cache):
             vendor, *layout = vp.values
             out.append(pytest.param(vendor, layout[0] if layout else None, name, id=f"{vp.id}-{name}",
                                     marks=vp.marks))
@@ -76,9 +73,15 @@ def test_opcheck(vendor, layout, name):
     op = getattr(torch.ops.dlinfer, name).default
     arg_names = [a.name for a in op._schema.arguments]
     alibi_at = arg_names.index("alibi_slopes") if "alibi_slopes" in arg_names else None
-    has_alibi = dlinfer.vendor.get(vendor).supports(FEATURE_ALIBI)
+    has_alibi = dlinfer.vendor.load(vendor).supports(FEATURE_ALIBI)
     with active(vendor, layout):
         for args, kwargs in _samples(name, layout or "token_major", gen(5)):
             if alibi_at is not None and args[alibi_at] is not None and not has_alibi:
                 continue  # an ALiBi sample, for a vendor that declares no ALiBi
             torch.library.opcheck(op, args, kwargs)
+
+
+def test_every_table_op_is_a_public_function():
+    for name in OPS:
+        assert callable(getattr(dlinfer.ops, name)), name
+    assert set(OPS) <= set(dlinfer.ops.__all__)

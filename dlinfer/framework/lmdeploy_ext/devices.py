@@ -4,9 +4,10 @@ A device type here is a value of `PytorchEngineConfig.device_type` that LMDeploy
 know itself. Each one runs LMDeploy's own dlinfer layers (attention, norm, rotary, activation,
 MoE) and its `kernels/dlinfer` wrappers on `dlinfer.ops`, with tensors on `torch_device`:
 
-- "cpu": a plain CPU machine, ops from dlinfer's vendor for CPU tensors (the `torch` vendor).
-- "dlinfer_cuda": a CUDA GPU through dlinfer's vendor for CUDA tensors (`DLINFER_VENDOR=triton`
-  to pick Triton explicitly). Written for completeness of the design; not run on a GPU yet.
+- "cpu": a plain CPU machine, ops from dlinfer's vendor for CPU tensors: the `cpu` vendor (C++
+  kernels), or the `torch` vendor where those cannot be built (`python -m dlinfer env` says which).
+- "dlinfer_cuda": a CUDA GPU through dlinfer's vendor for CUDA tensors (the `triton` vendor by
+  default). Written for completeness of the design; not run on a GPU yet.
 
 The patches under `patches/` consult `spec_for(device_type)`; a device type that is not listed
 here (cuda, ascend, maca, camb, ...) is left entirely to LMDeploy.

@@ -28,7 +28,7 @@ Everything else the graph reads per step is a tensor of fixed shape for the buck
 
 Padding rows: one token each (cu_seqlens step 1), kv length 1 over the first real sequence's
 first block (finite data, never NaN), KV slot -1, which every vendor's fill_kv_cache drops
-(DESIGN.md: kernels mask bad slots). Their outputs are discarded; every op is row-independent.
+(docs/design.md, "Checks": kernels mask bad slots). Their outputs are discarded; every op is row-independent.
 """
 
 from __future__ import annotations

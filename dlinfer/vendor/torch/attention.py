@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dlinfer.ops._memo import LastCallMemo
-from dlinfer.vendor.base import HEAD_MAJOR
+from dlinfer.utils.memo import LastCallMemo
+from dlinfer.vendor.kv_layouts import blocks_and_size, canonical
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool) -> Tensor:
@@ -60,15 +60,8 @@ def _scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.dev
 
 def _gather(cache: Tensor, blocks: Tensor, kv_layout: str) -> Tensor:
     """cache blocks [nb] -> [Hkv, nb*BS, D] (a copy)."""
-    g = cache[blocks]
-    # token_major: [nb, BS, H, D]; head_major: [nb, H, BS, D]
-    if kv_layout == HEAD_MAJOR:
-        return g.transpose(0, 1).reshape(g.shape[1], -1, g.shape[-1])
+    g = canonical(cache, kv_layout)[blocks]  # [nb, BS, Hkv, D]
     return g.reshape(-1, g.shape[-2], g.shape[-1]).transpose(0, 1)
-
-
-def _block_size(cache: Tensor, kv_layout: str) -> int:
-    return cache.shape[2] if kv_layout == HEAD_MAJOR else cache.shape[1]
 
 
 def _sdpa_dtype(x: Tensor) -> Tensor:
@@ -96,7 +89,7 @@ def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_sc
 def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
                             max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout) -> None:
     """Each sequence's new tokens over its paged history + themselves; see the module docstring."""
-    bs = _block_size(key_cache, kv_layout)
+    bs = blocks_and_size(key_cache, kv_layout)[1]
     cu, kv = cu_seqlens_q.tolist(), kv_seq_len.tolist()
     for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
         n, kv_len = end - start, kv[b]
@@ -155,15 +148,14 @@ def _decode_plan(cu_seqlens_q: Tensor, kv_seq_len: Tensor, block_table: Tensor, 
 def _gather_tokens(cache: Tensor, plan: DecodePlan, kv_layout: str, scratch: str) -> Tensor:
     """[T, Hkv, L, D] (a strided view of a [T, L, Hkv, D] copy) of the positions the plan reads."""
     t, length = plan.blocks.shape
-    if kv_layout != HEAD_MAJOR and cache.is_contiguous():
+    cache = canonical(cache, kv_layout)  # [NB, BS, Hkv, D]
+    if cache.is_contiguous():
         rows = cache.view(-1, cache.shape[2] * cache.shape[3])  # one row per slot
         buf = _scratch_buffer(scratch, plan.slots.numel() * rows.shape[1], cache.dtype, cache.device)
         g = torch.index_select(rows, 0, plan.slots, out=buf.view(-1, rows.shape[1]))
         g = g.view(t, length, cache.shape[2], cache.shape[3])
-    elif kv_layout == HEAD_MAJOR:
-        g = cache[plan.blocks, :, plan.offsets]  # [T, L, H, D]
     else:
-        g = cache[plan.blocks, plan.offsets]
+        g = cache[plan.blocks, plan.offsets]  # [T, L, Hkv, D]
     return g.transpose(1, 2)
 
 
@@ -182,7 +174,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlen
     then one SDPA call for the batch, masked only where lengths differ."""
     q = _decode_dtype(query).unsqueeze(2)  # [T, Hq, 1, D]
     plan = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
-                             _block_size(key_cache, kv_layout), key_cache.shape[0], alibi_slopes, q.dtype)
+                             blocks_and_size(key_cache, kv_layout)[1], key_cache.shape[0], alibi_slopes, q.dtype)
     k = _decode_dtype(_gather_tokens(key_cache, plan, kv_layout, "decode_k"))  # [T, Hkv, L, D]
     v = _decode_dtype(_gather_tokens(value_cache, plan, kv_layout, "decode_v"))
     o = _sdpa(q, k, v, plan.mask, softmax_scale, causal=False)  # [T, Hq, 1, Dv]

@@ -5,8 +5,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from dlinfer.ops._memo import LastCallMemo
-from dlinfer.vendor.base import HEAD_MAJOR
+from dlinfer.utils.memo import LastCallMemo
+from dlinfer.vendor.kv_layouts import canonical
 
 
 def _slot_plan(kv_indices: Tensor, num_slots: int) -> Tuple[Tensor, Optional[Tensor]]:
@@ -30,15 +30,13 @@ def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Te
     Slots outside [0, NB*BS) are dropped, so bad metadata never writes outside the cache. A
     contiguous token-major cache is one row per slot: one index_copy_ per cache.
     """
-    nb = key_cache.shape[0]
-    bs = key_cache.shape[2] if kv_layout == HEAD_MAJOR else key_cache.shape[1]
+    key_cache, value_cache = canonical(key_cache, kv_layout), canonical(value_cache, kv_layout)
+    nb, bs = key_cache.shape[:2]  # [NB, BS, Hkv, D] views, written through
     slots, keep = _slot_plan_memo(kv_indices, nb * bs)
     if keep is not None:
         key, value = key[keep], value[keep]
     for src, cache in ((key, key_cache), (value, value_cache)):
-        if kv_layout != HEAD_MAJOR and cache.is_contiguous():
+        if cache.is_contiguous():
             cache.view(nb * bs, -1).index_copy_(0, slots, src.reshape(src.shape[0], -1))
-        elif kv_layout == HEAD_MAJOR:
-            cache[slots // bs, :, slots % bs] = src
         else:
             cache[slots // bs, slots % bs] = src

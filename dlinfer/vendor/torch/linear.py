@@ -12,7 +12,9 @@ sizes with its own kernel, and uses this function beyond 8 rows.)
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -20,15 +22,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+@functools.lru_cache(maxsize=None)
 def _onednn_enabled() -> bool:
+    """DLINFER_CPU_LINEAR, read at the first float32 CPU call (not at import: a bad value must not
+    keep the vendor from loading). An unknown value warns and keeps the default."""
     choice = os.environ.get("DLINFER_CPU_LINEAR", "onednn").strip().lower()
     if choice not in ("onednn", "aten"):
-        raise ValueError(f"DLINFER_CPU_LINEAR must be 'onednn' or 'aten', got {choice!r}")
+        warnings.warn(f"dlinfer: DLINFER_CPU_LINEAR must be 'onednn' or 'aten', got {choice!r}; using 'onednn'",
+                      stacklevel=2)
+        choice = "onednn"
     return (choice == "onednn" and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-_ONEDNN = _onednn_enabled()
 
 
 def uses_onednn(x: Tensor, weight: Tensor) -> bool:
@@ -36,8 +40,8 @@ def uses_onednn(x: Tensor, weight: Tensor) -> bool:
     a call that autograd would record keeps `F.linear`)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    return (_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous() and x.stride(-1) == 1)
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.is_contiguous() and x.stride(-1) == 1 and _onednn_enabled())
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

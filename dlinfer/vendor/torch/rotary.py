@@ -9,7 +9,7 @@ rotate_half(q) * sin.
 import torch
 from torch import Tensor
 
-from dlinfer.ops._memo import LastCallMemo
+from dlinfer.utils.memo import LastCallMemo
 
 
 def _signed_sin(sin: Tensor) -> Tensor:

@@ -2,24 +2,22 @@
 
 Runs on CUDA; also on CPU tensors under TRITON_INTERPRET=1 (Triton's interpreter: correct but
 ~300x slower than torch, used by CI on small shapes). Both KV-cache layouts. One op family per
-file: norm, rotary, kv_cache, activation, moe, linear; attention lives in attention.py (while
-that file is absent its three ops fall back to the torch vendor).
+file: norm, rotary, kv_cache, activation, moe, linear, and attention (attention.py, with its
+kernels in attention_prefill.py and attention_decode.py).
 """
-
-import importlib.util
-import os
 
 import torch
 
 from dlinfer.vendor.base import FEATURE_ALIBI, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
-
-_ATTENTION_OPS = ("prefill_attention", "paged_prefill_attention", "paged_decode_attention")
 
 NOTES = {
     "rms_norm": "Triton: one program per row, fp32 statistics, HF Llama order (cast, then weight)",
     "add_rms_norm": "Triton: residual add fused into the rms_norm pass; both outputs written once",
     "apply_rotary_pos_emb": "Triton: q and k in one launch, fp32 rotate-half, partial rotary copies dims R..D",
     "fill_kv_cache": "Triton: per-token row copy into either layout, int64 offsets, bad slots masked, no host sync",
+    "prefill_attention": "Triton: varlen causal flash attention over packed K/V (attention_prefill.py)",
+    "paged_prefill_attention": "Triton: the prefill kernel with keys read through the block table",
+    "paged_decode_attention": "Triton: split-KV flash-decoding + log-sum-exp reduction (attention_decode.py)",
     "silu_and_mul": "Triton: fused fp32 silu(gate) * up, one rounding",
     "moe_gating_topk_softmax": "Triton: fused fp32 softmax + iterative arg-max top-k (ties to the lower id)",
     "fused_moe": "Triton: on-device expert sort/align, grouped tl.dot GEMMs with SiLU-and-mul fused into "
@@ -31,34 +29,24 @@ NOTES = {
 def load() -> Vendor:
     import triton  # noqa: F401  (ImportError when Triton is missing: the registry records why)
 
-    from dlinfer.vendor.triton import activation, kv_cache, linear, moe, norm, rotary
+    from dlinfer.vendor.triton import activation, attention, kv_cache, linear, moe, norm, rotary
+    from dlinfer.vendor.triton._common import INTERPRET
 
     ops = {
         "rms_norm": norm.rms_norm,
         "add_rms_norm": norm.add_rms_norm,
         "apply_rotary_pos_emb": rotary.apply_rotary_pos_emb,
         "fill_kv_cache": kv_cache.fill_kv_cache,
+        "prefill_attention": attention.prefill_attention,
+        "paged_prefill_attention": attention.paged_prefill_attention,
+        "paged_decode_attention": attention.paged_decode_attention,
         "moe_gating_topk_softmax": moe.moe_gating_topk_softmax,
         "fused_moe": moe.fused_moe,
         "silu_and_mul": activation.silu_and_mul,
         "linear": linear.linear,
     }
-    notes = dict(NOTES)
-    # attention.py is written separately; until it exists its ops fall back to the torch vendor.
-    # When present it is imported for real: an error inside it fails the vendor's load loudly.
-    if importlib.util.find_spec("dlinfer.vendor.triton.attention") is not None:
-        from dlinfer.vendor.triton import attention
-
-        for op in _ATTENTION_OPS:
-            ops[op] = getattr(attention, op)
-            notes[op] = "Triton: see dlinfer/vendor/triton/attention.py"
-    else:
-        for op in _ATTENTION_OPS:
-            notes[op] = "not implemented here yet: falls back to the torch vendor"
-
-    device_types = ("cuda",)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        device_types += ("cpu",)  # the interpreter runs kernels on CPU tensors
+    # The interpreter runs the kernels on CPU tensors.
+    device_types = ("cuda", "cpu") if INTERPRET else ("cuda",)
     return Vendor(
         name="triton",
         device_types=device_types,
@@ -68,6 +56,6 @@ def load() -> Vendor:
             dtypes=(torch.float32, torch.float16, torch.bfloat16),
             head_dims=None,
             features=frozenset({FEATURE_ALIBI}),
-            notes=notes,
+            notes=dict(NOTES),
         ),
     )

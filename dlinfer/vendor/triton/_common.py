@@ -9,13 +9,15 @@ the interpreter's own conversion) and is a plain `.to` on a GPU. Pure copies (fi
 rotary pass-through dims) move the raw bits and need neither.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Whether this process runs Triton's CPU interpreter. Triton itself decides it once, when
+# `@triton.jit` decorates a kernel (at this vendor's import): reading it anywhere else, or later,
+# could disagree with the kernels actually defined. Every file of the vendor uses this value.
+INTERPRET = bool(knobs.runtime.interpret)
 _FIX_BF16 = tl.constexpr(INTERPRET)
 
 

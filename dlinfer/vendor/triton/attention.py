@@ -1,4 +1,4 @@
-"""The triton vendor's attention ops, with the canonical signatures of dlinfer/ops/_custom_ops.py.
+"""The triton vendor's attention ops, with the canonical signatures of dlinfer/vendor/op_table.py.
 
 Arguments arrive validated and normalised by dlinfer.ops: cu_seqlens_q [B+1] and kv_seq_len [B]
 int32 on the query's device, block_table [B, M] int32/int64, max_* upper bounds, out [T, Hq, Dv]

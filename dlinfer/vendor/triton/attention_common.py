@@ -8,19 +8,13 @@ log-sum-exp as m + log2(l), which is what the split-KV decode reduction combines
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from dlinfer.vendor.base import HEAD_MAJOR
+from dlinfer.vendor.triton._common import INTERPRET
 
 LOG2E = 1.4426950408889634
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def dots_in_fp32(dtype: torch.dtype) -> bool:
@@ -32,23 +26,12 @@ def dots_in_fp32(dtype: torch.dtype) -> bool:
     TRITON_INTERPRET=1 bf16 is upcast (the interpreter's bf16 arithmetic is garbage) while fp16
     keeps the GPU's path, so the interpreter checks that path's numerics too.
     """
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRET)
 
 
 def block_dim(d: int) -> int:
     """Head dims need not be powers of two (80, 96, ...): pad the tile, mask the tail."""
     return max(16, triton.next_power_of_2(d))
-
-
-def cache_strides(cache: torch.Tensor, kv_layout: str):
-    """(block, slot, head, dim) strides of a per-layer cache in either layout."""
-    if kv_layout == HEAD_MAJOR:  # [NB, Hkv, BS, D]
-        return cache.stride(0), cache.stride(2), cache.stride(1), cache.stride(3)
-    return cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3)  # [NB, BS, Hkv, D]
-
-
-def cache_block_size(cache: torch.Tensor, kv_layout: str) -> int:
-    return cache.shape[2] if kv_layout == HEAD_MAJOR else cache.shape[1]
 
 
 @triton.jit

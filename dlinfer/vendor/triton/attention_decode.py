@@ -28,12 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dlinfer.vendor.kv_layouts import canonical
 from dlinfer.vendor.triton._common import cast_to
 from dlinfer.vendor.triton.attention_common import (
     LOG2E,
     block_dim,
-    cache_block_size,
-    cache_strides,
     dots_in_fp32,
     online_softmax_step,
     paged_slots,
@@ -186,9 +185,10 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
     if b <= 0:  # tokens but no sequence: nothing to attend to
         out.zero_()
         return
-    hkv = key_cache.shape[2] if kv_layout == "token_major" else key_cache.shape[1]
+    key_cache, value_cache = canonical(key_cache, kv_layout), canonical(value_cache, kv_layout)  # [NB, BS, Hkv, D]
+    nb, bs, hkv = key_cache.shape[:3]
     g = hq // hkv
-    nb, bs, m = key_cache.shape[0], cache_block_size(key_cache, kv_layout), block_table.shape[1]
+    m = block_table.shape[1]
     block_d, block_dv = block_dim(d), block_dim(dv)
     if num_splits is None:
         num_splits = num_kv_splits(t, hkv, max_kv_seq_len, _num_sms(query.device))
@@ -200,7 +200,7 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
         lse = torch.empty((t, hq, num_splits), device=query.device, dtype=torch.float32)
     else:
         opart = lse = out  # unused
-    ks, vs = cache_strides(key_cache, kv_layout), cache_strides(value_cache, kv_layout)
+    ks, vs = key_cache.stride(), value_cache.stride()
     alibi = alibi_slopes if alibi_slopes is not None else query
     _decode_split_kernel[(t, hkv, num_splits)](
         query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, alibi, out, opart, lse,

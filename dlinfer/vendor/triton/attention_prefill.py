@@ -17,12 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from dlinfer.vendor.kv_layouts import canonical
 from dlinfer.vendor.triton._common import cast_to
 from dlinfer.vendor.triton.attention_common import (
     LOG2E,
     block_dim,
-    cache_block_size,
-    cache_strides,
     dots_in_fp32,
     online_softmax_step,
     paged_slots,
@@ -141,11 +140,11 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
 def paged_prefill(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
                   max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout) -> None:
     """Launcher: new tokens [T, Hq, D] over history + themselves in the paged cache -> out."""
-    hkv = key_cache.shape[2] if kv_layout == "token_major" else key_cache.shape[1]
+    key_cache, value_cache = canonical(key_cache, kv_layout), canonical(value_cache, kv_layout)  # [NB, BS, Hkv, D]
+    nb, bs, hkv = key_cache.shape[:3]
     _launch(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len, max_kv_seq_len,
-            softmax_scale, alibi_slopes, out, cache_strides(key_cache, kv_layout),
-            cache_strides(value_cache, kv_layout), hkv, block_table.shape[1], key_cache.shape[0],
-            cache_block_size(key_cache, kv_layout), paged=True)
+            softmax_scale, alibi_slopes, out, key_cache.stride(), value_cache.stride(), hkv, block_table.shape[1],
+            nb, bs, paged=True)
 
 
 def prefill(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out) -> None:

@@ -3,7 +3,7 @@
 Algorithm: program (token t, head block). slot = kv_indices[t] as int64; block = slot // BS,
 offset = slot % BS; the K row [heads, D] and V row [heads, Dv] are bit-copied to
 cache[block, offset, head] (token_major) or cache[block, head, offset] (head_major). The layout
-only changes which cache strides the launcher passes. All cache offsets are int64 (caches past
+only changes which cache strides the launcher passes (those of `kv_layouts.canonical`). All cache offsets are int64 (caches past
 2**31 elements). A slot outside [0, NB*BS) is masked: nothing is written for that token, and no
 host sync is needed to find out.
 """
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlinfer.vendor.base import HEAD_MAJOR
+from dlinfer.vendor.kv_layouts import canonical
 from dlinfer.vendor.triton._common import next_pow2
 
 
@@ -44,12 +44,6 @@ def _fill_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, idx_ptr, stride_idx, n_slots, 
     tl.store(vc, val, mask=mask)
 
 
-def _cache_strides(cache: Tensor, kv_layout: str):
-    """(block, slot-in-block, head, dim) strides of a cache in either layout."""
-    s = cache.stride()
-    return (s[0], s[2], s[1], s[3]) if kv_layout == HEAD_MAJOR else s
-
-
 def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
                   kv_layout: str) -> None:
     """Write key [T, Hkv, D] / value [T, Hkv, Dv] at slots kv_indices [T] of the caches (in place)."""
@@ -57,13 +51,12 @@ def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Te
     dv = value.shape[2]
     if t == 0:
         return
-    nb = key_cache.shape[0]
-    bs = key_cache.shape[2] if kv_layout == HEAD_MAJOR else key_cache.shape[1]
+    key_cache, value_cache = canonical(key_cache, kv_layout), canonical(value_cache, kv_layout)  # [NB, BS, Hkv, D]
+    nb, bs = key_cache.shape[:2]
     block_d, block_dv = next_pow2(d), next_pow2(dv)
     block_h = min(next_pow2(hkv), max(1, 4096 // max(block_d, block_dv)))
     _fill_kv_kernel[(t, triton.cdiv(hkv, block_h))](
         key, value, key_cache, value_cache, kv_indices, kv_indices.stride(0), nb * bs, bs, hkv, d, dv,
-        *key.stride(), *value.stride(), *_cache_strides(key_cache, kv_layout),
-        *_cache_strides(value_cache, kv_layout),
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4,
     )

@@ -1,25 +1,18 @@
-"""Per-layer KV-cache block shapes from the active dlinfer vendor's layout.
+"""Per-layer KV-cache block shapes in the active dlinfer vendor's layout.
 
 LMDeploy allocates each layer's cache as [NB, *block_shape] with the block shape its ops backend
-returns. dlinfer vendors declare one of two layouts (`dlinfer.vendor.kv_layout`):
-  token_major: block [BS, Hkv, D] -> cache [NB, BS, Hkv, D]  (LMDeploy's default dlinfer shape)
-  head_major:  block [Hkv, BS, D] -> cache [NB, Hkv, BS, D]
+returns; dlinfer's ops then read that cache in the layout the active vendor declares. Both come
+from one place, `dlinfer/vendor/kv_layouts.py` (docs/design.md, "KV-cache layouts").
 """
 
 from __future__ import annotations
 
 import dlinfer.vendor
+from dlinfer.vendor.kv_layouts import block_shape
+
+__all__ = ["active_kv_layout", "block_shape"]
 
 
 def active_kv_layout(torch_device: str) -> str:
     """The layout every dlinfer op expects for caches on `torch_device` ('cpu', 'cuda')."""
     return dlinfer.vendor.kv_layout(torch_device)
-
-
-def block_shape(layout: str, block_size: int, num_heads: int, head_size: int) -> tuple[int, int, int]:
-    """The shape of one cache block of one layer for `layout`."""
-    if layout == dlinfer.vendor.TOKEN_MAJOR:
-        return (block_size, num_heads, head_size)
-    if layout == dlinfer.vendor.HEAD_MAJOR:
-        return (num_heads, block_size, head_size)
-    raise ValueError(f"unknown dlinfer KV layout {layout!r}; known: {dlinfer.vendor.KV_LAYOUTS}")

@@ -14,11 +14,18 @@ Only for SMALL metadata tensors. A tensor argument matches the remembered one wh
   alive, so their memory cannot be reused by a new tensor while remembered. Inference-mode
   tensors carry no version counter: on an accelerator they are never memoised.
 The memo is bypassed while torch.compile traces.
+
+Thread safety: LMDeploy serves on its own thread while other threads may call ops. The memo's
+whole state is one tuple (key, args, value), read once and replaced in one assignment, so a
+thread never pairs one call's key with another call's value; two threads that race merely
+compute the value twice.
+
+It lives below the vendors (dlinfer/utils) because both the op layer and the vendors use it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -66,16 +73,15 @@ def _frozen(fp):
 class LastCallMemo:
     """Remembers f(*args) for the last args seen (see the module docstring for what matches)."""
 
-    __slots__ = ("_fn", "_key", "_args", "_value")
+    __slots__ = ("_fn", "_last")
 
     def __init__(self, fn: Callable):
         self._fn = fn
         self.clear()
 
     def clear(self) -> None:
-        self._key = None
-        self._args: Tuple = ()  # kept alive on purpose (see the module docstring)
-        self._value: Any = None
+        # (key, args, value): the args are kept alive on purpose (see the module docstring).
+        self._last: Optional[Tuple[tuple, tuple, Any]] = None
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
@@ -84,10 +90,9 @@ class LastCallMemo:
             key = tuple(_fingerprint(a) for a in args)
         except _Uncacheable:
             return self._fn(*args)
-        if self._key is not None and len(key) == len(self._key) and all(
-                k == r for k, r in zip(key, self._key)):
-            return self._value
+        last = self._last  # one read: key and value always belong to the same call
+        if last is not None and len(key) == len(last[0]) and all(k == r for k, r in zip(key, last[0])):
+            return last[2]
         value = self._fn(*args)
-        self._key = tuple(_frozen(k) for k in key)
-        self._args, self._value = args, value
+        self._last = (tuple(_frozen(k) for k in key), args, value)
         return value

@@ -1,0 +1,171 @@
+"""The op table: every dlinfer op, written once (docs/design.md, "The op table").
+
+Each entry gives an op's name, the schema of its *canonical* signature (what a vendor function
+takes, after `dlinfer.ops` has validated and normalised the caller's arguments), the arguments
+it writes in place (read off the schema's `(a!)` marks), its fake implementation (shapes and
+dtypes of the outputs, for torch.compile) and the shapes of its arguments. Derived from it:
+the `torch.ops.dlinfer.*` registrations (`dlinfer/ops/_custom_ops.py`), the op names of the
+vendor protocol (`OP_NAMES`, `dlinfer/vendor/base.py`), `python -m dlinfer env`'s counts and the
+tests' op lists.
+
+Notation: T tokens, B sequences, Hq / Hkv heads, D / Dv head dims, NB blocks, BS block size, M max
+blocks per sequence, E experts, K top-k. Canonical conventions: 2-D activations [N, H]; length
+tensors `cu_seqlens_q` [B+1] (cumulative starts and ends) and `kv_seq_len` [B] are int32 on the
+query's device; `max_*` are upper bounds (grids may be sized by them); `kv_layout` is
+"token_major" or "head_major" (`dlinfer/vendor/kv_layouts.py`); index tensors (kv_indices,
+block_table) are int32 or int64 as the caller gave them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+
+NAMESPACE = "dlinfer"
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the contract.
+
+    name: the op's name (`dlinfer.ops.<name>`, `torch.ops.dlinfer.<name>`, vendor table key).
+    schema: the canonical signature as a torch.library schema, "(args) -> returns".
+    fake: computes output metadata from canonical arguments (torch.compile's fake tensors).
+    doc: argument shapes, one line per argument or group.
+    """
+
+    name: str
+    schema: str
+    fake: Callable
+    doc: str
+
+    @property
+    def mutates(self) -> Tuple[str, ...]:
+        """Names of the arguments the op writes in place."""
+        return tuple(re.findall(r"Tensor\([a-z]!\)\??\s+(\w+)", self.schema))
+
+    @property
+    def arg_names(self) -> Tuple[str, ...]:
+        inside = self.schema[self.schema.index("(") + 1:self.schema.rindex(") ->")]
+        return tuple(part.split("=")[0].split()[-1] for part in inside.split(","))
+
+    @property
+    def takes_kv_cache(self) -> bool:
+        return "kv_layout" in self.arg_names
+
+
+def _none(*args):
+    return None
+
+
+def _like_first(x, *args):
+    return torch.empty_like(x)
+
+
+def _pair_like(a, b, *args):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _add_rms_norm_fake(hidden_states, residual, weight, epsilon):
+    return torch.empty_like(hidden_states), torch.empty_like(hidden_states)
+
+
+def _topk_fake(router_logits, topk):
+    shape = (router_logits.shape[0], topk)
+    return (router_logits.new_empty(shape, dtype=torch.float32), router_logits.new_empty(shape, dtype=torch.int64))
+
+
+def _silu_and_mul_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+def _linear_fake(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+_TABLE = (
+    OpSpec(
+        "rms_norm",
+        "(Tensor hidden_states, Tensor weight, float epsilon) -> Tensor",
+        _like_first,
+        "hidden_states [N, H], weight [H] -> [N, H] in hidden_states' dtype",
+    ),
+    OpSpec(
+        "add_rms_norm",
+        "(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) -> (Tensor, Tensor)",
+        _add_rms_norm_fake,
+        "hidden_states [N, H], residual [N, H], weight [H] -> (rms_norm(h + r) [N, H], h + r [N, H])",
+    ),
+    OpSpec(
+        "apply_rotary_pos_emb",
+        "(Tensor query, Tensor key, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+        _pair_like,
+        "query [T, Hq, D], key [T, Hkv, D], cos [T, R], sin [T, R] (R <= D, even) -> (q, k) new tensors",
+    ),
+    OpSpec(
+        "fill_kv_cache",
+        "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor kv_indices, "
+        "str kv_layout) -> ()",
+        _none,
+        "key [T, Hkv, D], value [T, Hkv, Dv], key_cache / value_cache in kv_layout (written), "
+        "kv_indices [T] slots (outside [0, NB*BS): skipped)",
+    ),
+    OpSpec(
+        "prefill_attention",
+        "(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, int max_q_seq_len, float softmax_scale, "
+        "Tensor? alibi_slopes, Tensor(a!) out) -> ()",
+        _none,
+        "query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1], alibi_slopes [Hq]?, "
+        "out [T, Hq, Dv] (written)",
+    ),
+    OpSpec(
+        "paged_prefill_attention",
+        "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
+        "Tensor kv_seq_len, int max_q_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
+        "Tensor(a!) out, str kv_layout) -> ()",
+        _none,
+        "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written)",
+    ),
+    OpSpec(
+        "paged_decode_attention",
+        "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
+        "Tensor kv_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
+        "str kv_layout) -> ()",
+        _none,
+        "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written)",
+    ),
+    OpSpec(
+        "moe_gating_topk_softmax",
+        "(Tensor router_logits, int topk) -> (Tensor, Tensor)",
+        _topk_fake,
+        "router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64)",
+    ),
+    OpSpec(
+        "fused_moe",
+        "(Tensor hidden_states, Tensor gate_up_weights, Tensor down_weights, Tensor topk_weights, "
+        "Tensor topk_ids, bool renormalize) -> Tensor",
+        _like_first,
+        "hidden_states [T, H], gate_up_weights [E, 2I, H], down_weights [E, H, I], topk_weights [T, K], "
+        "topk_ids [T, K] -> [T, H]",
+    ),
+    OpSpec(
+        "silu_and_mul",
+        "(Tensor x) -> Tensor",
+        _silu_and_mul_fake,
+        "x [N, 2I] -> [N, I]",
+    ),
+    OpSpec(
+        "linear",
+        "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+        _linear_fake,
+        "x [N, K], weight [Nout, K], bias [Nout]? -> [N, Nout]",
+    ),
+)
+
+OPS: Dict[str, OpSpec] = {spec.name: spec for spec in _TABLE}
+OP_NAMES: Tuple[str, ...] = tuple(OPS)
