@@ -69,12 +69,34 @@ def _sdpa_dtype(x: Tensor) -> Tensor:
     return x.float() if x.dtype == torch.float16 and x.device.type == "cpu" else x
 
 
+def _sequence_rows(cu_seqlens_q: Tensor, t: int):
+    """([(b, start, end)] of each sequence's query rows, clamped into [0, T) and non-empty,
+    whether they cover every row exactly once). Well-formed cumulative offsets (0,
+    non-decreasing, ending at T) do; bad ones (ends that decrease, stop short of T or run past
+    it) may not, and the caller then zeroes the rows no sequence covers (`_zero_uncovered`)."""
+    cu = cu_seqlens_q.tolist()
+    well_formed = cu[0] == 0 and cu[-1] == t and all(a <= b for a, b in zip(cu[:-1], cu[1:]))
+    rows = []
+    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        start, end = min(max(start, 0), t), min(max(end, 0), t)
+        if end > start:
+            rows.append((b, start, end))
+    return rows, well_formed
+
+
+def _zero_uncovered(out: Tensor, rows) -> None:
+    """Zero the rows of out that no (b, start, end) covers. Done after the sequences ran: out may
+    be a view of the query (LMDeploy passes query[..., :Dv]), which must not change before."""
+    covered = torch.zeros(out.shape[0], dtype=torch.bool)
+    for _, start, end in rows:
+        covered[start:end] = True
+    out[(~covered).to(out.device)] = 0
+
+
 def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out) -> None:
     """query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1] -> out [T, Hq, Dv]."""
-    cu = cu_seqlens_q.tolist()
-    for start, end in zip(cu[:-1], cu[1:]):
-        if end <= start:
-            continue
+    rows, well_formed = _sequence_rows(cu_seqlens_q, out.shape[0])
+    for _, start, end in rows:
         q = _sdpa_dtype(query[start:end].transpose(0, 1))
         k = _sdpa_dtype(key[start:end].transpose(0, 1))
         v = _sdpa_dtype(value[start:end].transpose(0, 1))
@@ -84,24 +106,38 @@ def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_sc
             pos = torch.arange(end - start, device=query.device)
             o = _sdpa(q, k, v, _mask(pos, end - start, alibi_slopes, q.dtype), softmax_scale, causal=False)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
+    if not well_formed:
+        _zero_uncovered(out, rows)
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
                             max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout) -> None:
-    """Each sequence's new tokens over its paged history + themselves; see the module docstring."""
-    bs = blocks_and_size(key_cache, kv_layout)[1]
-    cu, kv = cu_seqlens_q.tolist(), kv_seq_len.tolist()
-    for b, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-        n, kv_len = end - start, kv[b]
-        if n <= 0 or kv_len <= 0:
+    """Each sequence's new tokens over its paged history + themselves; see the module docstring.
+
+    Bad metadata reads nothing outside the caches and leaves no row unwritten: block ids are
+    clamped into [0, NB), a sequence's length into its block-table row (M * BS), and a query row
+    with no key to see (more new tokens than the sequence's length) is zero."""
+    nb, bs = blocks_and_size(key_cache, kv_layout)
+    longest = block_table.shape[1] * bs
+    kv = kv_seq_len.tolist()
+    rows, well_formed = _sequence_rows(cu_seqlens_q, out.shape[0])
+    for b, start, end in rows:
+        n, kv_len = end - start, min(kv[b], longest)
+        if kv_len < n:  # rows before the sequence's first position see no key
+            out[start:end - max(kv_len, 0)] = 0
+            start = end - max(kv_len, 0)
+            n = end - start
+        if n <= 0:
             continue
-        blocks = block_table[b, : (kv_len + bs - 1) // bs].long()
+        blocks = block_table[b, : (kv_len + bs - 1) // bs].long().clamp(0, nb - 1)
         k = _sdpa_dtype(_gather(key_cache, blocks, kv_layout)[:, :kv_len])
         v = _sdpa_dtype(_gather(value_cache, blocks, kv_layout)[:, :kv_len])
         q = _sdpa_dtype(query[start:end].transpose(0, 1))
         pos = torch.arange(kv_len - n, kv_len, device=query.device)
         o = _sdpa(q, k, v, _mask(pos, kv_len, alibi_slopes, q.dtype), softmax_scale, causal=False)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
+    if not well_formed:
+        _zero_uncovered(out, rows)
 
 
 class DecodePlan(NamedTuple):

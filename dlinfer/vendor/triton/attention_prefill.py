@@ -124,8 +124,15 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
     t, hq, d = query.shape
     dv = out.shape[-1]
     b = cu.shape[0] - 1
-    if t == 0 or b <= 0 or max_q <= 0:
+    if t == 0:
         return
+    if b <= 0 or max_q <= 0:  # tokens but no sequence (bad metadata): nothing to attend to
+        out.zero_()
+        return
+    # Rows at or past the largest cumulative end belong to no sequence (ends that stop short of T:
+    # bad metadata): zero, not left unwritten. Device ops only: no host sync (CUDA-graph safe).
+    rows = torch.arange(t, device=out.device)
+    out.masked_fill_((rows >= cu.max()).view(t, 1, 1), 0)
     block_m, block_n, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32)
     _prefill_kernel[(triton.cdiv(max_q, block_m), b, hq)](
         query, k, v, bt, cu, kvlen, alibi_slopes if alibi_slopes is not None else query, out,
