@@ -1,4 +1,8 @@
-"""`python -m dlinfer env`: what a bug report needs (versions, vendors, devices)."""
+"""`python -m dlinfer <command>`. `env`: what a bug report needs (versions, machine, compiler,
+vendors, LMDeploy adaptor, devices), every failure reported as a line rather than raised.
+
+Subcommands: one `_cmd_<name>(args) -> int` each, registered in `_build_parser`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,10 @@ import importlib.metadata
 import os
 import platform
 import sys
+import warnings
+
+_NO_COMPILER = "none found: the cpu vendor cannot build its kernels; CPU ops run on the torch vendor"
+_MAX_REASON = 300  # characters of a failure's first line
 
 
 def _version(dist: str) -> str:
@@ -16,11 +24,141 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def env_report() -> str:
+def _one_line(text: object) -> str:
+    """The first non-empty line of `text`, cut to _MAX_REASON characters."""
+    first = next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+    return first if len(first) <= _MAX_REASON else first[:_MAX_REASON] + " ..."
+
+
+def _error(exc: BaseException) -> str:
+    return f"ERROR {type(exc).__name__}: {_one_line(exc)}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _compiler_line() -> str:
+    try:
+        from dlinfer.vendor.cpu import build
+
+        find_compiler = getattr(build, "find_compiler", None)
+        if find_compiler is None:
+            return "c++ compiler  unknown (this dlinfer's cpu vendor has no build.find_compiler)"
+        found = find_compiler()
+    except Exception as exc:
+        return f"c++ compiler  {_error(exc)}"
+    if found is None:
+        return f"c++ compiler  {_NO_COMPILER}"
+    path, version = found
+    return f"c++ compiler  {path} ({_one_line(version) or 'version unknown'})"
+
+
+def _machine_lines() -> list:
     import torch
 
-    import dlinfer
+    from dlinfer.utils import machine
+
+    lines = [f"  cpu:          {machine.cpu_model() or 'unknown model'}"]
+    try:
+        isa = machine.torch_isa()
+    except Exception as exc:  # an old torch without get_cpu_capability
+        isa = _error(exc)
+    flags = machine.cpu_flags()
+    flags_text = "unknown (no /proc/cpuinfo)" if flags is None else (" ".join(flags) or "none of " + " ".join(
+        machine.RELEVANT_CPU_FLAGS))
+    lines.append(f"  isa:          torch {isa}; cpu flags {flags_text}")
+    logical, usable = machine.cores()
+    usable_text = f" ({usable} usable by this process)" if usable is not None and usable != logical else ""
+    lines.append(f"  cores:        {logical if logical is not None else 'unknown'} logical{usable_text}")
+    torch_threads, omp = machine.threads()
+    omp_text = "OMP_NUM_THREADS unset" if omp is None else f"OMP_NUM_THREADS={omp}"
+    lines.append(f"  threads:      torch {torch_threads}, {omp_text}")
+    mem = machine.memory()
+    lines.append("  ram:          unknown" if mem is None else f"  ram:          {_gib(mem[0])} total, "
+                 f"{_gib(mem[1])} available")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(f"  cuda:{i}:       {p.name}, {_gib(p.total_memory)}, sm_{p.major}{p.minor}")
+    else:
+        lines.append("  cuda:         not available")
+    return lines
+
+
+def _vendor_lines() -> list:
     from dlinfer.vendor import registry, selection
+    from dlinfer.vendor.op_table import OP_NAMES
+
+    lines = ["vendors:"]
+    for name in registry.known_names():
+        vendor = registry.try_load(name)
+        if vendor is None:
+            lines.append(f"  {name:<10} failed  {_one_line(registry.failures().get(name, '?'))}")
+            continue
+        extra = ""
+        if name == "cpu":
+            from dlinfer.vendor.cpu import build
+
+            extra = f" kernels={build.isa()} ({build.module_name()})"
+        lines.append(f"  {name:<10} ok      devices={','.join(vendor.device_types)} "
+                     f"kv_layouts={','.join(vendor.kv_layouts)} ops={len(vendor.ops)}/{len(OP_NAMES)}{extra}")
+    try:
+        with warnings.catch_warnings():  # the lines above already say which vendor failed and why
+            warnings.filterwarnings("ignore", message="dlinfer: vendor .* cannot load")
+            lines.append(f"active vendor: {selection.current().name} (kv layout {selection.kv_layout()})")
+    except Exception as exc:  # report, don't crash: this is the bug-report command
+        lines.append(f"active vendor: {_error(exc)}")
+    for var in ("DLINFER_VENDOR", "DLINFER_KV_LAYOUT", "DLINFER_FALLBACK_OPS", "DLINFER_CHECK_VALUES",
+                "TRITON_INTERPRET"):
+        if os.environ.get(var):
+            lines.append(f"  {var}={os.environ[var]}")
+    return lines
+
+
+def _lmdeploy_lines() -> list:
+    """Whether dlinfer's LMDeploy adaptor imports here, and which of its patches are in place.
+    Importing the adaptor applies its patches (once), as a user's `import` would."""
+    head = "lmdeploy adaptor:"
+    version = _version("lmdeploy")
+    if version == "not installed":
+        return [f"{head} unavailable: LMDeploy is not installed"]
+    try:
+        import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    except Exception as exc:
+        gate = sys.modules.get("dlinfer.framework.lmdeploy_ext.version")
+        if gate is not None and isinstance(exc, gate.UnsupportedLMDeployVersion):
+            return [f"{head} unsupported: {_one_line(exc)}"]
+        lines = [f"{head} LMDeploy {version}, importing the adaptor failed: {_error(exc)}"]
+    else:
+        gate = sys.modules["dlinfer.framework.lmdeploy_ext.version"]
+        series = ", ".join(f"{s}.x" for s in gate.SUPPORTED_SERIES)
+        lines = [f"{head} LMDeploy {version} supported (dlinfer supports {series})"]
+    patches = sys.modules.get("dlinfer.framework.lmdeploy_ext.patches")
+    if patches is None:
+        return lines + ["  patches: none applied (the adaptor failed before patching)"]
+    try:
+        status = patches.status()
+    except Exception as exc:
+        return lines + [f"  patches: {_error(exc)}"]
+    complete = [name for name, (done, total) in status.items() if total and done == total]
+    lines.append(f"  patches: {len(complete)}/{len(status)} applied")
+    for name, (done, total) in status.items():
+        state = "applied" if name in complete else "NOT applied"
+        lines.append(f"    {name:<17} {state} ({done}/{total} attributes replaced)")
+    return lines
+
+
+def _section(build) -> list:
+    """`build()`'s lines, or one error line: one broken section must not hide the others."""
+    try:
+        return build()
+    except Exception as exc:
+        return [f"  {build.__name__.strip('_')}: {_error(exc)}"]
+
+
+def env_report() -> str:
+    import dlinfer
 
     lines = [
         f"dlinfer       {dlinfer.__version__}",
@@ -29,50 +167,30 @@ def env_report() -> str:
     ]
     for dist in ("torch", "triton", "lmdeploy", "transformers", "ninja"):
         lines.append(f"{dist:<13} {_version(dist)}")
-    lines.append("")
-    lines.append("vendors:")
-    loadable = registry.available()
-    for name in registry.known_names():
-        if name in loadable:
-            v = registry.load(name)
-            extra = ""
-            if name == "cpu":
-                from dlinfer.vendor.cpu import build
-
-                extra = f" kernels={build.isa()} ({build.module_name()})"
-            lines.append(f"  {name:<10} ok      devices={','.join(v.device_types)} kv_layouts={','.join(v.kv_layouts)}"
-                         f" ops={len(v.ops)}/11{extra}")
-        else:
-            lines.append(f"  {name:<10} failed  {registry.failures().get(name, '?')}")
-    try:
-        active = selection.current()
-        lines.append(f"active vendor: {active.name} (kv layout {selection.kv_layout()})")
-    except Exception as exc:  # report, don't crash: this is the bug-report command
-        lines.append(f"active vendor: ERROR {type(exc).__name__}: {exc}")
-    for var in ("DLINFER_VENDOR", "DLINFER_KV_LAYOUT", "DLINFER_FALLBACK_OPS", "DLINFER_CHECK_VALUES",
-                "TRITON_INTERPRET"):
-        if os.environ.get(var):
-            lines.append(f"  {var}={os.environ[var]}")
-    lines.append("")
-    lines.append("devices:")
-    lines.append(f"  cpu: {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}")
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            lines.append(f"  cuda:{i}: {p.name}, {p.total_memory / 2**30:.1f} GiB, sm_{p.major}{p.minor}")
-    else:
-        lines.append("  cuda: not available")
+    lines.append(_compiler_line())
+    lines += ["", "devices:", *_section(_machine_lines)]
+    lines += ["", *_section(_vendor_lines)]
+    lines += ["", *_section(_lmdeploy_lines)]
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def _cmd_env(args: argparse.Namespace) -> int:
+    print(env_report())
+    return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dlinfer")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("env", help="print versions, vendors and devices")
-    args = parser.parse_args(argv)
-    if args.command == "env":
-        print(env_report())
-    return 0
+    env = sub.add_parser("env", help="print what a bug report needs: versions, machine, compiler, vendors, "
+                                     "LMDeploy adaptor")
+    env.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _build_parser().parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":

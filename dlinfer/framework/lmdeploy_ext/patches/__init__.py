@@ -7,6 +7,7 @@ behaviour for dlinfer's device types (`devices.py`) only.
 
 from __future__ import annotations
 
+from dlinfer.framework.lmdeploy_ext import patching
 from dlinfer.framework.lmdeploy_ext.patches import (
     backend_selector,
     cuda_calls,
@@ -33,3 +34,9 @@ PATCHES = (
 def apply_all() -> None:
     for patch in PATCHES:
         patch.apply()
+
+
+def status() -> dict[str, tuple[int, int]]:
+    """Patch module (short name) -> `patching.applied` for it: (attributes replaced now, attributes
+    its `apply()` asked to replace); (0, 0) when its `apply()` never reached `wrap`."""
+    return {patch.__name__.rpartition(".")[2]: patching.applied(patch.__name__) for patch in PATCHES}
