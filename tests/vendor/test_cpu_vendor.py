@@ -4,7 +4,7 @@ Its numerics are covered by the op parity suite (tests/ops runs every available 
 checks what is particular to it.
 """
 
-import shutil
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import dlinfer.vendor
-from dlinfer.vendor import registry, selection
+from dlinfer.vendor import kv_layouts, registry, selection
+from dlinfer.vendor.cpu import build
 
-HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+HAS_COMPILER = build.find_compiler() is not None
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: the cpu vendor cannot be built here")
@@ -29,8 +30,6 @@ needs_cpu_vendor = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(),
 
 
 def _run(code: str, **env) -> str:
-    import os
-
     full_env = {**os.environ, **env}
     for key, value in env.items():
         if value is None:
@@ -68,21 +67,21 @@ def test_a_cpu_vendor_that_cannot_build_leaves_the_torch_vendor_with_a_warning(m
 
 @needs_cpu_vendor
 def test_linear_path_choice():
-    from dlinfer.vendor.cpu import linear as cpu_linear
+    from dlinfer.vendor.cpu import kernels
 
     w = torch.randn(5, 7)
-    for rows in range(cpu_linear.MAX_ROWS + 1):
-        assert cpu_linear.uses_few_rows(torch.randn(rows, 7), w, None)
-    assert cpu_linear.MAX_ROWS == 8
-    assert not cpu_linear.uses_few_rows(torch.randn(cpu_linear.MAX_ROWS + 1, 7), w, None)  # BLAS beyond
-    assert not cpu_linear.uses_few_rows(torch.randn(1, 7, dtype=torch.bfloat16), w.bfloat16(), None)
-    assert not cpu_linear.uses_few_rows(torch.randn(1, 7), torch.randn(7, 5).t(), None)  # strided weight
-    assert not cpu_linear.uses_few_rows(torch.randn(1, 7, requires_grad=True), w, None)  # autograd records it
+    for rows in range(kernels.MAX_ROWS + 1):
+        assert kernels.uses_few_rows(torch.randn(rows, 7), w, None)
+    assert kernels.MAX_ROWS == 8
+    assert not kernels.uses_few_rows(torch.randn(kernels.MAX_ROWS + 1, 7), w, None)  # BLAS beyond
+    assert not kernels.uses_few_rows(torch.randn(1, 7, dtype=torch.bfloat16), w.bfloat16(), None)
+    assert not kernels.uses_few_rows(torch.randn(1, 7), torch.randn(7, 5).t(), None)  # strided weight
+    assert not kernels.uses_few_rows(torch.randn(1, 7, requires_grad=True), w, None)  # autograd records it
     with torch.inference_mode():
-        assert cpu_linear.uses_few_rows(torch.randn(1, 7, requires_grad=True), w, None)
+        assert kernels.uses_few_rows(torch.randn(1, 7, requires_grad=True), w, None)
     x = torch.randn(3, 20)[:, 2:9]  # row stride 20: rows need only be dense
-    assert cpu_linear.uses_few_rows(x, w, torch.randn(5))
-    torch.testing.assert_close(cpu_linear.linear(x, w, None), x.double().matmul(w.double().t()).float())
+    assert kernels.uses_few_rows(x, w, torch.randn(5))
+    torch.testing.assert_close(kernels.linear(x, w, None), x.double().matmul(w.double().t()).float())
 
 
 @needs_cpu_vendor
@@ -106,19 +105,20 @@ def test_parity_suite_exercises_the_split_kernel():
 
 
 @needs_cpu_vendor
-def test_garbage_block_ids_and_slots_stay_inside_the_caches():
+@pytest.mark.parametrize("layout", kv_layouts.KV_LAYOUTS)
+def test_garbage_block_ids_and_slots_stay_inside_the_caches(layout):
     """Value checks off (the op layer would reject these): the kernels themselves must clamp
     block ids and skip slots outside the cache rather than touch memory they do not own."""
     vendor = dlinfer.vendor.load("cpu")
     nb, bs, h, d = 3, 4, 2, 16
-    k_cache = torch.randn(nb, bs, h, d)
-    v_cache = torch.randn(nb, bs, h, d)
+    k_cache = torch.randn(nb, *kv_layouts.block_shape(layout, bs, h, d))
+    v_cache = torch.randn(nb, *kv_layouts.block_shape(layout, bs, h, d))
     before_k, before_v = k_cache.clone(), v_cache.clone()
     key, value = torch.randn(4, h, d), torch.randn(4, h, d)
     slots = torch.tensor([-1, nb * bs, 2**40, 5])
-    vendor.ops["fill_kv_cache"](key, value, k_cache, v_cache, slots, "token_major")
-    before_k.view(-1, h, d)[5] = key[3]
-    before_v.view(-1, h, d)[5] = value[3]
+    vendor.ops["fill_kv_cache"](key, value, k_cache, v_cache, slots, layout)
+    kv_layouts.canonical(before_k, layout)[1, 1] = key[3]  # slot 5 = block 1, offset 1
+    kv_layouts.canonical(before_v, layout)[1, 1] = value[3]
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
 
     q = torch.randn(2, 4, d)
@@ -126,14 +126,54 @@ def test_garbage_block_ids_and_slots_stay_inside_the_caches():
     table = torch.tensor([[2**30, -5, 1], [0, 7, 2**20]], dtype=torch.int64)
     vendor.ops["paged_decode_attention"](q, k_cache, v_cache, table, torch.tensor([0, 1, 2], dtype=torch.int32),
                                          torch.tensor([12, 9], dtype=torch.int32), 12, d ** -0.5, None, out,
-                                         "token_major")
+                                         layout)
     assert torch.isfinite(out).all()
 
 
 @needs_cpu_vendor
 def test_kernels_are_built_for_the_detected_instruction_set():
-    from dlinfer.vendor.cpu import build
-
     assert build.module_name().endswith(build.isa().lower())
     assert build.isa() in ("AVX512", "AVX2", "DEFAULT")
     assert "-ffp-contract=off" in build.flags()
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler here")
+def test_find_compiler_names_the_compiler_and_its_version():
+    path, version = build.find_compiler()
+    assert os.path.isabs(path) and os.access(path, os.X_OK)
+    assert version and "\n" not in version
+
+
+@pytest.mark.parametrize("cxx,looked_for", [
+    (None, "looked for $CXX, c++, g++, clang++"),
+    ("/nonexistent/dlinfer-test-c++", "looked for $CXX=/nonexistent/dlinfer-test-c++"),
+])
+def test_no_compiler_is_one_line_before_any_build(tmp_path, cxx, looked_for):
+    """A machine without a compiler gets one line naming what was looked for, not a ninja log."""
+    bare = tmp_path / "bin"  # PATH: no compiler, no ninja
+    bare.mkdir()
+    extensions = tmp_path / "torch_extensions"
+    env = {**os.environ, "PATH": str(bare), "TORCH_EXTENSIONS_DIR": str(extensions)}
+    env.pop("CXX", None)
+    if cxx is not None:
+        env["CXX"] = cxx
+    code = textwrap.dedent("""
+        from dlinfer.errors import VendorError
+        from dlinfer.vendor.cpu import build
+        try:
+            build.build()
+        except VendorError as exc:
+            print(exc)
+        else:
+            print("built")
+    """)
+    done = subprocess.run([os.path.abspath(sys.executable), "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"no C++ compiler found ({looked_for})"), done.stdout
+    assert "install g++" in lines[0]
+    log = (done.stdout + done.stderr).lower()
+    for build_output in ("ninja", "error building", "failed:", "[dlinfer] building", "-c /"):
+        assert build_output not in log, log
+    assert not extensions.exists() or not any(extensions.iterdir())  # nothing was attempted

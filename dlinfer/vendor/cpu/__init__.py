@@ -1,18 +1,20 @@
 """The cpu vendor: C++ kernels for the decode-time hot path on CPUs.
 
-dlinfer's default on CPU tensors. Its kernels (`csrc/`, built on first use by `build.py`) cover
-what a decode step spends its time on: `linear` at few rows (a weight-streaming matrix-vector
-kernel; BLAS beyond 8 rows), `paged_decode_attention` read straight from the paged cache,
-`fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb` and `silu_and_mul`, each one
-call instead of several torch ops. Prefill attention and the MoE ops are the torch vendor's
-implementations, named as such in the op table (no fallback warning: they are this vendor's
-choice). float32/bfloat16/float16, both KV-cache layouts, ALiBi.
+dlinfer's default on CPU tensors. Its kernels (`csrc/`, built on first use by `build.py`, bound to
+the ops' signatures in `kernels.py`) cover what a decode step spends its time on: `linear` at few
+rows (a weight-streaming matrix-vector kernel; BLAS beyond 8 rows), `paged_decode_attention` read
+straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb`
+and `silu_and_mul`, each one call instead of several torch ops. Prefill attention and the MoE ops
+are the torch vendor's implementations, named as such in the op table (no fallback warning: they
+are this vendor's choice). float32/bfloat16/float16, ALiBi, both KV-cache layouts (the kernels read
+the caches as `kv_layouts.canonical` views).
 
 When no C++ compiler can build the kernels, the vendor does not load (`python -m dlinfer env`
 says why) and CPU ops run on the torch vendor.
 """
 
-from dlinfer.vendor.base import FEATURE_ALIBI, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
+from dlinfer.vendor.base import FEATURE_ALIBI, Capabilities, Vendor
+from dlinfer.vendor.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 NOTES = {
     "linear": "C++: float32 at <= 8 rows, a weight-streaming kernel (each W row read once for all rows); "
@@ -27,7 +29,7 @@ NOTES = {
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
     "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention)",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
-    "fused_moe": "the torch vendor's (tokens sorted by expert, GEMMs through this vendor's linear)",
+    "fused_moe": "the torch vendor's (tokens sorted by expert, GEMMs through the torch vendor's linear)",
 }
 
 
@@ -36,22 +38,22 @@ def load() -> Vendor:
 
     build.build()  # raises when the kernels cannot be built: the registry records why
 
-    from dlinfer.vendor.cpu import activation, attention, kv_cache, linear, norm, rotary
+    from dlinfer.vendor.cpu import kernels
     from dlinfer.vendor.torch import attention as torch_attention
     from dlinfer.vendor.torch import moe as torch_moe
 
     ops = {
-        "rms_norm": norm.rms_norm,
-        "add_rms_norm": norm.add_rms_norm,
-        "apply_rotary_pos_emb": rotary.apply_rotary_pos_emb,
-        "fill_kv_cache": kv_cache.fill_kv_cache,
+        "rms_norm": kernels.rms_norm,
+        "add_rms_norm": kernels.add_rms_norm,
+        "apply_rotary_pos_emb": kernels.apply_rotary_pos_emb,
+        "fill_kv_cache": kernels.fill_kv_cache,
         "prefill_attention": torch_attention.prefill_attention,
         "paged_prefill_attention": torch_attention.paged_prefill_attention,
-        "paged_decode_attention": attention.paged_decode_attention,
+        "paged_decode_attention": kernels.paged_decode_attention,
         "moe_gating_topk_softmax": torch_moe.moe_gating_topk_softmax,
         "fused_moe": torch_moe.fused_moe,
-        "silu_and_mul": activation.silu_and_mul,
-        "linear": linear.linear,
+        "silu_and_mul": kernels.silu_and_mul,
+        "linear": kernels.linear,
     }
     return Vendor(
         name="cpu",

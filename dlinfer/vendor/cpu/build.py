@@ -2,9 +2,11 @@
 
 The kernels (`csrc/*.cpp`) are compiled on first use with torch's own extension builder
 (`torch.utils.cpp_extension.load`) against the installed torch, and registered as
-`torch.ops.dlinfer_cpu.*`. The build is cached (torch's extension directory, `TORCH_EXTENSIONS_DIR`
-to move it) and redone only when a source file or the flags change: about a minute the first
-time, a fraction of a second after.
+`torch.ops.dlinfer_cpu.*`. The builder caches the build (torch's extension directory,
+`TORCH_EXTENSIONS_DIR` to move it) and redoes it only when a source, header or flag changes: about
+a minute the first time, a fraction of a second after. A build that takes more than a moment says
+so on stderr; a machine without a C++ compiler or ninja gets a one-line `VendorError` before
+anything runs.
 
 The instruction set is chosen from what this torch detects at run time
 (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or plain), not `-march=native`, and it is
@@ -16,17 +18,23 @@ writes them as two (only `fmadd` fuses), so the elementwise ops round as PyTorch
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 
+from dlinfer.errors import VendorError
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("linear.cpp", "attention.cpp", "kv_cache.cpp", "norm.cpp", "rotary.cpp", "activation.cpp")
+COMPILERS = ("c++", "g++", "clang++")  # looked for in this order when $CXX is not set
+_ANNOUNCE_AFTER_S = 2.0  # a load still running after this long is compiling: say so
 
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-mf16c",
@@ -52,34 +60,47 @@ def module_name() -> str:
     return f"dlinfer_cpu_kernels_{isa().lower()}"
 
 
-@contextlib.contextmanager
-def _ninja_on_path():
-    """torch's builder runs `ninja` from PATH; a venv's ninja (the `ninja` wheel) is not on it when
-    the venv was not activated. Within the block it is (PATH is restored afterwards)."""
-    saved = os.environ.get("PATH", "")
-    if not shutil.which("ninja"):
-        candidates = [os.path.dirname(sys.executable)]
-        try:
-            import ninja
+def find_compiler() -> Optional[Tuple[str, str]]:
+    """(path, first line of its `--version`) of the C++ compiler the kernels are built with: $CXX
+    when set, else the first of c++, g++, clang++ on PATH; None when there is none."""
+    cxx = os.environ.get("CXX", "").split()  # may be a launcher and a compiler: "ccache g++"
+    for args in [cxx] if cxx else [[name] for name in COMPILERS]:
+        path = shutil.which(args[0])
+        if path:
+            try:
+                done = subprocess.run([path, *args[1:], "--version"], capture_output=True, text=True, timeout=60)
+                first = (done.stdout or done.stderr).strip().splitlines()[:1]
+            except (OSError, subprocess.SubprocessError):
+                first = []
+            return path, first[0] if first else "version unknown"
+    return None
 
-            candidates.insert(0, ninja.BIN_DIR)
-        except (ImportError, AttributeError):
-            pass
-        found = [folder for folder in candidates if os.path.exists(os.path.join(folder, "ninja"))]
-        if found:
-            os.environ["PATH"] = found[0] + os.pathsep + saved
+
+def _ninja_folder() -> Optional[str]:
+    """The folder of the `ninja` the builder will run: on PATH, else the venv's (the `ninja` wheel,
+    not on PATH when the venv was not activated); None when there is none."""
+    folders = [os.path.dirname(sys.executable)]
+    with contextlib.suppress(ImportError, AttributeError):
+        import ninja
+
+        folders.insert(0, ninja.BIN_DIR)
+    found = shutil.which("ninja") or shutil.which("ninja", path=os.pathsep.join(folders))
+    return os.path.dirname(found) if found else None
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """os.environ with `values` set within the block, restored afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        os.environ["PATH"] = saved
-
-
-def _fingerprint() -> str:
-    """What the build depends on: sources, flags, torch."""
-    digest = hashlib.sha256(" ".join(flags() + [torch.__version__]).encode())
-    for source in sorted(CSRC.iterdir()):
-        digest.update(source.name.encode() + source.read_bytes())
-    return digest.hexdigest()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _log(msg: str) -> None:
@@ -87,28 +108,45 @@ def _log(msg: str) -> None:
 
 
 def build() -> None:
-    """Compile (or find in the cache) and load the kernels; raises when no compiler can build them."""
-    if hasattr(torch.ops, "dlinfer_cpu") and hasattr(torch.ops.dlinfer_cpu, "linear_few_rows"):
+    """Compile (or find in the cache) and load the kernels; a one-line VendorError when no compiler
+    or no ninja can build them."""
+    if hasattr(torch.ops.dlinfer_cpu, "linear_few_rows"):
         return
-    from torch.utils.cpp_extension import _get_build_directory, load
+    compiler, ninja = find_compiler(), _ninja_folder()
+    if compiler is None:
+        looked = f"$CXX={os.environ['CXX']}" if os.environ.get("CXX") else "$CXX, " + ", ".join(COMPILERS)
+        raise VendorError(f"no C++ compiler found (looked for {looked}): the cpu vendor's kernels cannot be built; "
+                          "install g++ (or set CXX)")
+    if ninja is None:
+        raise VendorError("ninja not found (looked on PATH and beside this Python): the cpu vendor's kernels cannot "
+                          "be built; pip install ninja")
+    from torch.utils.cpp_extension import load
 
-    name = module_name()
-    stamp = Path(_get_build_directory(name, verbose=False)) / "dlinfer.stamp"
-    fingerprint = _fingerprint()
-    fresh = not stamp.is_file() or stamp.read_text() != fingerprint
-    if fresh:
-        _log(f"building the cpu vendor's kernels for {isa()} (once per machine and source change, about a "
-             f"minute) in {stamp.parent}")
-    start = time.perf_counter()
-    with _ninja_on_path():
-        load(
-            name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=flags(),
-            extra_include_paths=[str(CSRC)],
-            is_python_module=False,
-            verbose=os.environ.get("DLINFER_BUILD_VERBOSE", "0") not in ("", "0"),
-        )
-    if fresh:
-        stamp.write_text(fingerprint)
+    env = {}  # the builder runs `ninja` from PATH and compiles with $CXX, c++ when unset: make both the ones found
+    if not shutil.which("ninja"):
+        env["PATH"] = ninja + os.pathsep + os.environ.get("PATH", "")
+    if not os.environ.get("CXX") and not shutil.which("c++"):
+        env["CXX"] = compiler[0]
+    start, announced = time.perf_counter(), threading.Event()
+
+    def announce() -> None:
+        announced.set()
+        _log(f"building the cpu vendor's kernels for {isa()} (once per machine and source change, about a minute) ...")
+
+    timer = threading.Timer(_ANNOUNCE_AFTER_S, announce)
+    timer.daemon = True
+    timer.start()
+    try:
+        with _environ(**env):
+            load(
+                name=module_name(),
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=flags(),
+                extra_include_paths=[str(CSRC)],
+                is_python_module=False,
+                verbose=os.environ.get("DLINFER_BUILD_VERBOSE", "0") not in ("", "0"),
+            )
+    finally:
+        timer.cancel()
+    if announced.is_set():
         _log(f"cpu vendor kernels built in {time.perf_counter() - start:.0f} s")

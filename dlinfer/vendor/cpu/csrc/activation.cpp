@@ -30,19 +30,16 @@ void silu_mul_rows(const T* x, int64_t ldx, T* out, int64_t N, int64_t I) {
       }
     }
   };
-  if (N * I * 2 * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {
-    rows(0, N);
-  } else {
-    at::parallel_for(0, N, 1, rows);
-  }
+  at::parallel_for(0, N, grain_for(N, N * I * 2 * static_cast<int64_t>(sizeof(T))), rows);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [N, 2I], rows dense");
   const int64_t N = x.size(0), I = x.size(1) / 2;
   at::Tensor out = at::empty({N, I}, x.options());
-  dispatch_float(x.scalar_type(), "silu_and_mul",
-                 [&]<typename T>() { silu_mul_rows<T>(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), N, I); });
+  AT_DISPATCH_V2(x.scalar_type(), "silu_and_mul", AT_WRAP([&] {
+    silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), N, I);
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
 

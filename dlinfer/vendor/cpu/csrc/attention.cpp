@@ -12,6 +12,10 @@
 // Token i of sequence b (n_b new tokens) sits at position kv_len[b] - n_b + i and sees keys
 // 0 .. that position. Block ids are clamped into the cache and lengths into the block table (and
 // max_kv_seq_len), so bad metadata can never read outside the cache.
+//
+// query [T, Hq, D], out [T, Hq, Dv]; the caches come as [NB, BS, Hkv, D] / [NB, BS, Hkv, Dv] views
+// (dlinfer/vendor/kv_layouts.py `canonical`: a permuted view for head_major), read through their
+// block, slot and head strides; block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B].
 #include "attention_block.h"
 #include "common.h"
 
@@ -23,7 +27,7 @@ namespace {
 
 struct CacheView {
   const void* data;
-  int64_t s_block, s_pos, s_head;  // element strides
+  int64_t s_block, s_pos, s_head;  // element strides of the [NB, BS, H, D] view
 };
 
 struct DecodeArgs {
@@ -141,11 +145,8 @@ void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out)
       }
     }
   };
-  if (a.bytes < kMinParallelAttentionBytes) {
-    run_items(0, items);  // a few hundred keys: less work than waking the pool
-  } else {
-    at::parallel_for(0, items, 1, run_items);
-  }
+  // A few hundred keys in all: less work than waking the pool, run on the calling thread.
+  at::parallel_for(0, items, grain_for(items, a.bytes, kMinParallelAttentionBytes), run_items);
   if (S == 1) return;
   at::parallel_for(0, a.T * a.Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> row(Dv);
@@ -181,16 +182,14 @@ int64_t num_splits(int64_t tokens, int64_t kv_heads, int64_t longest, int64_t bl
   return std::min(want, most);
 }
 
-CacheView cache_view(const at::Tensor& cache, bool head_major) {
-  // token_major [NB, BS, H, D]; head_major [NB, H, BS, D]
-  return head_major ? CacheView{cache.data_ptr(), cache.stride(0), cache.stride(2), cache.stride(1)}
-                    : CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
+CacheView cache_view(const at::Tensor& cache) {
+  return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
 void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                             const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
-                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out, bool head_major) {
+                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "paged_decode_attention: the last dim of query, out and the caches must be dense");
@@ -201,15 +200,15 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   a.T = query.size(0);
   a.Hq = query.size(1);
   a.D = query.size(2);
-  a.Hkv = head_major ? key_cache.size(1) : key_cache.size(2);
-  a.BS = head_major ? key_cache.size(2) : key_cache.size(1);
   a.NB = key_cache.size(0);
+  a.BS = key_cache.size(1);
+  a.Hkv = key_cache.size(2);
   a.Dv = value_cache.size(3);
   a.G = a.Hq / a.Hkv;
   a.Mb = block_table.size(1);
   a.scale = static_cast<float>(softmax_scale);
-  a.k = cache_view(key_cache, head_major);
-  a.v = cache_view(value_cache, head_major);
+  a.k = cache_view(key_cache);
+  a.v = cache_view(value_cache);
   a.table = IndexReader(block_table);
   a.s_table = block_table.stride(0);
   TORCH_CHECK(block_table.stride(1) == 1, "block_table rows must be dense");
@@ -243,7 +242,8 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   a.tok_pos = tok_pos.data();
   a.bytes = keys * a.Hkv * (a.D + a.Dv) * static_cast<int64_t>(query.element_size());
   a.S = num_splits(a.T, a.Hkv, longest, a.BS, at::get_num_threads());
-  dispatch_float(query.scalar_type(), "paged_decode_attention", [&]<typename T>() { decode<T>(a, query, out); });
+  AT_DISPATCH_V2(query.scalar_type(), "paged_decode_attention", AT_WRAP([&] { decode<scalar_t>(a, query, out); }),
+                 at::kFloat, at::kBFloat16, at::kHalf);
 }
 
 }  // namespace
@@ -252,7 +252,7 @@ TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
-      "Tensor(a!) out, bool head_major) -> ()");
+      "Tensor(a!) out) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("decode_num_splits(int tokens, int kv_heads, int longest, int block_size, int threads) -> int",
         &num_splits);

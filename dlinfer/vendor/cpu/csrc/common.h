@@ -2,10 +2,13 @@
 //
 // Vectors are ATen's at::vec::Vectorized<float> (AVX-512, AVX2, NEON or plain C++ by the
 // CPU_CAPABILITY_* macro the build sets); every kernel computes in float32 and converts bf16/fp16
-// on load and store. Threads come from ATen's at::parallel_for, i.e. the same OpenMP pool as
-// every other torch op of the process.
+// on load and store, and is instantiated for the three dtypes with ATen's AT_DISPATCH_V2
+// (scalar_t: float, c10::BFloat16, c10::Half). Threads come from ATen's at::parallel_for, i.e. the
+// same OpenMP pool as every other torch op of the process; `grain_for` keeps small calls on the
+// calling thread.
 #pragma once
 
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -27,6 +30,13 @@ constexpr int64_t kLanes = Vec::size();
 
 // Work below this many bytes runs on the calling thread: waking the pool costs more than it saves.
 constexpr int64_t kMinParallelBytes = 64 * 1024;
+
+// Grain size for at::parallel_for(0, n, grain, fn) over `bytes` of work in all: n below min_bytes
+// (parallel_for then calls fn(0, n) on the calling thread, as it does for any range no longer than
+// its grain), else 1 (every thread of the pool gets an equal share of the n items).
+inline int64_t grain_for(int64_t n, int64_t bytes, int64_t min_bytes = kMinParallelBytes) {
+  return bytes < min_bytes ? std::max<int64_t>(n, 1) : 1;
+}
 
 // Full-vector load of kLanes elements as float32.
 template <typename T>
@@ -101,17 +111,6 @@ inline void scale(float a, float* y, int64_t n) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) (Vec::loadu(y + i) * va).store(y + i);
   for (; i < n; ++i) y[i] *= a;
-}
-
-// Calls fn.template operator()<T>() with T the C++ type of a float32/bfloat16/float16 dtype.
-template <typename Fn>
-inline void dispatch_float(at::ScalarType dtype, const char* op, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat: fn.template operator()<float>(); break;
-    case at::kBFloat16: fn.template operator()<c10::BFloat16>(); break;
-    case at::kHalf: fn.template operator()<c10::Half>(); break;
-    default: TORCH_CHECK(false, "dlinfer cpu vendor: ", op, ": unsupported dtype ", dtype);
-  }
 }
 
 // Reads element i of a 1-D int32/int64 tensor's data.

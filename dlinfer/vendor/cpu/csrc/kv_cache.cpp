@@ -1,17 +1,19 @@
 // fill_kv_cache: copy each new token's key / value rows into its cache slot.
 //
-// Slot s = block * BS + offset. A slot outside [0, NB * BS) is skipped, so bad metadata never
-// writes outside the cache. One row of D elements per (token, head): a memcpy each.
+// key / value [T, H, D]; the caches come as [NB, BS, H, D] views (dlinfer/vendor/kv_layouts.py
+// `canonical`: the cache itself for token_major, a permuted view for head_major) and are written
+// through their strides. Slot s = block * BS + offset. A slot outside [0, NB * BS) is skipped, so
+// bad metadata never writes outside the cache. One row of D elements per (token, head): a memcpy
+// each.
 #include "common.h"
 
 namespace dlinfer_cpu {
 namespace {
 
-void fill_one(const at::Tensor& src, const at::Tensor& cache, const IndexReader& slots, bool head_major) {
+void fill_one(const at::Tensor& src, const at::Tensor& cache, const IndexReader& slots) {
   const int64_t T = src.size(0), H = src.size(1), D = src.size(2);
-  const int64_t NB = cache.size(0), BS = head_major ? cache.size(2) : cache.size(1);
-  const int64_t c_block = cache.stride(0), c_pos = head_major ? cache.stride(2) : cache.stride(1),
-                c_head = head_major ? cache.stride(1) : cache.stride(2);
+  const int64_t NB = cache.size(0), BS = cache.size(1);
+  const int64_t c_block = cache.stride(0), c_pos = cache.stride(1), c_head = cache.stride(2);
   const int64_t s_tok = src.stride(0), s_head = src.stride(1);
   const int64_t item = cache.element_size();
   const char* sp = static_cast<const char*>(src.data_ptr());
@@ -26,32 +28,32 @@ void fill_one(const at::Tensor& src, const at::Tensor& cache, const IndexReader&
         std::memcpy(cp + (base + h * c_head) * item, sp + (t * s_tok + h * s_head) * item, D * item);
     }
   };
-  if (T * H * D * item < kMinParallelBytes) {
-    copy_tokens(0, T);
-  } else {
-    at::parallel_for(0, T, 1, copy_tokens);
-  }
+  at::parallel_for(0, T, grain_for(T, T * H * D * item), copy_tokens);
 }
 
 void fill_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
-                   const at::Tensor& value_cache, const at::Tensor& kv_indices, bool head_major) {
+                   const at::Tensor& value_cache, const at::Tensor& kv_indices) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
               "fill_kv_cache: key/value and cache dtypes must match");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "fill_kv_cache: the last dim of key, value and the caches must be dense");
-  TORCH_CHECK(kv_indices.dim() == 1 && kv_indices.is_contiguous() && kv_indices.size(0) == key.size(0), "kv_indices");
+  TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2) &&
+                  value_cache.size(2) == value.size(1) && value_cache.size(3) == value.size(2),
+              "fill_kv_cache: the caches must be [NB, BS, H, D] views matching key / value [T, H, D]");
+  TORCH_CHECK(kv_indices.dim() == 1 && kv_indices.is_contiguous() && kv_indices.size(0) == key.size(0) &&
+                  value.size(0) == key.size(0), "fill_kv_cache: kv_indices [T] for key / value [T, ...]");
   IndexReader slots(kv_indices);
-  fill_one(key, key_cache, slots, head_major);
-  fill_one(value, value_cache, slots, head_major);
+  fill_one(key, key_cache, slots);
+  fill_one(value, value_cache, slots);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(
-      "fill_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor kv_indices, "
-      "bool head_major) -> ()");
+      "fill_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor kv_indices) "
+      "-> ()");
   m.impl("fill_kv_cache", c10::DispatchKey::CPU, &fill_kv_cache);
 }
 

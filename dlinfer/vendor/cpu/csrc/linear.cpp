@@ -55,13 +55,11 @@ void rows_band(const float* x, int64_t ldx, const float* w, const float* bias, f
 template <int M>
 void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
   constexpr int R = 2;
-  const int64_t bytes = N * K * static_cast<int64_t>(sizeof(float));
-  if (bytes < kMinParallelBytes) {
-    rows_band<M, R>(x, ldx, w, bias, y, 0, N, K, N);
-    return;
-  }
+  // One contiguous band of W's rows per thread (grain N / threads), or all of them on the calling
+  // thread when W is smaller than kMinParallelBytes.
   const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max<int64_t>((N + threads - 1) / threads, 1);
+  const int64_t bytes = N * K * static_cast<int64_t>(sizeof(float));
+  const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { rows_band<M, R>(x, ldx, w, bias, y, b, e, K, N); });
 }
 

@@ -53,17 +53,14 @@ void norm_rows(const T* x, int64_t ldx, const T* r, int64_t ldr, const float* w,
     for (int64_t n = begin; n < end; ++n)
       norm_row(x + n * ldx, r ? r + n * ldr : nullptr, w, out + n * H, r ? summed + n * H : nullptr, H, eps);
   };
-  if (N * H * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {
-    rows(0, N);
-  } else {
-    at::parallel_for(0, N, 1, rows);
-  }
+  at::parallel_for(0, N, grain_for(N, N * H * static_cast<int64_t>(sizeof(T))), rows);
 }
 
 std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
                                         const at::Tensor& weight, double eps) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1 && weight.is_contiguous(), "rms_norm: shapes");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == hidden.size(1), "rms_norm: weight must be float32 [H]");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == hidden.size(1),
+              "rms_norm: weight must be float32 [H]");
   const int64_t N = hidden.size(0), H = hidden.size(1);
   at::Tensor out = at::empty({N, H}, hidden.options());
   at::Tensor summed;
@@ -73,11 +70,12 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden, const std::opt
                 "add_rms_norm: residual must be [N, H] like hidden_states, rows dense");
     summed = at::empty({N, H}, hidden.options());
   }
-  dispatch_float(hidden.scalar_type(), "rms_norm", [&]<typename T>() {
+  AT_DISPATCH_V2(hidden.scalar_type(), "rms_norm", AT_WRAP([&] {
+    using T = scalar_t;
     norm_rows<T>(hidden.data_ptr<T>(), hidden.stride(0), residual ? residual->data_ptr<T>() : nullptr,
                  residual ? residual->stride(0) : 0, weight.data_ptr<float>(), out.data_ptr<T>(),
                  residual ? summed.data_ptr<T>() : nullptr, N, H, static_cast<float>(eps));
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return {out, summed};
 }
 

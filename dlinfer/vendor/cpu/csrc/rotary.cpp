@@ -37,11 +37,7 @@ void rotate(const T* x, int64_t s_tok, int64_t s_head, T* out, int64_t T_, int64
       }
     }
   };
-  if (T_ * H * D * static_cast<int64_t>(sizeof(T)) < kMinParallelBytes) {
-    tokens(0, T_);
-  } else {
-    at::parallel_for(0, T_, 1, tokens);
-  }
+  at::parallel_for(0, T_, grain_for(T_, T_ * H * D * static_cast<int64_t>(sizeof(T))), tokens);
 }
 
 std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query, const at::Tensor& key,
@@ -55,12 +51,13 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query,
   TORCH_CHECK(R % 2 == 0 && R <= query.size(2) && R <= key.size(2), "rotary: R must be even and <= D");
   at::Tensor q_out = at::empty(query.sizes(), query.options());
   at::Tensor k_out = at::empty(key.sizes(), key.options());
-  dispatch_float(query.scalar_type(), "apply_rotary_pos_emb", [&]<typename T>() {
+  AT_DISPATCH_V2(query.scalar_type(), "apply_rotary_pos_emb", AT_WRAP([&] {
+    using T = scalar_t;
     rotate<T>(query.data_ptr<T>(), query.stride(0), query.stride(1), q_out.data_ptr<T>(), query.size(0),
               query.size(1), query.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(), R);
     rotate<T>(key.data_ptr<T>(), key.stride(0), key.stride(1), k_out.data_ptr<T>(), key.size(0), key.size(1),
               key.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(), R);
-  });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
   return {q_out, k_out};
 }
 

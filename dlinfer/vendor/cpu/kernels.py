@@ -1,0 +1,80 @@
+"""The cpu vendor's op functions: each binds a C++ kernel (`csrc/<family>.cpp`, registered as
+`torch.ops.dlinfer_cpu.*`) to its canonical signature (dlinfer/vendor/op_table.py).
+
+Importing this module needs the kernels loaded (`build.build()`). Shapes: T tokens, N rows, H
+hidden size, Hq / Hkv heads, D / Dv head dims, NB blocks, BS block size, B sequences, M max blocks
+per sequence, R rotary dims. The caches reach the kernels as `kv_layouts.canonical` views,
+[NB, BS, Hkv, D] whatever the layout, so no kernel knows about layouts.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dlinfer.vendor.kv_layouts import canonical
+from dlinfer.vendor.torch import linear as torch_linear
+
+_rms_norm = torch.ops.dlinfer_cpu.rms_norm.default
+_add_rms_norm = torch.ops.dlinfer_cpu.add_rms_norm.default
+_rotary = torch.ops.dlinfer_cpu.apply_rotary_pos_emb.default
+_silu_and_mul = torch.ops.dlinfer_cpu.silu_and_mul.default
+_fill = torch.ops.dlinfer_cpu.fill_kv_cache.default
+_decode = torch.ops.dlinfer_cpu.paged_decode_attention.default
+_few_rows = torch.ops.dlinfer_cpu.linear_few_rows.default
+MAX_ROWS = torch.ops.dlinfer_cpu.max_few_rows()  # linear's C++ kernel up to this many rows
+
+
+def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float) -> Tensor:
+    """hidden_states [N, H], weight [H] -> [N, H] in hidden_states' dtype."""
+    return _rms_norm(hidden_states, weight.float().contiguous(), epsilon)
+
+
+def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float):
+    """([N, H], [N, H], [H]) -> (rms_norm(h + r) [N, H], h + r [N, H]); the sum in the activation dtype."""
+    return _add_rms_norm(hidden_states, residual, weight.float().contiguous(), epsilon)
+
+
+def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor):
+    """query [T, Hq, D], key [T, Hkv, D], cos/sin [T, R] -> new (q [T, Hq, D], k [T, Hkv, D])."""
+    return _rotary(query, key, cos.float().contiguous(), sin.float().contiguous())
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x [N, 2I] -> silu(x[:, :I]) * x[:, I:]  [N, I]."""
+    return _silu_and_mul(x)
+
+
+def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
+                  kv_layout: str) -> None:
+    """Write key [T, Hkv, D] / value [T, Hkv, Dv] into the caches (in `kv_layout`, written in place)
+    at slots kv_indices [T]; slots outside [0, NB*BS) are skipped."""
+    _fill(key, value, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), kv_indices.contiguous())
+
+
+def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                           cu_seqlens_q: Tensor, kv_seq_len: Tensor, max_kv_seq_len: int, softmax_scale: float,
+                           alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str) -> None:
+    """query [T, Hq, D], caches in `kv_layout`, block_table [B, M], cu_seqlens_q [B+1],
+    kv_seq_len [B], alibi_slopes [Hq]? -> out [T, Hq, Dv] (written in place)."""
+    _decode(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), block_table.contiguous(),
+            cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), max_kv_seq_len, softmax_scale,
+            None if alibi_slopes is None else alibi_slopes.contiguous(), out)
+
+
+def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether `linear(x, weight, bias)` runs the C++ kernel: float32, at most MAX_ROWS rows, dense
+    rows and weight; inference only (a call autograd would record keeps the torch path)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return (x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.stride(-1) == 1 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """x [N, K], weight [Nout, K], bias [Nout]? -> [N, Nout]: the few-rows C++ kernel (a
+    weight-streaming matrix-vector product) where `uses_few_rows`, else the torch vendor's path."""
+    if uses_few_rows(x, weight, bias):
+        return _few_rows(x, weight, bias)
+    return torch_linear.linear(x, weight, bias)
