@@ -8,6 +8,9 @@ the `torch.ops.dlinfer.*` registrations (`dlinfer/ops/_custom_ops.py`), the op n
 vendor protocol (`OP_NAMES`, `dlinfer/vendor/base.py`), `python -m dlinfer env`'s counts and the
 tests' op lists.
 
+Integer arguments that vary from step to step (`max_*`, `topk`) are `SymInt` in the schemas, so
+torch.compile keeps them symbolic instead of recompiling for every new value.
+
 Notation: T tokens, B sequences, Hq / Hkv heads, D / Dv head dims, NB blocks, BS block size, M max
 blocks per sequence, E experts, K top-k. Canonical conventions: 2-D activations [N, H]; length
 tensors `cu_seqlens_q` [B+1] (cumulative starts and ends) and `kv_seq_len` [B] are int32 on the
@@ -115,7 +118,7 @@ _TABLE = (
     ),
     OpSpec(
         "prefill_attention",
-        "(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, int max_q_seq_len, float softmax_scale, "
+        "(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, SymInt max_q_seq_len, float softmax_scale, "
         "Tensor? alibi_slopes, Tensor(a!) out) -> ()",
         _none,
         "query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1], alibi_slopes [Hq]?, "
@@ -124,7 +127,7 @@ _TABLE = (
     OpSpec(
         "paged_prefill_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
-        "Tensor kv_seq_len, int max_q_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
+        "Tensor kv_seq_len, SymInt max_q_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
         "Tensor(a!) out, str kv_layout) -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
@@ -133,7 +136,7 @@ _TABLE = (
     OpSpec(
         "paged_decode_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
-        "Tensor kv_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
+        "Tensor kv_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
         "str kv_layout) -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
@@ -141,7 +144,7 @@ _TABLE = (
     ),
     OpSpec(
         "moe_gating_topk_softmax",
-        "(Tensor router_logits, int topk) -> (Tensor, Tensor)",
+        "(Tensor router_logits, SymInt topk) -> (Tensor, Tensor)",
         _topk_fake,
         "router_logits [T, E] -> (weights [T, K] float32, ids [T, K] int64)",
     ),
