@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
-from dlinfer.graph import fx_utils, passes
+from dlinfer.graph import match, passes
 from dlinfer.vendor import selection
 
 log = logging.getLogger("dlinfer.graph")
@@ -73,9 +73,9 @@ def direct_compiler(gm: fx.GraphModule, example_inputs):
     canonical arguments the node already holds. What remains per call is the graph's own Python
     (views, casts) around the kernels: no model code, no argument checks, no torch.ops dispatch.
     """
-    for node in fx_utils.dlinfer_nodes(gm.graph):
-        op = fx_utils.dlinfer_op_name(node)
-        tensors = [fx_utils.tval(a) for a in node.all_input_nodes]
+    for node in match.dlinfer_nodes(gm.graph):
+        op = match.dlinfer_op_name(node)
+        tensors = [match.tval(a) for a in node.all_input_nodes]
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         node.target = selection.resolve(op, device.type)[0]
     gm.recompile()
@@ -131,7 +131,7 @@ def dlinfer_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] =
         patches = {**torch._inductor.list_mode_options(mode), **patches}
     compiler = _choose_compiler(options.get("compiler", os.environ.get("DLINFER_GRAPH_COMPILER")),
                                 _device_type(example_inputs), patches)
-    if not fx_utils.dlinfer_nodes(gm.graph) or not torch.is_grad_enabled():
+    if not match.dlinfer_nodes(gm.graph) or not torch.is_grad_enabled():
         return compiler(gm, example_inputs)
     with torch.no_grad():
         compiled = compiler(gm, example_inputs)

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 import dlinfer.ops as ops
-from dlinfer.graph import fx_utils as U
+from dlinfer.graph import match
 from dlinfer.graph import passes
 from dlinfer.vendor.op_table import OP_NAMES
 
@@ -30,12 +30,12 @@ def capture(fn, *args) -> Tuple[fx.GraphModule, List]:
 
 
 def count(gm: fx.GraphModule, name: str) -> int:
-    """Nodes computing the canonical op `name` (see fx_utils._OPS), however spelled."""
-    return sum(U.is_op(n, name) for n in gm.graph.nodes)
+    """Nodes computing the canonical op `name` (see dlinfer.graph.match._OPS), however spelled."""
+    return sum(match.is_op(n, name) for n in gm.graph.nodes)
 
 
 def dl_count(gm: fx.GraphModule, name: str = None) -> int:
-    return sum(U.is_dlinfer_op(n, name) for n in gm.graph.nodes)
+    return sum(match.is_dlinfer_op(n, name) for n in gm.graph.nodes)
 
 
 def dl_counts(gm: fx.GraphModule) -> Dict[str, int]:

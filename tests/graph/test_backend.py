@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 import dlinfer.graph.backend as backend_mod
 from dlinfer.graph import dlinfer_backend
-from dlinfer.graph import fx_utils as U
+from dlinfer.graph import match
 from dlinfer.vendor import TOKEN_MAJOR, Vendor, registry, selection
 
 from .helpers import DlinferLlamaStack, assert_same, capture, clone_caches, decode_inputs, dl_counts
@@ -38,7 +38,7 @@ def test_llama_layers_fullgraph_one_node_per_op(stack):
     assert dl_counts(gm) == {"rms_norm": 1, "add_rms_norm": 3, "linear": 8, "apply_rotary_pos_emb": 2,
                              "fill_kv_cache": 2, "paged_decode_attention": 2, "silu_and_mul": 2}
     targets = {str(n.target) for n in gm.graph.nodes
-               if n.op in ("call_function", "call_method") and not U.is_dlinfer_op(n)}
+               if n.op in ("call_function", "call_method") and not match.is_dlinfer_op(n)}
     for leaked in ("scaled_dot_product_attention", "rsqrt", "silu", "index_select", "index_put"):
         assert not any(leaked in t for t in targets), (leaked, targets)
 

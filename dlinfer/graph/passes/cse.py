@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from dlinfer.graph import fx_utils as U
+from dlinfer.graph import inplace
 
 _PURE_FUNCTIONS = {
     operator.getitem, operator.add, operator.sub, operator.mul, operator.floordiv, operator.truediv,
@@ -86,7 +86,7 @@ def cse_pass(gm: fx.GraphModule) -> int:
                     seen.add(user)
                     stack.append(user)
         derived[ph] = seen
-    written = {w for n in graph.nodes for w in U.written_args(n)}
+    written = {w for n in graph.nodes for w in inplace.written_args(n)}
     clean = {ph for ph in placeholders if not (derived[ph] & written)}
 
     eligible: Set[fx.Node] = set(clean)

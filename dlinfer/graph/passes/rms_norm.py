@@ -26,36 +26,36 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dlinfer.graph import fx_utils as U
+from dlinfer.graph import edit, inplace, match
 
 _OP = torch.ops.dlinfer.rms_norm.default
 _ADD_OP = torch.ops.dlinfer.add_rms_norm.default
 
 
 def _square_of(node) -> Optional[fx.Node]:
-    pair = U.binary(node, "pow")
+    pair = match.binary(node, "pow")
     if pair is not None:
         return pair[0] if pair[1] == 2 and isinstance(pair[0], fx.Node) else None
-    sq = U.unary(node, "square")
+    sq = match.unary(node, "square")
     if sq is not None:
         return sq
-    pair = U.binary(node, "mul")
-    if pair is not None and U.same_source(pair[0], pair[1]):
+    pair = match.binary(node, "mul")
+    if pair is not None and match.same_source(pair[0], pair[1]):
         return pair[0]
     return None
 
 
 def _mean_last_keepdim(node):
-    if not U.is_op(node, "mean"):
+    if not match.is_op(node, "mean"):
         return None
-    args, kwargs = U.operands(node)
+    args, kwargs = match.operands(node)
     x = args[0] if args else kwargs.pop("input", None)
     dim = args[1] if len(args) > 1 else kwargs.pop("dim", None)
     keepdim = args[2] if len(args) > 2 else kwargs.pop("keepdim", False)
     kwargs.pop("input", None)
     if kwargs or len(args) > 3 or keepdim is not True:
         return None
-    xv = U.tval(x)
+    xv = match.tval(x)
     if xv is None or xv.dim() == 0:
         return None
     if isinstance(dim, (list, tuple)) and len(dim) == 1:
@@ -74,46 +74,46 @@ def _match(mean: fx.Node):
     if xf is None or _mean_last_keepdim(mean) is not sq:
         return None
     add = _single_user(mean)
-    eps = U.other_operand(U.binary(add, "add"), mean)
-    if not U.is_number(eps) or eps < 0:
+    eps = match.other_operand(match.binary(add, "add"), mean)
+    if not match.is_number(eps) or eps < 0:
         return None
     inv = _single_user(add)
     scaled = _single_user(inv)
-    if U.unary(inv, "rsqrt") is add:
-        xf2 = U.other_operand(U.binary(scaled, "mul"), inv)
-    elif U.unary(inv, "sqrt") is add:
-        pair = U.binary(scaled, "div")
+    if match.unary(inv, "rsqrt") is add:
+        xf2 = match.other_operand(match.binary(scaled, "mul"), inv)
+    elif match.unary(inv, "sqrt") is add:
+        pair = match.binary(scaled, "div")
         xf2 = pair[0] if pair is not None and pair[1] is inv else None
     else:
         return None
-    if xf2 is None or not U.same_source(xf2, xf):
+    if xf2 is None or not match.same_source(xf2, xf):
         return None
     cast_back = _single_user(scaled)
-    y = cast_back if U.is_cast(cast_back) else scaled
+    y = cast_back if match.is_cast(cast_back) else scaled
     out = _single_user(y)
-    weight = U.other_operand(U.binary(out, "mul"), y)
+    weight = match.other_operand(match.binary(out, "mul"), y)
     if not isinstance(weight, fx.Node):
         return None
-    x = U.strip_casts(xf)
+    x = match.strip_casts(xf)
     interior = [sq, mean, add, inv, scaled] + ([cast_back] if y is cast_back else [])
     interior += [n for n in {xf, xf2} if n is not x]
     if not _types_ok(x, xf, weight, out):
         return None
-    if not U.only_users_within(interior, interior + [out]):
+    if not edit.only_users_within(interior, interior + [out]):
         return None
     return x, weight, float(eps), out, interior
 
 
 def _hidden(x, weight) -> Optional[int]:
     """H as a static int: x's last dim, or the weight's size when x's is symbolic but equal to it."""
-    xv, wv = U.tval(x), U.tval(weight)
+    xv, wv = match.tval(x), match.tval(weight)
     if xv is None or wv is None or xv.dim() == 0 or wv.dim() != 1 or not isinstance(wv.shape[0], int):
         return None
     return wv.shape[0] if statically_known_true(xv.shape[-1] == wv.shape[0]) else None
 
 
 def _types_ok(x, xf, weight, out) -> bool:
-    xv, xfv, wv, ov = U.tval(x), U.tval(xf), U.tval(weight), U.tval(out)
+    xv, xfv, wv, ov = match.tval(x), match.tval(xf), match.tval(weight), match.tval(out)
     if None in (xv, xfv, wv, ov) or _hidden(x, weight) is None:
         return False
     return (xfv.dtype == torch.float32 and xv.dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -123,18 +123,18 @@ def _types_ok(x, xf, weight, out) -> bool:
 
 
 def _flatten(graph: fx.Graph, x: fx.Node, hidden: int) -> fx.Node:
-    return x if U.tval(x).dim() == 2 else U.call(graph, "reshape", x, -1, hidden, method=True)
+    return x if match.tval(x).dim() == 2 else edit.call(graph, "reshape", x, -1, hidden, method=True)
 
 
 def _unflatten(graph: fx.Graph, flat: fx.Node, like: fx.Node) -> fx.Node:
-    return flat if U.tval(like).dim() == 2 else U.call(graph, "view_as", flat, like, method=True)
+    return flat if match.tval(like).dim() == 2 else edit.call(graph, "view_as", flat, like, method=True)
 
 
 def rms_norm_pass(gm: fx.GraphModule) -> int:
     """Rewrite every matching RMSNorm; returns how many were rewritten."""
     graph, count = gm.graph, 0
-    written = U.written_aliases(graph)
-    for mean in [n for n in graph.nodes if U.is_op(n, "mean")]:
+    written = inplace.written_aliases(graph)
+    for mean in [n for n in graph.nodes if match.is_op(n, "mean")]:
         if getattr(mean, "_erased", False):
             continue
         got = _match(mean)
@@ -143,15 +143,15 @@ def rms_norm_pass(gm: fx.GraphModule) -> int:
         x, weight, eps, out, interior = got
         if x in written or weight in written:
             continue
-        anchor = U.insertion_anchor(graph, [x, weight], [out])
+        anchor = edit.insertion_anchor(graph, [x, weight], [out])
         if anchor is None:
             continue
         with graph.inserting_before(anchor.next):
             flat = _flatten(graph, x, _hidden(x, weight))
-            normed = U.call(graph, _OP, flat, weight, eps)
+            normed = edit.call(graph, _OP, flat, weight, eps)
             result = _unflatten(graph, normed, x)
         out.replace_all_uses_with(result)
-        U.erase_dead([out] + list(reversed(interior)))
+        edit.erase_dead([out] + list(reversed(interior)))
         count += 1
     return count
 
@@ -159,7 +159,7 @@ def rms_norm_pass(gm: fx.GraphModule) -> int:
 def _through_reshapes(node):
     """(source, chain) following single-user reshape/view nodes upward from `node`."""
     chain = []
-    while U.is_op(node, "reshape") and len(node.users) == 1:
+    while match.is_op(node, "reshape") and len(node.users) == 1:
         chain.append(node)
         node = node.args[0]
     return node, chain
@@ -174,20 +174,20 @@ def _norm_args(norm: fx.Node):
 def add_rms_norm_pass(gm: fx.GraphModule) -> int:
     """Fuse a residual add into the dlinfer.rms_norm it feeds; returns how many were fused."""
     graph, count = gm.graph, 0
-    written = U.written_aliases(graph)
-    for norm in [n for n in graph.nodes if U.is_dlinfer_op(n, "rms_norm")]:
+    written = inplace.written_aliases(graph)
+    for norm in [n for n in graph.nodes if match.is_dlinfer_op(n, "rms_norm")]:
         args = _norm_args(norm)
         if args is None:
             continue
         src, weight, eps = args
         added, chain = _through_reshapes(src)
-        pair = U.binary(added, "add")
+        pair = match.binary(added, "add")
         if pair is None or not all(isinstance(p, fx.Node) for p in pair):
             continue
         h, r = pair
         if {h, r, weight, added} & written:
             continue
-        hv, rv, sv, wv = U.tval(h), U.tval(r), U.tval(added), U.tval(weight)
+        hv, rv, sv, wv = match.tval(h), match.tval(r), match.tval(added), match.tval(weight)
         hidden = _hidden(added, weight)
         if None in (hv, rv, sv, wv) or hidden is None or not (hv.dtype == rv.dtype == sv.dtype == wv.dtype):
             continue
@@ -195,17 +195,17 @@ def add_rms_norm_pass(gm: fx.GraphModule) -> int:
                 statically_known_true(a == b) and statically_known_true(a == c)
                 for a, b, c in zip(sv.shape, hv.shape, rv.shape))):
             continue  # h + r must not broadcast
-        ranks = U.order(graph)
+        ranks = edit.order(graph)
         if isinstance(weight, fx.Node) and ranks[weight] > ranks[added]:
             continue
         with graph.inserting_before(added.next):  # every user of the sum comes after it
-            fused = U.call(graph, _ADD_OP, _flatten(graph, h, hidden), _flatten(graph, r, hidden), weight, eps)
-            normed = U.call(graph, operator.getitem, fused, 0)
-            summed = _unflatten(graph, U.call(graph, operator.getitem, fused, 1), h)
+            fused = edit.call(graph, _ADD_OP, _flatten(graph, h, hidden), _flatten(graph, r, hidden), weight, eps)
+            normed = edit.call(graph, operator.getitem, fused, 0)
+            summed = _unflatten(graph, edit.call(graph, operator.getitem, fused, 1), h)
         norm.replace_all_uses_with(normed)
         graph.erase_node(norm)
-        U.erase_dead(chain)
+        edit.erase_dead(chain)
         added.replace_all_uses_with(summed)
-        U.erase_dead([added])
+        edit.erase_dead([added])
         count += 1
     return count

@@ -22,27 +22,27 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from dlinfer.graph import fx_utils as U
+from dlinfer.graph import edit, inplace, match
 
 _OP = torch.ops.dlinfer.silu_and_mul.default
 
 
 def _silu_of(node) -> Optional[tuple]:
     """(input, interior nodes) when node computes silu(input)."""
-    x = U.unary(node, "silu")
+    x = match.unary(node, "silu")
     if x is not None:
         return x, [node]
-    pair = U.binary(node, "mul")
+    pair = match.binary(node, "mul")
     if pair is None:
         return None
     for a, b in (pair, pair[::-1]):
-        if U.unary(b, "sigmoid") is a and len(b.users) == 1:
+        if match.unary(b, "sigmoid") is a and len(b.users) == 1:
             return a, [node, b]
     return None
 
 
 def _match(mul: fx.Node):
-    pair = U.binary(mul, "mul")
+    pair = match.binary(mul, "mul")
     if pair is None:
         return None
     for act, other in (pair, pair[::-1]):
@@ -50,16 +50,17 @@ def _match(mul: fx.Node):
         if got is None:
             continue
         gate, act_nodes = got
-        g, u = U.half_of(gate), U.half_of(other)
+        g, u = match.half_of(gate), match.half_of(other)
         if g is None or u is None or g[0] is not u[0] or g[1] != 0 or u[1] != 1:
             continue
         x = g[0]
         interior = act_nodes + [gate, other]
-        interior += [p.args[0] for p in (gate, other) if U.is_op(p.args[0], "chunk") or U.is_op(p.args[0], "split")]
+        interior += [p.args[0] for p in (gate, other)
+                     if match.is_op(p.args[0], "chunk") or match.is_op(p.args[0], "split")]
         interior = list(dict.fromkeys(interior))
-        if not U.only_users_within(interior, interior + [mul]):
+        if not edit.only_users_within(interior, interior + [mul]):
             continue
-        xv, ov = U.tval(x), U.tval(mul)
+        xv, ov = match.tval(x), match.tval(mul)
         if ov is None or ov.dtype != xv.dtype or xv.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             continue
         if tuple(ov.shape) != (*xv.shape[:-1], xv.shape[-1] // 2):
@@ -71,25 +72,25 @@ def _match(mul: fx.Node):
 def silu_and_mul_pass(gm: fx.GraphModule) -> int:
     """Rewrite every matching SiLU-and-mul; returns how many were rewritten."""
     graph, count = gm.graph, 0
-    written = U.written_aliases(graph)
-    for mul in [n for n in graph.nodes if U.is_op(n, "mul")]:
+    written = inplace.written_aliases(graph)
+    for mul in [n for n in graph.nodes if match.is_op(n, "mul")]:
         if getattr(mul, "_erased", False):
             continue
         got = _match(mul)
         if got is None or got[0] in written:
             continue
         x, interior = got
-        xv = U.tval(x)
-        anchor = U.insertion_anchor(graph, [x], [mul])
+        xv = match.tval(x)
+        anchor = edit.insertion_anchor(graph, [x], [mul])
         if anchor is None:
             continue
         with graph.inserting_before(anchor.next):
-            flat = x if xv.dim() == 2 else U.call(graph, "reshape", x, -1, xv.shape[-1], method=True)
-            out = U.call(graph, _OP, flat)
+            flat = x if xv.dim() == 2 else edit.call(graph, "reshape", x, -1, xv.shape[-1], method=True)
+            out = edit.call(graph, _OP, flat)
             if xv.dim() != 2:
-                lead = U.dims_of(graph, x, range(xv.dim() - 1))
-                out = U.call(graph, "view", out, *lead, xv.shape[-1] // 2, method=True)
+                lead = edit.dims_of(graph, x, range(xv.dim() - 1))
+                out = edit.call(graph, "view", out, *lead, xv.shape[-1] // 2, method=True)
         mul.replace_all_uses_with(out)
-        U.erase_dead([mul] + list(reversed(interior)))
+        edit.erase_dead([mul] + list(reversed(interior)))
         count += 1
     return count

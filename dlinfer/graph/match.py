@@ -1,4 +1,4 @@
-"""Reading and editing Dynamo's FX graphs: the shared vocabulary of the rewrite passes.
+"""Recognising nodes of Dynamo's FX graphs: the pattern vocabulary of the rewrite passes.
 
 The passes run on the graph Dynamo hands a backend: torch-level calls (`torch.rsqrt`,
 `operator.mul`, `Tensor.pow` as a `call_method`, ...) whose nodes carry a FakeTensor in
@@ -6,12 +6,15 @@ The passes run on the graph Dynamo hands a backend: torch-level calls (`torch.rs
 `torch.pow(x, 2)`, `x ** 2`, `torch.square(x)`; `x.float()` or `x.to(torch.float32)`), so the
 passes never compare targets directly: they ask `is_op(node, "mul")` / `binary(node, "mul")` and
 get the operands back in one form. Shapes and dtypes come from the fake values, never from guessing.
+This module also recognises dtype casts, last-dim slices and halves (slices, `chunk`, `split`) and
+calls of dlinfer's own ops. Editing the graph is `dlinfer.graph.edit`'s; in-place writes are
+`dlinfer.graph.inplace`'s.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.fx as fx
@@ -246,174 +249,3 @@ def is_dlinfer_op(node, name: Optional[str] = None) -> bool:
 
 def dlinfer_nodes(graph: fx.Graph) -> List[fx.Node]:
     return [n for n in graph.nodes if is_dlinfer_op(n)]
-
-
-def only_users_within(nodes: Iterable[fx.Node], allowed: Iterable[fx.Node]) -> bool:
-    """Every user of every node in `nodes` is in `allowed` (interior nodes may be erased)."""
-    allowed = set(allowed)
-    return all(user in allowed for n in nodes for user in n.users)
-
-
-def order(graph: fx.Graph) -> dict:
-    return {n: i for i, n in enumerate(graph.nodes)}
-
-
-def insertion_anchor(graph: fx.Graph, inputs: Sequence, outputs: Sequence[fx.Node],
-                     ranks: Optional[dict] = None) -> Optional[fx.Node]:
-    """A node after which replacement nodes may go: after every input node, before every user of
-    every output. None when no such place exists."""
-    ranks = ranks if ranks is not None else order(graph)
-    input_nodes = [n for n in inputs if isinstance(n, fx.Node)]
-    input_nodes += [n for n in graph.find_nodes(op="placeholder")][-1:]  # keep placeholders first
-    if not input_nodes:
-        return None
-    last_input = max(input_nodes, key=ranks.__getitem__)
-    users = [u for out in outputs for u in out.users]
-    if users and min(ranks[u] for u in users) <= ranks[last_input]:
-        return None
-    return last_input
-
-
-def set_meta(node: fx.Node) -> None:
-    """Give a new node the fake value Dynamo would have recorded (best effort)."""
-    fake_mode = None
-
-    def to_fake(a):
-        nonlocal fake_mode
-        if isinstance(a, fx.Node):
-            v = val(a)
-            if v is None:
-                raise LookupError(a)
-            if fake_mode is None and isinstance(v, torch.Tensor):
-                fake_mode = getattr(v, "fake_mode", None)
-            return v
-        return a
-
-    try:
-        args = fx.node.map_aggregate(node.args, to_fake)
-        kwargs = fx.node.map_aggregate(node.kwargs, to_fake)
-        if fake_mode is None:
-            return
-        with fake_mode:
-            if node.op == "call_method":
-                out = getattr(args[0], node.target)(*args[1:], **kwargs)
-            else:
-                out = node.target(*args, **kwargs)
-        node.meta["example_value"] = out
-    except Exception:  # noqa: BLE001 - metadata is a convenience for later passes and vendors
-        pass
-
-
-def call(graph: fx.Graph, target, *args, method: bool = False, **kwargs) -> fx.Node:
-    node = graph.call_method(target, args, kwargs) if method else graph.call_function(target, args, kwargs)
-    set_meta(node)
-    return node
-
-
-def dims_of(graph: fx.Graph, x: fx.Node, dims: Iterable[int]) -> list:
-    """Sizes of x at `dims`, as ints where static and as `x.size(d)` nodes where symbolic."""
-    shape = tval(x).shape
-    return [s if isinstance(s, int) else call(graph, "size", x, d, method=True) for d, s in
-            ((d, shape[d]) for d in dims)]
-
-
-def erase_dead(nodes: Iterable[fx.Node]) -> None:
-    """Erase the given nodes once they have no users (last first)."""
-    pending = [n for n in dict.fromkeys(nodes) if not getattr(n, "_erased", False)]
-    progress = True
-    while pending and progress:
-        progress = False
-        for n in list(pending):
-            if not n.users:
-                n.graph.erase_node(n)
-                pending.remove(n)
-                progress = True
-
-
-# -- in-place writes -----------------------------------------------------------------------------
-
-_INPLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-}
-# Calls whose result may share memory with their first argument.
-_VIEW_METHODS = {
-    "view", "view_as", "reshape", "reshape_as", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten",
-    "unflatten", "expand", "expand_as", "contiguous", "to", "float", "half", "bfloat16", "double", "type",
-    "type_as", "narrow", "select", "split", "chunk", "unbind", "as_strided", "detach", "movedim", "swapaxes",
-}
-_VIEW_FUNCTIONS = {
-    operator.getitem, torch.reshape, torch.permute, torch.transpose, torch.t, torch.unsqueeze, torch.squeeze,
-    torch.flatten, torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, torch.movedim,
-    torch.swapaxes, torch.as_strided, torch.detach,
-}
-
-
-def _schemas(target) -> list:
-    if isinstance(target, torch._ops.OpOverload):
-        return [target._schema]
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return [getattr(target, name)._schema for name in target.overloads()]
-    return []
-
-
-def written_args(node: fx.Node) -> List[fx.Node]:
-    """Argument nodes `node` may write in place (over-approximated): mutable schema arguments of
-    torch ops (dlinfer's caches and outputs), `out=`, `inplace=True`, `x.add_()`, `x += y`, setitem."""
-    if node.op not in ("call_function", "call_method"):
-        return []
-    target, written = node.target, []
-    if "out" in node.kwargs:
-        written.append(node.kwargs["out"])
-    if node.kwargs.get("inplace") is True and node.args:
-        written.append(node.args[0])
-    for schema in _schemas(target):
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                written.append(node.args[i] if i < len(node.args) else node.kwargs.get(arg.name))
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    try:
-        inplace_operator = target in _INPLACE_OPERATORS
-    except TypeError:
-        inplace_operator = False
-    if node.args and (inplace_operator or (name.endswith("_") and not name.startswith("__"))):
-        written.append(node.args[0])
-    found: List[fx.Node] = []
-    fx.node.map_arg(written, found.append)
-    return found
-
-
-def _may_alias_input(node: fx.Node) -> Optional[fx.Node]:
-    if node.op == "call_method" and node.target in _VIEW_METHODS and node.args:
-        base = node.args[0]
-    elif node.op == "call_function" and _hashable_in(node.target, _VIEW_FUNCTIONS) and node.args:
-        base = node.args[0]
-    else:
-        return None
-    return base if isinstance(base, fx.Node) else None
-
-
-def _hashable_in(target, table) -> bool:
-    try:
-        return target in table
-    except TypeError:
-        return False
-
-
-def written_aliases(graph: fx.Graph) -> set:
-    """Nodes whose memory something in the graph may write: every written argument together with
-    all it may alias through views (bases, views of bases, views of views). A rewrite that moves
-    the reading of such a node could read it before or after the write: passes leave them alone."""
-    parent = {}
-
-    def find(n):
-        while parent.get(n, n) is not n:
-            n = parent[n]
-        return n
-
-    for node in graph.nodes:
-        base = _may_alias_input(node)
-        if base is not None:
-            parent[find(node)] = find(base)
-    roots = {find(w) for n in graph.nodes for w in written_args(n)}
-    return {n for n in graph.nodes if find(n) in roots}
