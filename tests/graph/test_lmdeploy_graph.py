@@ -64,12 +64,13 @@ def _run(model_dir: Path, eager: bool, max_batch_size: int = 4, schedule=SCHEDUL
 
 @pytest.fixture(scope="module")
 def runs():
+    from tiny_internlm2 import tiny_internlm2
     from tiny_models import tiny_model
 
     cache = {}
 
     def get(name: str, compiler=None):
-        folder = tiny_model(name)
+        folder = tiny_internlm2() if name == "internlm2" else tiny_model(name)
         if name not in cache:
             cache[name] = _run(folder, eager=True)
         if (name, compiler) not in cache:
@@ -79,8 +80,10 @@ def runs():
     return get
 
 
-# (model, compiler): the runner's default ("direct") on three architectures, Inductor on one.
-CASES = [("llama", None), ("qwen2", None), ("mixtral", None), ("llama", "inductor")]
+# (model, compiler): the runner's default ("direct") on every architecture the CPU runs (tests/lmdeploy
+# compares their eager tokens, and graph-mode tokens for buckets 1-2, with HF), Inductor on one.
+CASES = [("llama", None), ("qwen2", None), ("mixtral", None), ("qwen2_moe", None), ("qwen3", None),
+         ("qwen3_moe", None), ("phi3", None), ("gemma", None), ("internlm2", None), ("llama", "inductor")]
 
 
 @pytest.mark.parametrize("name,compiler", CASES)

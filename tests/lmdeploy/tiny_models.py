@@ -60,6 +60,11 @@ COMMON = dict(
     pad_token_id=0,
 )
 
+
+def _with(base: dict, **changes) -> dict:
+    return {**base, **changes}
+
+
 SPECS: dict[str, dict] = {
     "llama": dict(model_type="llama", intermediate_size=256, **COMMON),
     "qwen2": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=False, **COMMON),
@@ -68,8 +73,36 @@ SPECS: dict[str, dict] = {
     "qwen2_moe": dict(model_type="qwen2_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=4,
                       num_experts_per_tok=2, shared_expert_intermediate_size=96, decoder_sparse_step=1,
                       norm_topk_prob=False, mlp_only_layers=[], use_sliding_window=False, **COMMON),
+    # More architectures (tests/lmdeploy/test_architectures.py), as their real checkpoints are:
+    # small Qwen3 and every Gemma tie the LM head to the embeddings; Qwen3-MoE normalises top-k.
+    "qwen3": dict(model_type="qwen3", intermediate_size=256, head_dim=32, use_sliding_window=False,
+                  **_with(COMMON, tie_word_embeddings=True)),
+    "qwen3_moe": dict(model_type="qwen3_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      head_dim=32, use_sliding_window=False, **COMMON),
+    "phi3": dict(model_type="phi3", intermediate_size=256, sliding_window=None, **COMMON),
+    "gemma": dict(model_type="gemma", intermediate_size=256, head_dim=32, hidden_act="gelu_pytorch_tanh",
+                  **_with(COMMON, tie_word_embeddings=True)),
+    # RoPE scaling (tests/lmdeploy/test_rope_scaling.py): prompts longer than the original context.
+    "llama_rope_llama3": dict(model_type="llama", intermediate_size=256, **COMMON,
+                              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "llama_rope_default": dict(model_type="llama", intermediate_size=256, **COMMON,
+                               rope_scaling=dict(rope_type="default")),
+    "llama_rope_linear": dict(model_type="llama", intermediate_size=256, **COMMON,
+                              rope_scaling=dict(rope_type="linear", factor=2.5)),
+    "llama_rope_yarn": dict(model_type="llama", intermediate_size=256, **_with(
+        COMMON, max_position_embeddings=256,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
     # Architectures / features the CPU device type must refuse (tests/lmdeploy/test_bad_input.py).
-    "qwen3": dict(model_type="qwen3", intermediate_size=256, **COMMON),
+    "llama_rope_longrope": dict(model_type="llama", intermediate_size=256, **_with(
+        COMMON, max_position_embeddings=256, original_max_position_embeddings=64,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 16, long_factor=[4.0] * 16))),
+    "llama_rope_dynamic": dict(model_type="llama", intermediate_size=256, **_with(
+        COMMON, max_position_embeddings=64, rope_scaling=dict(rope_type="dynamic", factor=4.0))),
+    # Gemma 2: soft-capping and sliding windows, which dlinfer's attention does not run.
+    "gemma2": dict(model_type="gemma2", intermediate_size=256, head_dim=32, query_pre_attn_scalar=32,
+                   sliding_window=64, **_with(COMMON, tie_word_embeddings=True)),
     "qwen2_sliding_window": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=True,
                                  sliding_window=64, max_window_layers=0, **COMMON),
 }

@@ -3,8 +3,10 @@
 LMDeploy's dlinfer layers accept every model LMDeploy knows, but some of them need ops dlinfer
 does not offer (MLA, linear attention, quantized weights, sliding windows, soft-capping), and a
 few of those would run silently wrong rather than fail (the dlinfer attention layer ignores its
-`sliding_window` argument). So the check is an allowlist: architectures whose greedy tokens
-were compared with HF transformers in tests/lmdeploy, minus features they may turn on.
+`sliding_window` argument; dynamic NTK rope depends on the batch). So the check is an allowlist:
+architectures and rope types whose greedy tokens were compared with HF transformers in
+tests/lmdeploy (test_pipeline_greedy.py, test_architectures.py, test_rope_scaling.py), minus
+features they may turn on; every refusal names what is refused, why, and what is supported.
 """
 
 from __future__ import annotations
@@ -16,7 +18,32 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "Qwen2ForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM",
+    "GemmaForCausalLM",
+    "InternLM2ForCausalLM",
 })
+
+
+# Rope types (`rope_scaling["rope_type"]`, or the older "type") whose greedy tokens equal HF
+# transformers' in tests/lmdeploy/test_rope_scaling.py, with prompts past the original context.
+SUPPORTED_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "llama3", "yarn"})
+
+_LONGROPE_REASON = (
+    "LMDeploy 0.18's dlinfer rotary layer has no LongRoPE branch (it raises NotImplementedError when "
+    "the model is built), and LMDeploy's other LongRoPE layer picks the short or long factors by the "
+    "longest sequence of the batch, where HF picks them by each sequence's own length")
+
+# Rope types LMDeploy's dlinfer layer accepts but whose tokens would not equal HF's, and why.
+REFUSED_ROPE_TYPES: dict[str, str] = {
+    "dynamic": (
+        "LMDeploy rescales the NTK base of every sequence in a batch by the longest sequence's length, "
+        "where HF rescales each sequence by its own length, so a sequence's tokens would depend on what "
+        "it is batched with (alone it matches HF; in a batch with a longer prompt it does not)"),
+    "longrope": _LONGROPE_REASON,
+    "su": _LONGROPE_REASON,  # LongRoPE's older name
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -26,6 +53,71 @@ class UnsupportedModelError(ValueError):
 def _sliding_window(model_config) -> int:
     window = getattr(model_config, "sliding_window", -1)
     return window if isinstance(window, int) else -1
+
+
+def rope_parameters(hf_config) -> dict | None:
+    """The model's rope scaling dict, where LMDeploy reads it (transformers v5 `rope_parameters` first)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params is None:
+        params = getattr(hf_config, "rope_scaling", None)
+    return params if isinstance(params, dict) else None
+
+
+def rope_type(hf_config) -> str:
+    """The rope type LMDeploy builds for the model ('default' without rope scaling)."""
+    params = rope_parameters(hf_config) or {}
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def _check_rope(hf_config, arch: str, where: str) -> None:
+    kind = rope_type(hf_config)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        reason = REFUSED_ROPE_TYPES.get(kind, "not compared with HF transformers on dlinfer device types")
+        raise UnsupportedModelError(
+            f"{where} cannot run rope_type={kind!r} ({arch}): {reason}. "
+            f"Supported rope types: {', '.join(sorted(SUPPORTED_ROPE_TYPES))}.")
+    params = rope_parameters(hf_config) or {}
+    if "mrope_section" in params or any(key.startswith("fope") for key in params):
+        raise UnsupportedModelError(
+            f"{where} cannot run multimodal (mrope) or Fourier (fope) rotary embeddings ({arch}).")
+    partial = getattr(hf_config, "partial_rotary_factor", None)
+    if partial is None:
+        partial = params.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:
+        raise UnsupportedModelError(
+            f"{where} cannot run partial rotary embeddings ({arch}, partial_rotary_factor={partial}): "
+            "not compared with HF transformers on dlinfer device types.")
+
+
+def _check_gemma(hf_config, arch: str, where: str) -> None:
+    """LMDeploy 0.18's Gemma (models/gemma.py) always ties the LM head to the embeddings and always
+    runs tanh-approximated GELU, where HF transformers 4.57 reads `tie_word_embeddings` and
+    `hidden_act`: only checkpoints on which both agree run."""
+    if not getattr(hf_config, "tie_word_embeddings", True):
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with tie_word_embeddings=False: LMDeploy's Gemma ignores the "
+            "checkpoint's lm_head and reuses the input embeddings.")
+    act = getattr(hf_config, "hidden_act", None)
+    declared = getattr(hf_config, "hidden_activation", None)
+    if act != "gelu_pytorch_tanh" or declared not in (None, "gelu_pytorch_tanh"):
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with hidden_act={act!r}, hidden_activation={declared!r}: LMDeploy's "
+            "Gemma always runs tanh-approximated GELU ('gelu_pytorch_tanh', Gemma's reference activation), "
+            "HF transformers runs `hidden_act`. Set hidden_act to 'gelu_pytorch_tanh' in config.json to run it.")
+
+
+def _check_internlm2(hf_config, arch: str, where: str) -> None:
+    """InternLM2 checkpoints have no QKV/output biases; the grouped-`wqkv` split of a bias is untested."""
+    if getattr(hf_config, "bias", False):
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with bias=True: not compared with HF on dlinfer device types.")
+
+
+# Checks of one architecture beyond the common ones (what LMDeploy's model hard-codes).
+_ARCHITECTURE_CHECKS = {
+    "GemmaForCausalLM": _check_gemma,
+    "InternLM2ForCausalLM": _check_internlm2,
+}
 
 
 def check_model(model_config, spec: DeviceSpec) -> None:
@@ -49,6 +141,10 @@ def check_model(model_config, spec: DeviceSpec) -> None:
             f"max_position_embeddings={max_positions}).")
     if getattr(hf_config, "attn_logit_softcapping", None):
         raise UnsupportedModelError(f"{where} cannot run attention logit soft-capping ({arch}).")
+    _check_rope(hf_config, arch, where)
+    extra = _ARCHITECTURE_CHECKS.get(arch)
+    if extra is not None:
+        extra(hf_config, arch, where)
 
 
 def check_engine_features(spec: DeviceSpec, *, specdecode_config, memdecode_config) -> None:

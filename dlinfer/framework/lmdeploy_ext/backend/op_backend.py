@@ -5,6 +5,7 @@ Each subclasses LMDeploy's own `DlinferOpsBackend` (backends/dlinfer/op_backend.
 layers, which call `dlinfer.ops` through `lmdeploy/pytorch/kernels/dlinfer`. What this adds:
 - `update_step_context`: the attention metadata those layers read (`step_context.py`);
 - KV block shapes in the active vendor's layout (`kv_layout.py`);
+- the rotary layer where LMDeploy's dlinfer choice is wrong (Llama 3.x scaling: `rotary.py`);
 - for the CPU: cache allocation on the host (`cache.py`), "gloo" as collective backend, and
   with `eager_mode=False` decode steps compiled by `graph_runner.py` (`eager_mode=True`: LMDeploy's
   base `GraphRunner`, every step eager).
@@ -19,14 +20,25 @@ import torch
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.backend.cache import HostCacheBackend
 from dlinfer.framework.lmdeploy_ext.backend.kv_layout import active_kv_layout, block_shape
+from dlinfer.framework.lmdeploy_ext.backend.rotary import build_rotary_embedding
 from dlinfer.framework.lmdeploy_ext.backend.step_context import build_attention_metadata
 from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+from lmdeploy.pytorch.backends.rotary_embedding import RotaryEmbeddingBuildSpec
 
 
 class DlinferDeviceOpsBackend(DlinferOpsBackend):
     """LMDeploy's dlinfer backend bound to one dlinfer device type (`device_spec`)."""
 
     device_spec: ClassVar[devices.DeviceSpec]
+
+    @classmethod
+    def build_op(cls, spec, *, enable_deterministic: bool = False):
+        """LMDeploy's dlinfer layer for `spec`, except the rotary layers `rotary.py` builds itself."""
+        if isinstance(spec, RotaryEmbeddingBuildSpec):
+            impl = build_rotary_embedding(spec)
+            if impl is not None:
+                return impl
+        return super().build_op(spec, enable_deterministic=enable_deterministic)
 
     @classmethod
     def get_k_block_shape(cls, block_size: int, num_heads: int, head_size: int, dtype: torch.dtype):

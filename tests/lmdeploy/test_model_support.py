@@ -1,0 +1,137 @@
+"""What dlinfer's device types accept before weights load (`backend/model_support.py`), and the
+rotary layers the ops backend builds (`backend/rotary.py`). No engine: configs only, fast."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dlinfer.framework.lmdeploy_ext  # noqa: F401
+from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.backend import model_support
+from dlinfer.framework.lmdeploy_ext.backend.model_support import (
+    SUPPORTED_ARCHITECTURES,
+    UnsupportedModelError,
+    check_model,
+)
+from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend
+
+
+# What each architecture's tested checkpoints set (and its real ones do).
+_ARCH_DEFAULTS = {"GemmaForCausalLM": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)}
+
+
+def _model_config(arch="LlamaForCausalLM", **hf):
+    hf = {**_ARCH_DEFAULTS.get(arch, {}), **hf}
+    hf_config = SimpleNamespace(architectures=[arch], max_position_embeddings=1024, **hf)
+    return SimpleNamespace(hf_config=hf_config, sliding_window=hf.get("sliding_window", -1))
+
+
+def _refused(model_config, message):
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        check_model(model_config, devices.CPU)
+
+
+@pytest.mark.parametrize("arch", sorted(SUPPORTED_ARCHITECTURES))
+def test_supported_architectures_pass(arch):
+    check_model(_model_config(arch), devices.CPU)
+
+
+def test_refusal_lists_what_is_supported():
+    _refused(_model_config("DeepseekV2ForCausalLM"),
+             "device_type='cpu' cannot run architecture 'DeepseekV2ForCausalLM'; supported: "
+             + ", ".join(sorted(SUPPORTED_ARCHITECTURES)) + ".")
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    None,
+    {"rope_type": "default"},
+    {"rope_type": "linear", "factor": 2.0},
+    {"type": "linear", "factor": 2.0},  # the older key
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+])
+def test_tested_rope_types_pass(rope_scaling):
+    check_model(_model_config(rope_scaling=rope_scaling), devices.CPU)
+
+
+@pytest.mark.parametrize("rope_scaling,message", [
+    ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic' (LlamaForCausalLM): LMDeploy rescales"),
+    ({"type": "dynamic", "factor": 2.0}, "rope_type='dynamic'"),
+    ({"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "rope_type='longrope'"),
+    ({"type": "su", "short_factor": [1.0], "long_factor": [2.0]}, "rope_type='su'"),
+    ({"rope_type": "mrope", "mrope_section": [8, 12, 12]},
+     "rope_type='mrope' (LlamaForCausalLM): not compared with HF transformers"),
+    ({"rope_type": "default", "mrope_section": [8, 12, 12]}, "cannot run multimodal (mrope)"),
+])
+def test_other_rope_types_are_refused_by_name(rope_scaling, message):
+    _refused(_model_config(rope_scaling=rope_scaling), message)
+    if "rope_type=" in message:
+        _refused(_model_config(rope_scaling=rope_scaling), "Supported rope types: default, linear, llama3, yarn.")
+
+
+def test_transformers_v5_rope_parameters_are_read():
+    config = _model_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    _refused(config, "rope_type='dynamic'")
+
+
+def test_partial_rotary_is_refused():
+    _refused(_model_config("LlamaForCausalLM", partial_rotary_factor=0.75),
+             "cannot run partial rotary embeddings (LlamaForCausalLM, partial_rotary_factor=0.75)")
+    check_model(_model_config("LlamaForCausalLM", partial_rotary_factor=1.0), devices.CPU)
+
+
+def test_sliding_window_shorter_than_the_context_is_refused():
+    _refused(_model_config("Phi3ForCausalLM", sliding_window=255),
+             "cannot run sliding-window attention (Phi3ForCausalLM, sliding_window=255 < max_position_embeddings=1024)")
+    check_model(_model_config("Phi3ForCausalLM", sliding_window=4096), devices.CPU)
+
+
+@pytest.mark.parametrize("hf,message", [
+    (dict(tie_word_embeddings=False), "cannot run GemmaForCausalLM with tie_word_embeddings=False"),
+    (dict(hidden_act="gelu"), "cannot run GemmaForCausalLM with hidden_act='gelu', hidden_activation=None"),
+    (dict(hidden_act="gelu", hidden_activation="gelu_pytorch_tanh"), "HF transformers runs `hidden_act`"),
+    (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
+])
+def test_gemma_that_lmdeploy_would_run_differently_is_refused(hf, message):
+    _refused(_model_config("GemmaForCausalLM", **hf), message)
+
+
+def test_internlm2_with_biases_is_refused():
+    _refused(_model_config("InternLM2ForCausalLM", bias=True), "cannot run InternLM2ForCausalLM with bias=True")
+    check_model(_model_config("InternLM2ForCausalLM", bias=False), devices.CPU)
+
+
+def test_llama3_rotary_uses_the_original_context():
+    """The CPU backend's Llama 3 frequencies are HF's; LMDeploy's own dlinfer backend is untouched."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+    from lmdeploy.pytorch.backends.rotary_embedding import Llama3Parameters, RopeType, RotaryEmbeddingBuildSpec
+
+    rope_scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                        original_max_position_embeddings=64)
+    hf = LlamaConfig(hidden_size=128, num_attention_heads=4, max_position_embeddings=1024, rope_scaling=rope_scaling)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    spec = RotaryEmbeddingBuildSpec(dim=32, max_position_embeddings=1024, base=10000, scaling_factor=8.0,
+                                    llama3_params=Llama3Parameters(1.0, 4.0, 64), emb_type=RopeType.Llama3)
+    torch.testing.assert_close(CpuOpsBackend.build_op(spec).inv_freq, expected, rtol=0, atol=0)
+    assert not torch.equal(DlinferOpsBackend.build_op(spec).inv_freq, expected)  # LMDeploy 0.18.0's own
+
+
+def test_other_rope_types_take_lmdeploys_dlinfer_layers():
+    from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+    from lmdeploy.pytorch.backends.rotary_embedding import RopeType, RotaryEmbeddingBuildSpec
+
+    spec = RotaryEmbeddingBuildSpec(dim=32, scaling_factor=2.0, emb_type=RopeType.LinearScaling)
+    assert type(CpuOpsBackend.build_op(spec)) is type(DlinferOpsBackend.build_op(spec))
+
+
+def test_every_refused_rope_type_has_a_reason():
+    assert set(model_support.REFUSED_ROPE_TYPES) == {"dynamic", "longrope", "su"}
+    assert not set(model_support.REFUSED_ROPE_TYPES) & model_support.SUPPORTED_ROPE_TYPES
