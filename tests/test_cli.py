@@ -44,7 +44,7 @@ def test_env_report_describes_the_machine(report):
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
         assert ("avx2" in flags) == ("avx2" in isa.group(2).split()), report
     assert re.search(rf"^  cores: +{os.cpu_count()} logical", report, re.M), report
-    assert re.search(rf"^  threads: +torch \d+, OMP_NUM_THREADS unset$", report, re.M), report
+    assert re.search(r"^  threads: +torch \d+, OMP_NUM_THREADS unset$", report, re.M), report
 
 
 def test_env_report_names_the_compiler(report):
