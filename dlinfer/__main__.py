@@ -1,5 +1,7 @@
 """`python -m dlinfer <command>`. `env`: what a bug report needs (versions, machine, compiler,
 vendors, LMDeploy adaptor, devices), every failure reported as a line rather than raised.
+`replay DIR`: rerun captured op calls on a vendor (dlinfer/tools/replayer.py, docs/tools.md).
+`serve MODEL [...]`: LMDeploy's OpenAI-compatible server on CPU (dlinfer/framework/lmdeploy_ext/serve.py).
 
 Subcommands: one `_cmd_<name>(args) -> int` each, registered in `_build_parser`.
 """
@@ -179,12 +181,48 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from dlinfer.conformance import cli
+
+    return cli.main(args)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from dlinfer.tools import replayer
+
+    return replayer.main(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from dlinfer.framework.lmdeploy_ext import serve
+
+    return serve.main(args.argv)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dlinfer")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print what a bug report needs: versions, machine, compiler, vendors, "
                                      "LMDeploy adaptor")
     env.set_defaults(func=_cmd_env)
+    from dlinfer.conformance import cli as conformance_cli
+
+    conformance = sub.add_parser("conformance", help=conformance_cli.HELP + " (docs/conformance.md)")
+    conformance_cli.add_arguments(conformance)
+    conformance.set_defaults(func=_cmd_conformance)
+    from dlinfer.tools import replayer
+
+    replay = sub.add_parser("replay", help="rerun a DLINFER_OP_CAPTURE directory on a vendor, compare and time "
+                                           "every call (docs/tools.md)")
+    replayer.add_arguments(replay)
+    replay.set_defaults(func=_cmd_replay)
+    # Every argument after `serve` is LMDeploy's `serve api_server` options (`--help` included),
+    # parsed by dlinfer/framework/lmdeploy_ext/serve.py: no prefix chars here, so none is taken.
+    serve = sub.add_parser("serve", add_help=False, prefix_chars="\0",
+                           help="LMDeploy's OpenAI-compatible API server on CPU: serve MODEL [lmdeploy serve "
+                                "api_server options] (docs/lmdeploy.md)")
+    serve.add_argument("argv", nargs=argparse.REMAINDER)
+    serve.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -9,6 +9,9 @@ ops, their canonical signatures and fake implementations: the op table,
 Value checks (slots inside the cache, lengths inside the block table: they read tensor data, a
 device sync off the CPU) run when DLINFER_CHECK_VALUES=1, read when the first op runs;
 `set_value_checks(True | False | None)` changes that at run time (None: re-read the variable).
+
+The op tools (capture, replay, compare, timing, overflow: dlinfer/tools, docs/tools.md) see every
+op call once enabled by DLINFER_OP_* variables or `dlinfer.tools` context managers.
 """
 
 from dlinfer.ops import _custom_ops  # noqa: F401  (defines torch.ops.dlinfer.*; patches nothing)
@@ -20,7 +23,13 @@ from dlinfer.ops.linear import linear
 from dlinfer.ops.moe import fused_moe, moe_gating_topk_softmax
 from dlinfer.ops.norm import add_rms_norm, rms_norm
 from dlinfer.ops.rotary import apply_rotary_pos_emb
+from dlinfer.tools.env import from_env as _tools_from_env
 from dlinfer.vendor.op_table import OP_NAMES
+from dlinfer.vendor.selection import on_first_resolve as _on_first_resolve
+
+# The op tools' environment variables (DLINFER_OP_CAPTURE, _COMPARE, _TIMING, _OVERFLOW;
+# docs/tools.md) are read when the first op resolves, like DLINFER_VENDOR.
+_on_first_resolve(_tools_from_env)
 
 # Every op of the table, by the public name (tests/ops/test_opcheck.py checks each is defined here).
 __all__ = ["set_value_checks", *OP_NAMES]

@@ -29,12 +29,21 @@ FEATURE_GROUPED_ROUTER = "grouped top-k routing (moe_metadata.router_n_groups > 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a vendor can run. `head_dims=None` means any head dim."""
+    """What a vendor can run. `head_dims=None` means any head dim.
+
+    The last two fields are read by `python -m dlinfer conformance` alone (docs/conformance.md),
+    and shown in its report: the vendor's own tolerances for outputs compared within a tolerance,
+    `op` or `(op, dtype)` -> `(atol, rtol)`, replacing dlinfer's; and the checks it declares it
+    does not pass, a check-id pattern (`*` wildcards: "paged_decode_attention[*bfloat16*]"), a
+    suite or an op name -> why.
+    """
 
     dtypes: tuple = (torch.float32, torch.float16, torch.bfloat16)
     head_dims: Optional[tuple] = None
     features: frozenset = frozenset({FEATURE_ALIBI})
     notes: Mapping[str, str] = field(default_factory=dict)  # op -> how it is implemented
+    conformance_tolerances: Mapping = field(default_factory=dict)
+    conformance_skips: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ IN_TREE = ("torch", "cpu", "triton")  # the preference per device is decided in 
 
 _loaded: Dict[str, Vendor] = {}
 _failures: Dict[str, str] = {}
-_lock = threading.Lock()  # one load per vendor, even when two threads ask at once
+# One load per vendor, even when two threads ask at once. Reentrant: a vendor's load() may load
+# another vendor (e.g. the torch vendor, to reuse some of its functions) on the same thread.
+_lock = threading.RLock()
 
 
 def _entry_points() -> Dict[str, importlib.metadata.EntryPoint]:

@@ -4,14 +4,21 @@
 Resolution of (op, device type) -> function is cached; `use()` / `reset()` clear the cache.
 An op the chosen vendor lacks (or that DLINFER_FALLBACK_OPS names) falls back to the torch vendor
 with a one-time warning.
+
+Two hooks for the layers above, which this module never imports (docs/design.md, "State"):
+`set_interceptor` installs a function that wraps what `resolve` returns (the op tools,
+dlinfer/tools, while one is active; None, the default, leaves the vendor's own function), and
+`on_first_resolve` runs a function once, just before the next op resolves (the op layer reads the
+tools' environment variables there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -23,6 +30,12 @@ _explicit: Optional[Tuple[Vendor, str]] = None  # (vendor, kv layout) chosen by 
 _env_read = False
 _cache: Dict[Tuple[str, str], Tuple[Callable, Vendor]] = {}
 _warned: set = set()
+# interceptor(op, device_type, fn, vendor) -> what resolve returns instead of fn; None: fn itself.
+_interceptor: Optional[Callable[[str, str, Callable, Vendor], Callable]] = None
+_generation = 0  # bumped whenever cached resolutions become stale (see _invalidate)
+_cache_lock = threading.Lock()  # taken on cache misses and invalidations only, never on a hit
+_first_resolve_hooks: List[Callable[[], None]] = []
+_hooks_lock = threading.Lock()
 
 
 def _default_device_type() -> str:
@@ -67,13 +80,47 @@ def _read_env() -> None:
         _explicit = (vendor, _check_layout(vendor, os.environ.get("DLINFER_KV_LAYOUT") or None))
 
 
+def _invalidate() -> None:
+    """Forget every resolution; one computed concurrently from older state is not cached."""
+    global _generation
+    with _cache_lock:
+        _generation += 1
+        _cache.clear()
+
+
+def set_interceptor(interceptor: Optional[Callable[[str, str, Callable, Vendor], Callable]]) -> None:
+    """Make `resolve` return `interceptor(op, device_type, fn, vendor)` instead of the vendor's
+    `fn` (None: fn itself again). Clears the resolve cache: the next call of each op resolves anew."""
+    global _interceptor
+    _interceptor = interceptor
+    _invalidate()
+
+
+def on_first_resolve(hook: Callable[[], None]) -> None:
+    """Run `hook()` once, just before the next op resolves in this process (a cache miss)."""
+    with _hooks_lock:
+        _first_resolve_hooks.append(hook)
+
+
+def _run_first_resolve_hooks() -> None:
+    # The hooks leave the list only once they ran: a second thread resolving meanwhile waits for
+    # them on the lock. A hook that raises is not retried (its error reaches the op call).
+    with _hooks_lock:
+        hooks = list(_first_resolve_hooks)
+        try:
+            for hook in hooks:
+                hook()
+        finally:
+            del _first_resolve_hooks[:len(hooks)]
+
+
 def use(name: str, kv_layout: Optional[str] = None) -> Vendor:
     """Select the vendor `name` (and optionally its KV layout) for every op in this process."""
     global _explicit, _env_read
     vendor = registry.load(name)
     _explicit = (vendor, _check_layout(vendor, kv_layout))
     _env_read = True
-    _cache.clear()
+    _invalidate()
     return vendor
 
 
@@ -86,14 +133,14 @@ def using(name: str, kv_layout: Optional[str] = None):
         yield use(name, kv_layout)
     finally:
         _explicit, _env_read = saved
-        _cache.clear()
+        _invalidate()
 
 
 def reset() -> None:
     """Forget the selection and re-read DLINFER_VENDOR / DLINFER_FALLBACK_OPS on next use."""
     global _explicit, _env_read
     _explicit, _env_read = None, False
-    _cache.clear()
+    _invalidate()
     _warned.clear()
 
 
@@ -124,6 +171,9 @@ def resolve(op: str, device_type: str) -> Tuple[Callable, Vendor]:
     hit = _cache.get(key)
     if hit is not None:
         return hit
+    if _first_resolve_hooks:
+        _run_first_resolve_hooks()
+    generation = _generation
     vendor = current(device_type)
     forced = _forced_fallback()
     fn = vendor.ops.get(op)
@@ -136,5 +186,10 @@ def resolve(op: str, device_type: str) -> Tuple[Callable, Vendor]:
         fn, vendor = torch_vendor.ops[op], torch_vendor
     if fn is None:
         raise VendorError(f"vendor {vendor.name!r} has no op {op!r}")
-    _cache[key] = (fn, vendor)
+    interceptor = _interceptor
+    if interceptor is not None:
+        fn = interceptor(op, device_type, fn, vendor)
+    with _cache_lock:
+        if generation == _generation:  # nothing changed the selection or the interceptor meanwhile
+            _cache[key] = (fn, vendor)
     return fn, vendor

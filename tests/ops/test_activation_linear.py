@@ -1,96 +1,25 @@
-"""silu_and_mul and linear parity."""
+"""silu_and_mul and linear parity.
 
-from dataclasses import dataclass
+The checks: dlinfer/conformance/suites/activation.py (shared with `python -m dlinfer conformance`).
+"""
 
 import pytest
-import torch
 
-import dlinfer.ops as ops
+from dlinfer.conformance.suites import activation
 
-from . import reference as ref
-from .cases import DEVICE, DTYPE_PARAMS, active, gen, randn, seed_of, skip_unless_supported, vendor_params
-from .compare import assert_close
+from .cases import run, suite_params
 
 
-@dataclass(frozen=True)
-class SiluCase:
-    id: str
-    shape: tuple  # [..., 2I]
-    small: bool
+@pytest.mark.parametrize("vendor,check", suite_params(activation.silu_and_mul))
+def test_silu_and_mul(vendor, check):
+    run(vendor, check)
 
 
-SILU_CASES = [
-    SiluCase("t1_i64", (1, 128), True),
-    SiluCase("t7_i80", (7, 160), True),
-    SiluCase("t0_i128", (0, 256), True),
-    SiluCase("b2_t3_i96", (2, 3, 192), True),
-    SiluCase("t33_i1408", (33, 2816), False),
-    SiluCase("t129_i2730", (129, 5460), False),
-]
+@pytest.mark.parametrize("vendor,check", suite_params(activation.silu_and_mul_strided_rows))
+def test_silu_and_mul_strided_rows(vendor, check):
+    run(vendor, check)
 
 
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("vendor,case", vendor_params(SILU_CASES))
-def test_silu_and_mul(vendor, case, dtype):
-    skip_unless_supported(vendor, dtype)
-    x = randn(case.shape, dtype, gen(seed_of("silu", case.id, dtype)), scale=3.0)
-    expected = ref.silu_and_mul(x)
-    with active(vendor):
-        out = ops.silu_and_mul(x)
-        out_kw = ops.silu_and_mul(x, dim=-1)
-    assert out.dtype == dtype and out.device.type == DEVICE.type
-    assert_close(out, expected, "silu_and_mul")
-    assert_close(out_kw, expected, "silu_and_mul", name="output (dim=-1)")
-
-
-@pytest.mark.parametrize("vendor", vendor_params())
-def test_silu_and_mul_strided_rows(vendor):
-    buf = randn((5, 300), torch.float32, gen(3))
-    x = buf[:, :256]
-    with active(vendor):
-        out = ops.silu_and_mul(x)
-    assert_close(out, ref.silu_and_mul(x), "silu_and_mul")
-
-
-@dataclass(frozen=True)
-class LinearCase:
-    id: str
-    lead: tuple  # x's leading dims
-    k: int
-    n: int
-    bias: bool
-    small: bool
-
-
-LINEAR_CASES = [
-    LinearCase("t1_k64_n80", (1,), 64, 80, False, True),
-    LinearCase("t7_k96_n33_bias", (7,), 96, 33, True, True),
-    LinearCase("t0_k128_n64", (0,), 128, 64, False, True),
-    LinearCase("b1_t5_k80_n48_bias", (1, 5), 80, 48, True, True),
-    LinearCase("t37_k4096_n1000_bias", (37,), 4096, 1000, True, False),
-    LinearCase("t129_k1000_n3072", (129,), 1000, 3072, False, False),
-    LinearCase("b2_t3_k2048_n5120", (2, 3), 2048, 5120, False, False),
-    # few rows, K not a multiple of any vector width, odd N (row-pair kernels end on one row),
-    # weights large enough to be split across threads
-    LinearCase("t1_k2000_n601_bias", (1,), 2000, 601, True, False),
-    LinearCase("t8_k1000_n257", (8,), 1000, 257, False, False),
-    LinearCase("t5_k100_n70_bias", (5,), 100, 70, True, True),
-    LinearCase("t9_k333_n65", (9,), 333, 65, False, True),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("vendor,case", vendor_params(LINEAR_CASES))
-def test_linear(vendor, case, dtype):
-    skip_unless_supported(vendor, dtype)
-    g = gen(seed_of("linear", case.id, dtype))
-    x = randn((*case.lead, case.k), dtype, g)
-    w = randn((case.n, case.k), dtype, g, scale=case.k**-0.5)
-    b = randn((case.n,), dtype, g, scale=0.5) if case.bias else None
-    expected = ref.linear(x, w, b)
-    with active(vendor):
-        out = ops.linear(x, w, bias=b, all_reduce=False, group="")
-        out_pos = ops.linear(x, w, b)
-    assert out.dtype == dtype and out.device.type == DEVICE.type
-    assert_close(out, expected, "linear")
-    assert_close(out_pos, expected, "linear", name="output (positional bias)")
+@pytest.mark.parametrize("vendor,check", suite_params(activation.linear))
+def test_linear(vendor, check):
+    run(vendor, check)

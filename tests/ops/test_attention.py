@@ -1,338 +1,45 @@
 """prefill_attention, paged_prefill_attention and paged_decode_attention parity.
 
-Caches hold finite garbage (or NaN, in the stale-slot tests) everywhere but the live tokens,
-which the test writes itself (not through fill_kv_cache); block tables are shuffled, with garbage
-past each sequence's last block.
+The checks: dlinfer/conformance/suites/attention.py (shared with `python -m dlinfer conformance`).
 """
 
 import pytest
-import torch
 
-import dlinfer.ops as ops
-from dlinfer.vendor.base import FEATURE_ALIBI
+from dlinfer.conformance.suites import attention
 
-from . import reference as ref
-from .cases import (DEVICE, DTYPE_PARAMS, AttnCase, active, alloc_cache, gen, lens_tensor, make_block_table, memo,
-                    packed_qkv, randn, seed_of, skip_unless_supported, slots_of, vendor_params,
-                    write_cache)
-from .compare import assert_close, assert_equal
-
-I32, I64 = torch.int32, torch.int64
-
-# ---------------------------------------------------------------- cases
-
-# prefill_attention: no history (seqs are (0, n)).
-PREFILL_CASES = [
-    AttnCase("b1_n1_gqa1_d64", ((0, 1),), 2, 2, 64, 64, 16, True, packed=False),
-    AttnCase("b3_gqa4_d80", ((0, 5), (0, 1), (0, 9)), 8, 2, 80, 80, 16, True, index_dtype=I64,
-             lens_on_cpu=False),
-    AttnCase("b2_gqa5_d128_dv64", ((0, 7), (0, 3)), 5, 1, 128, 64, 16, True),
-    AttnCase("b2_alibi_scale_d64", ((0, 6), (0, 4)), 4, 2, 64, 64, 16, True, scale=0.3, alibi=True),
-    AttnCase("b3_gqa5_d128", ((0, 513), (0, 1), (0, 300)), 10, 2, 128, 128, 16, False),
-    AttnCase("b2_gqa1_d64", ((0, 700), (0, 77)), 4, 4, 64, 64, 16, False, index_dtype=I64, packed=False),
-    AttnCase("b4_gqa4_d80_alibi", ((0, 129), (0, 64), (0, 250), (0, 17)), 8, 2, 80, 80, 16, False,
-             lens_on_cpu=False, alibi=True),
-]
-
-# paged_prefill_attention: history + new, history not dividing the block size.
-PAGED_PREFILL_CASES = [
-    AttnCase("b1_h0_n5_gqa1_d64_bs16", ((0, 5),), 2, 2, 64, 64, 16, True, packed=False),
-    AttnCase("b3_gqa4_d80_bs8", ((3, 4), (0, 1), (13, 6)), 8, 2, 80, 80, 8, True, index_dtype=I64,
-             lens_on_cpu=False),
-    AttnCase("b2_gqa5_d128_dv64_bs16", ((17, 3), (31, 2)), 5, 1, 128, 64, 16, True),
-    AttnCase("b2_alibi_scale_d64_bs4", ((5, 3), (0, 4)), 4, 2, 64, 64, 4, True, scale=0.3, alibi=True),
-    AttnCase("b4_gqa5_d128_bs64", ((1000, 37), (0, 129), (64, 1), (333, 65)), 10, 2, 128, 128, 64, False),
-    AttnCase("b3_gqa1_d64_bs128", ((511, 1), (129, 300), (0, 7)), 4, 4, 64, 64, 128, False,
-             index_dtype=I64, packed=False),
-    AttnCase("b5_gqa4_d80_bs16_alibi", ((7, 9), (100, 3), (15, 17), (1, 1), (250, 40)), 8, 2, 80, 80, 16,
-             False, lens_on_cpu=False, alibi=True),
-]
-
-# paged_decode_attention: one new token per sequence, and multi-token decode.
-DECODE_CASES = [
-    AttnCase("b1_kv1_gqa1_d64_bs16", ((0, 1),), 2, 2, 64, 64, 16, True, packed=False),
-    AttnCase("b3_gqa4_d80_bs8", ((16, 1), (4, 1), (22, 1)), 8, 2, 80, 80, 8, True, index_dtype=I64,
-             lens_on_cpu=False),
-    AttnCase("b2_gqa5_d128_dv96_bs16", ((31, 1), (16, 1)), 5, 1, 128, 96, 16, True),
-    AttnCase("b2_multitoken_gqa4_d64_bs4", ((5, 3), (9, 2)), 8, 2, 64, 64, 4, True),
-    AttnCase("b3_alibi_scale_d64_bs8", ((12, 1), (0, 1), (7, 1)), 4, 2, 64, 64, 8, True, scale=0.3,
-             alibi=True),
-    AttnCase("b8_gqa5_d128_bs64", ((999, 1), (0, 1), (63, 1), (64, 1), (332, 1), (126, 1), (2046, 1), (8, 1)),
-             40, 8, 128, 128, 64, False),
-    AttnCase("b4_gqa1_d64_bs16", ((700, 1), (15, 1), (16, 1), (1, 1)), 16, 16, 64, 64, 16, False,
-             index_dtype=I64, packed=False),
-    AttnCase("b6_gqa4_d80_bs128_alibi", ((200, 1), (127, 1), (128, 1), (0, 1), (1000, 1), (77, 1)), 16, 4, 80,
-             80, 128, False, lens_on_cpu=False, alibi=True),
-    AttnCase("b3_multitoken_gqa5_d128_bs16", ((40, 4), (0, 3), (17, 5)), 10, 2, 128, 128, 16, False),
-    # One token, one kv head, a long history: too little work per (token, head) for the threads,
-    # so split-KV kernels cut the keys into several splits and merge them.
-    AttnCase("b1_long_gqa8_d128_bs16_split", ((1900, 1),), 8, 1, 128, 128, 16, False),
-    AttnCase("b2_long_gqa4_d64_bs32_split", ((1300, 1), (517, 1)), 4, 1, 64, 64, 32, False, index_dtype=I64,
-             alibi=True),
-]
+from .cases import run, suite_params
 
 
-def _ids(cases):
-    return {c.id: c for c in cases}
+@pytest.mark.parametrize("vendor,check", suite_params(attention.prefill_attention))
+def test_prefill_attention(vendor, check):
+    run(vendor, check)
 
 
-# ---------------------------------------------------------------- helpers
+@pytest.mark.parametrize("vendor,check", suite_params(attention.prefill_attention_no_caches))
+def test_prefill_attention_no_caches(vendor, check):
+    run(vendor, check)
 
 
-def _slopes(case):
-    return ref.alibi_slopes(case.hq).to(DEVICE) if case.alibi else None
+@pytest.mark.parametrize("vendor,check", suite_params(attention.paged_prefill_attention))
+def test_paged_prefill_attention(vendor, check):
+    run(vendor, check)
 
 
-def _call(vendor, case, dtype, fn):
-    """Run fn, unless the vendor declares it lacks the dtype, head dim or ALiBi (UnsupportedError
-    then, tested elsewhere). The torch vendor must run everything."""
-    skip_unless_supported(vendor, dtype, case.d, FEATURE_ALIBI if case.alibi else None)
-    return fn()
+@pytest.mark.parametrize("vendor,check", suite_params(attention.paged_decode_attention))
+def test_paged_decode_attention(vendor, check):
+    run(vendor, check)
 
 
-def _output_buffer(case, q, mode):
-    """None, a fresh tensor, or LMDeploy's strided query[..., :Dv] view."""
-    if mode == "none":
-        return None
-    if mode == "fresh":
-        return torch.empty(q.shape[0], case.hq, case.dv, dtype=q.dtype, device=q.device)
-    return q[..., : case.dv]
+@pytest.mark.parametrize("vendor,check", suite_params(attention.paged_attention_nan_in_unused_slots))
+def test_paged_attention_nan_in_unused_slots(vendor, check):
+    run(vendor, check)
 
 
-def _check_output(out, attn_output, case, dtype, expected, op):
-    assert out.shape == (case.T, case.hq, case.dv), (op, out.shape)
-    assert out.dtype == dtype and out.device.type == DEVICE.type
-    if attn_output is not None:
-        assert out.data_ptr() == attn_output.data_ptr() and out.stride() == attn_output.stride(), \
-            f"{op} must write attn_output and return it"
-        assert_close(attn_output, expected, op, name="attn_output")
-    assert_close(out, expected, op)
+@pytest.mark.parametrize("vendor,check", suite_params(attention.attention_empty_batch))
+def test_attention_empty_batch(vendor, check):
+    run(vendor, check)
 
 
-class PagedSetup:
-    """Caches, block table, lengths and the new tokens of one paged case (caches already hold them)."""
-
-    def __init__(self, case, dtype, layout, seed, stale=None):
-        g = gen(seed)
-        self.case = case
-        T = case.T
-        self.q, self.k, self.v = packed_qkv(T, case.hq, case.hkv, case.d, case.dv, dtype, g, case.packed)
-        self.paged = make_block_table(case.kv_lens, case.bs, g, case.index_dtype)
-        nb = self.paged.num_blocks
-        fill = g if stale is None else stale
-        self.key_cache = alloc_cache(nb, case.bs, case.hkv, case.d, layout, dtype, fill)
-        self.value_cache = alloc_cache(nb, case.bs, case.hkv, case.dv, layout, dtype, fill)
-        if stale is None:  # finite garbage, far from the live values
-            self.key_cache.mul_(30)
-            self.value_cache.mul_(30)
-        start = 0
-        for b, (hist, n) in enumerate(case.seqs):
-            hk = randn((hist, case.hkv, case.d), dtype, g)
-            hv = randn((hist, case.hkv, case.dv), dtype, g)
-            write_cache(self.key_cache, slots_of(self.paged, b, range(hist), case.bs), hk, case.bs, layout)
-            write_cache(self.value_cache, slots_of(self.paged, b, range(hist), case.bs), hv, case.bs, layout)
-            new = slots_of(self.paged, b, range(hist, hist + n), case.bs)
-            write_cache(self.key_cache, new, self.k[start:start + n], case.bs, layout)
-            write_cache(self.value_cache, new, self.v[start:start + n], case.bs, layout)
-            start += n
-        lens_dtype = I64 if case.index_dtype == I32 else I32  # mix the index dtypes
-        self.q_cu_ends = lens_tensor(case.cu_ends, lens_dtype, case.lens_on_cpu)
-        self.kv_seq_len = lens_tensor(case.kv_lens, lens_dtype, case.lens_on_cpu)
-        self.max_q = max(case.q_lens, default=0)
-        self.max_kv = max(case.kv_lens, default=0)
-        # live K/V do not depend on the layout (the seed does not): one reference for both layouts
-        self.expected = memo((seed, stale is None), lambda: ref.paged_attention(
-            self.q, self.key_cache, self.value_cache, self.paged.block_table, case.bs, self.q_cu_ends,
-            self.kv_seq_len, layout, case.scale, _slopes(case)))
-        self.cache_before = (self.key_cache.clone(), self.value_cache.clone())
-
-    def check_caches_untouched(self, op):
-        assert_equal(self.key_cache, self.cache_before[0], op, name="key_cache (read only)")
-        assert_equal(self.value_cache, self.cache_before[1], op, name="value_cache (read only)")
-
-
-def _paged_prefill(vendor, layout, case, dtype, out_mode, stale=None):
-    s = PagedSetup(case, dtype, layout, seed_of("pprefill", case.id, dtype), stale)
-    attn_output = _output_buffer(case, s.q, out_mode)
-    with active(vendor, layout):
-        # the call of lmdeploy/pytorch/kernels/dlinfer/pagedattention.py
-        out = _call(vendor, case, dtype, lambda: ops.paged_prefill_attention(
-            s.q, s.k, s.v, s.key_cache, s.value_cache, s.paged.block_table, case.bs, s.q_cu_ends,
-            s.kv_seq_len, s.max_q, s.max_kv, case.hq, case.hkv, [], head_size_v=case.dv,
-            softmax_scale=case.scale, alibi_slopes=_slopes(case), attn_output=attn_output, kv_scales=None,
-            kv_zeros=None, quant_bits=0))
-    _check_output(out, attn_output, case, dtype, s.expected, "paged_prefill_attention")
-    s.check_caches_untouched("paged_prefill_attention")
-
-
-def _paged_decode(vendor, layout, case, dtype, out_mode, stale=None):
-    s = PagedSetup(case, dtype, layout, seed_of("decode", case.id, dtype), stale)
-    attn_output = _output_buffer(case, s.q, out_mode)
-    with active(vendor, layout):
-        out = _call(vendor, case, dtype, lambda: ops.paged_decode_attention(
-            s.q, s.key_cache, s.value_cache, s.paged.block_table, case.bs, s.q_cu_ends, s.kv_seq_len,
-            s.max_kv, case.hq, case.hkv, head_size_v=case.dv, softmax_scale=case.scale,
-            alibi_slopes=_slopes(case), attn_output=attn_output, kv_scales=None, kv_zeros=None,
-            quant_bits=0))
-    _check_output(out, attn_output, case, dtype, s.expected, "paged_decode_attention")
-    s.check_caches_untouched("paged_decode_attention")
-
-
-# Every case runs with an output mode; LMDeploy's query[..., :Dv] view on half of them.
-def _out_mode(case):
-    return "query_view" if case.packed else ("fresh" if case.small else "none")
-
-
-# ---------------------------------------------------------------- prefill_attention
-
-
-@pytest.mark.parametrize("with_cpu_ends", [True, False], ids=["cpu_ends", "no_cpu_ends"])
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("vendor,layout,case", vendor_params(PREFILL_CASES, with_layout=True))
-def test_prefill_attention(vendor, layout, case, dtype, with_cpu_ends):
-    seed = seed_of("prefill", case.id, dtype)
-    g = gen(seed)
-    q, k, v = packed_qkv(case.T, case.hq, case.hkv, case.d, case.dv, dtype, g, case.packed)
-    expected = memo(seed, lambda: ref.prefill_attention(q, k, v, torch.tensor(case.q_lens), case.scale,
-                                                        _slopes(case)))
-    # LMDeploy passes the (filled) caches; the op must not need nor touch them.
-    kc = alloc_cache(3, case.bs, case.hkv, case.d, layout, dtype, g)
-    vc = alloc_cache(3, case.bs, case.hkv, case.dv, layout, dtype, g)
-    before = (kc.clone(), vc.clone())
-    q_lens = lens_tensor(case.q_lens, case.index_dtype, case.lens_on_cpu)
-    kv_lens = lens_tensor(case.q_lens, case.index_dtype, case.lens_on_cpu)
-    cpu_ends = torch.tensor(case.cu_ends, dtype=I32) if with_cpu_ends else None
-    attn_output = _output_buffer(case, q, _out_mode(case))
-    with active(vendor, layout):
-        out = _call(vendor, case, dtype, lambda: ops.prefill_attention(
-            q, k, v, kc, vc, q_lens, kv_lens, max(case.q_lens), case.hq, case.hkv, [],
-            softmax_scale=case.scale, alibi_slopes=_slopes(case), attn_output=attn_output,
-            actual_seq_lengths_cpu=cpu_ends))
-    _check_output(out, attn_output, case, dtype, expected, "prefill_attention")
-    assert_equal(kc, before[0], "prefill_attention", name="key_cache (unused)")
-    assert_equal(vc, before[1], "prefill_attention", name="value_cache (unused)")
-
-
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("vendor", vendor_params())
-def test_prefill_attention_no_caches(vendor, dtype):
-    case = _ids(PREFILL_CASES)["b3_gqa4_d80"]
-    g = gen(seed_of("prefill_none", dtype))
-    q, k, v = packed_qkv(case.T, case.hq, case.hkv, case.d, case.dv, dtype, g, True)
-    expected = ref.prefill_attention(q, k, v, torch.tensor(case.q_lens))
-    lens = torch.tensor(case.q_lens, dtype=I32, device=DEVICE)
-    with active(vendor):
-        out = ops.prefill_attention(q, k, v, None, None, lens, lens, max(case.q_lens), case.hq, case.hkv, [])
-    _check_output(out, None, case, dtype, expected, "prefill_attention")
-
-
-# ---------------------------------------------------------------- paged ops
-
-
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("vendor,layout,case", vendor_params(PAGED_PREFILL_CASES, with_layout=True))
-def test_paged_prefill_attention(vendor, layout, case, dtype):
-    _paged_prefill(vendor, layout, case, dtype, _out_mode(case))
-
-
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("vendor,layout,case", vendor_params(DECODE_CASES, with_layout=True))
-def test_paged_decode_attention(vendor, layout, case, dtype):
-    _paged_decode(vendor, layout, case, dtype, _out_mode(case))
-
-
-STALE_CASES = [_ids(PAGED_PREFILL_CASES)["b3_gqa4_d80_bs8"], _ids(DECODE_CASES)["b3_gqa4_d80_bs8"]]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16], ids=["float16"])
-@pytest.mark.parametrize("vendor,layout", vendor_params(with_layout=True))
-def test_paged_attention_nan_in_unused_slots(vendor, layout, dtype):
-    """Slots past kv_seq_len (inside the last block, and in unused blocks) may hold anything,
-    NaN included (a cache from torch.empty): they must not reach the output."""
-    _paged_prefill(vendor, layout, STALE_CASES[0], dtype, "none", stale=float("nan"))
-    _paged_decode(vendor, layout, STALE_CASES[1], dtype, "none", stale=float("nan"))
-
-
-@pytest.mark.parametrize("vendor,layout", vendor_params(with_layout=True))
-@pytest.mark.parametrize("op", ["paged_prefill_attention", "paged_decode_attention", "prefill_attention"])
-def test_attention_empty_batch(vendor, layout, op):
-    """B = 0, T = 0: an empty [0, Hq, Dv] result."""
-    dtype, hq, hkv, d, bs = torch.float32, 4, 2, 64, 16
-    q = torch.empty(0, hq, d, dtype=dtype, device=DEVICE)
-    k = torch.empty(0, hkv, d, dtype=dtype, device=DEVICE)
-    kc = alloc_cache(2, bs, hkv, d, layout, dtype, gen(0))
-    vc = alloc_cache(2, bs, hkv, d, layout, dtype, gen(1))
-    empty = torch.empty(0, dtype=I32)
-    bt = torch.empty(0, 3, dtype=I32, device=DEVICE)
-    with active(vendor, layout):
-        if op == "prefill_attention":
-            out = ops.prefill_attention(q, k, k, kc, vc, empty, empty, 0, hq, hkv, [],
-                                        actual_seq_lengths_cpu=empty)
-        elif op == "paged_prefill_attention":
-            out = ops.paged_prefill_attention(q, k, k, kc, vc, bt, bs, empty, empty, 0, 0, hq, hkv, [])
-        else:
-            out = ops.paged_decode_attention(q, kc, vc, bt, bs, empty, empty, 0, hq, hkv)
-    assert out.shape == (0, hq, d) and out.dtype == dtype
-
-
-@pytest.mark.parametrize("vendor,layout", vendor_params(with_layout=True))
-def test_lmdeploy_layer_steps(vendor, layout):
-    """LMDeploy's per-layer sequence through dlinfer.ops: fill_kv_cache, then attention on the
-    caches fill_kv_cache returned, writing query[..., :Dv]; a no-cache prefill, a decode step,
-    then a prefix-cache hit (paged prefill)."""
-    dtype, hq, hkv, d, bs = torch.float32, 8, 2, 64, 4
-    g = gen(seed_of("steps", layout))
-    seqs = [5, 3]
-    paged = make_block_table([12, 12], bs, g, I32)
-    kc = alloc_cache(paged.num_blocks, bs, hkv, d, layout, dtype, g)
-    vc = alloc_cache(paged.num_blocks, bs, hkv, d, layout, dtype, g)
-    history_k = [[], []]
-    history_v = [[], []]
-
-    def step(new_lens, kind):
-        nonlocal kc, vc
-        T = sum(new_lens)
-        q, k, v = packed_qkv(T, hq, hkv, d, d, dtype, g, True)
-        q_ref = q.clone()
-        kv_lens = [len(history_k[b]) + n for b, n in enumerate(new_lens)]
-        slots, start = [], 0
-        for b, n in enumerate(new_lens):
-            slots += slots_of(paged, b, range(kv_lens[b] - n, kv_lens[b]), bs)
-            history_k[b] += list(k[start:start + n].cpu())
-            history_v[b] += list(v[start:start + n].cpu())
-            start += n
-        cu = torch.tensor(new_lens).cumsum(0).to(I32)
-        with active(vendor, layout):
-            kc, vc = ops.fill_kv_cache(k, v, kc, vc, torch.tensor(slots, dtype=I32, device=DEVICE),
-                                       k_scales_zeros=[], v_scales_zeros=[], quant_bits=0)
-            attn_output = q[..., :d]
-            lens_dev = torch.tensor(new_lens, dtype=I32, device=DEVICE)
-            kv_cpu = torch.tensor(kv_lens, dtype=I32)
-            if kind == "prefill":
-                out = ops.prefill_attention(q, k, v, kc, vc, lens_dev, lens_dev, max(new_lens), hq, hkv, [],
-                                            softmax_scale=None, attn_output=attn_output,
-                                            actual_seq_lengths_cpu=cu)
-            elif kind == "paged_prefill":
-                out = ops.paged_prefill_attention(q, k, v, kc, vc, paged.block_table, bs, cu, kv_cpu,
-                                                  max(new_lens), max(kv_lens), hq, hkv, [], head_size_v=d,
-                                                  softmax_scale=None, attn_output=attn_output, kv_scales=None,
-                                                  kv_zeros=None, quant_bits=0)
-            else:
-                out = ops.paged_decode_attention(q, kc, vc, paged.block_table, bs, cu, kv_cpu, max(kv_lens), hq,
-                                                 hkv, head_size_v=d, softmax_scale=None, attn_output=attn_output,
-                                                 kv_scales=None, kv_zeros=None, quant_bits=0)
-        expected = torch.zeros(T, hq, d, dtype=torch.float64)
-        start = 0
-        for b, n in enumerate(new_lens):
-            L = kv_lens[b]
-            expected[start:start + n] = ref.attention_one_sequence(
-                q_ref[start:start + n], torch.stack(history_k[b]), torch.stack(history_v[b]), list(range(L - n, L)))
-            start += n
-        op = {"prefill": "prefill_attention", "paged_prefill": "paged_prefill_attention",
-              "decode": "paged_decode_attention"}[kind]
-        assert_close(out, expected, op, name=f"{kind} step output (caches from fill_kv_cache)")
-
-    step(seqs, "prefill")
-    step([1, 1], "decode")
-    step([3, 2], "paged_prefill")
-    step([1, 1], "decode")
+@pytest.mark.parametrize("vendor,check", suite_params(attention.lmdeploy_layer_steps))
+def test_lmdeploy_layer_steps(vendor, check):
+    run(vendor, check)

@@ -1,98 +1,20 @@
-"""fill_kv_cache: exact copies into both layouts, nothing else touched."""
+"""fill_kv_cache: exact copies into both layouts, nothing else touched.
 
-from dataclasses import dataclass
+The checks: dlinfer/conformance/suites/kv_cache.py (shared with `python -m dlinfer conformance`).
+"""
 
 import pytest
-import torch
 
-import dlinfer.ops as ops
+from dlinfer.conformance.suites import kv_cache
 
-from . import reference as ref
-from .cases import (DEVICE, DTYPE_PARAMS, active, alloc_cache, gen, packed_qkv, seed_of, skip_unless_supported,
-                    vendor_params)
-from .compare import assert_equal
+from .cases import run, suite_params
 
 
-@dataclass(frozen=True)
-class FillCase:
-    id: str
-    T: int
-    hkv: int
-    d: int
-    dv: int
-    bs: int
-    nb: int
-    small: bool
-    contiguous_run: bool = False  # a prefill: consecutive positions through shuffled blocks
-    packed: bool = True
+@pytest.mark.parametrize("vendor,check", suite_params(kv_cache.fill_kv_cache))
+def test_fill_kv_cache(vendor, check):
+    run(vendor, check)
 
 
-CASES = [
-    FillCase("t1_kv1_d64_bs16", 1, 1, 64, 64, 16, 3, True),
-    FillCase("t7_kv2_d80_bs16", 7, 2, 80, 80, 16, 4, True, packed=False),
-    FillCase("t0_kv2_d64_bs16", 0, 2, 64, 64, 16, 2, True),
-    FillCase("t5_kv1_d128_dv64_bs8", 5, 1, 128, 64, 8, 5, True),
-    FillCase("t19_kv4_d64_bs8_run", 19, 4, 64, 64, 8, 6, True, contiguous_run=True),
-    FillCase("t300_kv8_d128_bs64", 300, 8, 128, 128, 64, 9, False),
-    FillCase("t129_kv3_d80_bs16_run", 129, 3, 80, 80, 16, 13, False, contiguous_run=True, packed=False),
-]
-
-INDEX_PARAMS = [
-    pytest.param(torch.int32, False, id="int32"),
-    pytest.param(torch.int64, False, id="int64"),
-    pytest.param(torch.int32, True, id="int32_Tx1"),
-    pytest.param(torch.int64, True, id="int64_Tx1"),
-]
-
-
-def slots_for(case, g):
-    if case.contiguous_run:
-        blocks = torch.randperm(case.nb, generator=g).tolist()
-        start = 3  # a history that does not divide the block size
-        assert start + case.T <= case.nb * case.bs
-        return [blocks[p // case.bs] * case.bs + p % case.bs for p in range(start, start + case.T)]
-    return torch.randperm(case.nb * case.bs, generator=g)[: case.T].tolist()
-
-
-@pytest.mark.parametrize("index_dtype,column", INDEX_PARAMS)
-@pytest.mark.parametrize("dtype", DTYPE_PARAMS)
-@pytest.mark.parametrize("vendor,layout,case", vendor_params(CASES, with_layout=True))
-def test_fill_kv_cache(vendor, layout, case, dtype, index_dtype, column):
-    skip_unless_supported(vendor, dtype)
-    g = gen(seed_of("fill", case.id, dtype, layout))
-    _, key, value = packed_qkv(case.T, 1, case.hkv, case.d, case.dv, dtype, g, case.packed)
-    key_cache = alloc_cache(case.nb, case.bs, case.hkv, case.d, layout, dtype, g)
-    value_cache = alloc_cache(case.nb, case.bs, case.hkv, case.dv, layout, dtype, g)
-    slots = torch.tensor(slots_for(case, g), dtype=index_dtype, device=DEVICE)
-    if column:
-        slots = slots.reshape(-1, 1)
-    exp_k, exp_v = ref.fill_kv_cache(key, value, key_cache, value_cache, slots, layout)
-    k_ptr, v_ptr = key_cache.data_ptr(), value_cache.data_ptr()
-    with active(vendor, layout):
-        out_k, out_v = ops.fill_kv_cache(key, value, key_cache, value_cache, slots,
-                                         k_scales_zeros=(), v_scales_zeros=(), quant_bits=0)
-    assert key_cache.data_ptr() == k_ptr and value_cache.data_ptr() == v_ptr
-    assert_equal(key_cache, exp_k, "fill_kv_cache", name="key_cache (in place)")
-    assert_equal(value_cache, exp_v, "fill_kv_cache", name="value_cache (in place)")
-    assert_equal(out_k, exp_k, "fill_kv_cache", name="returned key_cache")
-    assert_equal(out_v, exp_v, "fill_kv_cache", name="returned value_cache")
-
-
-@pytest.mark.parametrize("vendor,layout", vendor_params(with_layout=True))
-def test_fill_kv_cache_lmdeploy_call(vendor, layout):
-    """The exact call of lmdeploy/pytorch/kernels/dlinfer/fill_kv_cache.py (keyword scales)."""
-    g = gen(11)
-    key = torch.randn(3, 2, 64, generator=g).to(DEVICE)
-    value = torch.randn(3, 2, 64, generator=g).to(DEVICE)
-    kc = alloc_cache(4, 16, 2, 64, layout, torch.float32, g)
-    vc = alloc_cache(4, 16, 2, 64, layout, torch.float32, g)
-    slots = torch.tensor([17, 18, 63], dtype=torch.int32, device=DEVICE)
-    exp_k, exp_v = ref.fill_kv_cache(key, value, kc, vc, slots, layout)
-    with active(vendor, layout):
-        out_k, out_v = ops.fill_kv_cache(key, value, kc, vc, slots, k_scales_zeros=[],
-                                         v_scales_zeros=[], quant_bits=0)
-    assert_equal(kc, exp_k, "fill_kv_cache", name="key_cache")
-    assert_equal(vc, exp_v, "fill_kv_cache", name="value_cache")
-    # LMDeploy hands the returned caches to attention: they must be the caches, same layout.
-    assert out_k.data_ptr() == kc.data_ptr() and out_k.shape == kc.shape and out_k.stride() == kc.stride()
-    assert out_v.data_ptr() == vc.data_ptr() and out_v.shape == vc.shape and out_v.stride() == vc.stride()
+@pytest.mark.parametrize("vendor,check", suite_params(kv_cache.fill_kv_cache_lmdeploy_call))
+def test_fill_kv_cache_lmdeploy_call(vendor, check):
+    run(vendor, check)

@@ -1,84 +1,20 @@
-"""torch.library.opcheck on every torch.ops.dlinfer op (schema, fake impl, autograd registration,
-AOT dispatch), with the canonical arguments of the op table (dlinfer/vendor/op_table.py), under each
-vendor. The op list is the table's: an op added there without samples here fails."""
+"""torch.library.opcheck on every torch.ops.dlinfer op under each vendor, with the canonical
+arguments of the op table (dlinfer/vendor/op_table.py). The op list is the table's: an op added
+there without samples in dlinfer/conformance/suites/opcheck.py fails.
+"""
 
 import pytest
-import torch
 
-import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
-import dlinfer.vendor
-from dlinfer.vendor.base import FEATURE_ALIBI
+import dlinfer.ops
+from dlinfer.conformance.suites import opcheck
 from dlinfer.vendor.op_table import OPS
 
-from . import reference as ref
-from .cases import DEVICE, active, alloc_cache, gen, make_block_table, randn, vendor_params
-
-F32, I32, I64 = torch.float32, torch.int32, torch.int64
+from .cases import run, suite_params
 
 
-def _samples(name, layout, g):
-    """(args, kwargs) lists for one op."""
-    r = lambda *shape, dtype=F32: randn(shape, dtype, g)  # noqa: E731
-    cu = torch.tensor([0, 3, 5], dtype=I32, device=DEVICE)
-    if name == "rms_norm":
-        return [((r(5, 64), r(64), 1e-6), {}), ((r(3, 80, dtype=torch.float16), r(80, dtype=torch.float16), 1e-5), {})]
-    if name == "add_rms_norm":
-        return [((r(5, 64), r(5, 64), r(64), 1e-6), {})]
-    if name == "apply_rotary_pos_emb":
-        return [((r(5, 4, 64), r(5, 2, 64), r(5, 64), r(5, 64)), {}),
-                ((r(3, 2, 128), r(3, 1, 128), r(3, 64), r(3, 64)), {})]
-    if name == "silu_and_mul":
-        return [((r(5, 128),), {})]
-    if name == "linear":
-        return [((r(5, 64), r(48, 64), r(48)), {}), ((r(5, 64), r(48, 64), None), {})]
-    if name == "moe_gating_topk_softmax":
-        return [((r(5, 8), 2), {})]
-    if name == "fused_moe":
-        ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=I64, device=DEVICE)
-        w = torch.rand(5, 2, generator=g).to(DEVICE)
-        return [((r(5, 32), r(4, 96, 32), r(4, 32, 48), w, ids, renorm), {}) for renorm in (True, False)]
-    paged = make_block_table([9, 2], 8, g, I32)
-    kc = alloc_cache(paged.num_blocks, 8, 2, 64, layout, F32, g)
-    vc = alloc_cache(paged.num_blocks, 8, 2, 64, layout, F32, g)
-    kv = torch.tensor([9, 2], dtype=I32, device=DEVICE)
-    slopes = ref.alibi_slopes(4).to(DEVICE)
-    if name == "fill_kv_cache":
-        slots = torch.tensor([3, 4, 17, 30, 9], dtype=I64, device=DEVICE)
-        return [((r(5, 2, 64), r(5, 2, 64), kc, vc, slots, layout), {})]
-    if name == "prefill_attention":
-        return [((r(5, 4, 64), r(5, 2, 64), r(5, 2, 64), cu, 3, 0.125, a, torch.empty(5, 4, 64, device=DEVICE)), {})
-                for a in (None, slopes)]
-    if name == "paged_prefill_attention":
-        return [((r(5, 4, 64), kc, vc, paged.block_table, cu, kv, 3, 9, 0.125, a, torch.empty(5, 4, 64, device=DEVICE),
-                  layout), {}) for a in (None, slopes)]
-    if name == "paged_decode_attention":
-        cu1 = torch.tensor([0, 1, 2], dtype=I32, device=DEVICE)
-        return [((r(2, 4, 64), kc, vc, paged.block_table, cu1, kv, 9, 0.125, a, torch.empty(2, 4, 64, device=DEVICE),
-                  layout), {}) for a in (None, slopes)]
-    raise KeyError(name)
-
-
-def _params():
-    out = []
-    for name, spec in OPS.items():
-        for vp in vendor_params(with_layout=spec.takes_kv_cache):
-            vendor, *layout = vp.values
-            out.append(pytest.param(vendor, layout[0] if layout else None, name, id=f"{vp.id}-{name}",
-                                    marks=vp.marks))
-    return out
-
-
-@pytest.mark.parametrize("vendor,layout,name", _params())
-def test_opcheck(vendor, layout, name):
-    op = getattr(torch.ops.dlinfer, name).default
-    arg_names = [a.name for a in op._schema.arguments]
-    alibi_at = arg_names.index("alibi_slopes") if "alibi_slopes" in arg_names else None
-    has_alibi = dlinfer.vendor.load(vendor).supports(FEATURE_ALIBI)
-    with active(vendor, layout):
-        for args, kwargs in _samples(name, layout or "token_major", gen(5)):
-            if alibi_at is not None and args[alibi_at] is not None and not has_alibi:
-                continue  # an ALiBi sample, for a vendor that declares no ALiBi
-            torch.library.opcheck(op, args, kwargs)
+@pytest.mark.parametrize("vendor,check", suite_params(opcheck.opcheck))
+def test_opcheck(vendor, check):
+    run(vendor, check)
 
 
 def test_every_table_op_is_a_public_function():

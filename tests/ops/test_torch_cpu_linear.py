@@ -7,11 +7,10 @@ import sys
 import pytest
 import torch
 
+from dlinfer.conformance import reference as ref
+from dlinfer.conformance.compare import assert_close
+from dlinfer.conformance.inputs import randn
 from dlinfer.vendor.torch import linear as torch_linear
-
-from . import reference as ref
-from .cases import randn
-from .compare import assert_close
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 

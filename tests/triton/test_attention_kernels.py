@@ -22,7 +22,7 @@ from dlinfer.vendor.triton import attention_decode as AD  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-EPS_MULT = {torch.float32: 32, torch.float16: 2, torch.bfloat16: 2}  # as tests/ops/tolerances.py
+EPS_MULT = {torch.float32: 32, torch.float16: 2, torch.bfloat16: 2}  # as dlinfer/tools/tolerances.py
 
 
 # ---------------------------------------------------------------- reference and fixtures

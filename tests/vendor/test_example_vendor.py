@@ -1,5 +1,6 @@
 """The example out-of-tree vendor installs, registers through its entry point and gets selected."""
 
+import json
 import os
 import subprocess
 import sys
@@ -97,3 +98,27 @@ def test_forced_fallback_env(installed):
     )
     proc = subprocess.run([sys.executable, "-c", code, str(installed)], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_conformance_on_the_example_vendor(installed, tmp_path):
+    """`python -m dlinfer conformance` on the out-of-tree vendor, found through its entry point:
+    its ops pass; float16, which it does not declare, and the ops it lacks are skipped, not failed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(installed), os.environ.get("PYTHONPATH", "")]))
+    env.pop("DLINFER_FALLBACK_OPS", None)
+    report_path = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "dlinfer", "conformance", "--vendor", "example", "--report",
+                           str(report_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "vendor example" in proc.stdout and ": PASS" in proc.stdout.splitlines()[0], proc.stdout
+    report = json.loads(report_path.read_text())
+    assert report["vendor"] == "example" and report["kv_layouts"] == ["token_major"]
+    per_op = report["summary"]["per_op"]
+    assert per_op["rms_norm"]["passed"] > 0 and per_op["silu_and_mul"]["passed"] > 0
+    assert report["summary"]["failed"] == 0
+    for row in report["cases"]:
+        if row["status"] != "skipped":
+            assert row["op"] in ("rms_norm", "silu_and_mul") and row["dtype"] != "float16", row
+        elif row["op"] in ("rms_norm", "silu_and_mul"):
+            assert row["dtype"] == "float16" and "declares no float16" in row["reason"], row
+        else:
+            assert "not in example's op table" in row["reason"], row

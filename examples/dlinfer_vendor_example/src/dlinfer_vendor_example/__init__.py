@@ -30,5 +30,13 @@ def load() -> Vendor:
         device_types=("cpu",),
         kv_layouts=(TOKEN_MAJOR,),
         ops={"rms_norm": rms_norm, "silu_and_mul": silu_and_mul},
-        capabilities=Capabilities(dtypes=(torch.float32, torch.bfloat16), features=frozenset()),
+        capabilities=Capabilities(
+            dtypes=(torch.float32, torch.bfloat16),
+            features=frozenset(),
+            # For `python -m dlinfer conformance --vendor example` (docs/conformance.md): looser
+            # (atol, rtol) where this hardware needs them, e.g. {("rms_norm", torch.bfloat16): (0.03, 0.03)},
+            # and checks it does not pass, e.g. {"silu_and_mul[*bfloat16*]": "why"}. It needs neither.
+            conformance_tolerances={},
+            conformance_skips={},
+        ),
     )

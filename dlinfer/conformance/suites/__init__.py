@@ -1,0 +1,15 @@
+"""The conformance suites, one module per op family (plus the cross-op ones); importing this
+package registers them, in this order, in `dlinfer.conformance.checks.SUITES`."""
+
+from dlinfer.conformance.suites import (  # noqa: F401  (registration order = run order within an op)
+    norm,
+    rotary,
+    kv_cache,
+    attention,
+    moe,
+    activation,
+    strided,
+    bad_inputs,
+    garbage,
+    opcheck,
+)
