@@ -9,6 +9,12 @@ Environment: DLINFER_VENDOR=<name>, DLINFER_KV_LAYOUT=token_major|head_major,
 DLINFER_FALLBACK_OPS=op,op|all (run those ops on the torch vendor).
 """
 
+from pkgutil import extend_path
+
+# Open to other distributions: a vendor package may add dlinfer.vendor.<name> (e.g. the modules
+# LMDeploy 0.18 imports for its ascend device type; docs/vendors.md).
+__path__ = extend_path(__path__, __name__)
+
 from dlinfer.vendor.base import HEAD_MAJOR, KV_LAYOUTS, OP_NAMES, TOKEN_MAJOR, Capabilities, Vendor
 from dlinfer.vendor.registry import available, failures, known_names, load
 from dlinfer.vendor.selection import current, kv_layout, reset, resolve, use, using

@@ -14,7 +14,13 @@ Importing twice, or reloading, patches nothing twice.
 
 from __future__ import annotations
 
-from dlinfer.framework.lmdeploy_ext.version import (
+from pkgutil import extend_path
+
+# Open to vendor packages, which add the modules LMDeploy imports for its own device types
+# (`cudagraph.ascend_cudagraph`, ...; docs/vendors.md). `device.py` hands those devices over.
+__path__ = extend_path(__path__, __name__)
+
+from dlinfer.framework.lmdeploy_ext.version import (  # noqa: E402
     UnsupportedLMDeployVersion,
     check_lmdeploy_version,
     installed_lmdeploy_version,

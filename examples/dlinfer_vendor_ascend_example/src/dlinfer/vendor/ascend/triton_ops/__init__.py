@@ -1,0 +1,1 @@
+"""Stand-in (layout demonstration) for the vendor's Triton-Ascend kernels."""
