@@ -12,7 +12,7 @@ import torch
 from dlinfer.vendor.op_table import OP_NAMES
 
 PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "backend_selector", "env_check", "cuda_calls",
-                 "model_agent", "openmp_pool")
+                 "model_agent", "openmp_pool", "mp_engine", "vl_preprocess")
 
 
 def _run(args, env=None, timeout=300) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ import torch
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401
 from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.patches.engine_config import HostMemoryWarning
 from dlinfer.framework.lmdeploy_ext.patches.model_dtype import checkpoint_dtype, choose_dtype
 from lmdeploy import PytorchEngineConfig
 
@@ -24,7 +25,7 @@ def test_cpu_accepts_its_dtypes(dtype):
     (dict(tp=2), "tp must be 1"),
     (dict(ep=2), "ep must be 1"),
     (dict(quant_policy=8), "quant_policy must be 0"),
-    (dict(enable_mp_engine=True), "enable_mp_engine must be False"),
+    (dict(enable_mp_engine=True, mp_engine_backend="ray"), "mp_engine_backend='mp' only"),
     (dict(distributed_executor_backend="ray"), "'uni' executor only"),
 ])
 def test_cpu_refuses_what_it_cannot_run(kwargs, message):
@@ -41,7 +42,8 @@ def test_lmdeploy_checks_still_apply_to_cpu():
 
 def test_cpu_kv_cache_default_is_small_unless_given():
     assert PytorchEngineConfig(device_type="cpu").cache_max_entry_count == devices.CPU.cache_max_entry_count == 0.1
-    assert PytorchEngineConfig(device_type="cpu", cache_max_entry_count=0.8).cache_max_entry_count == 0.8
+    with pytest.warns(HostMemoryWarning, match="cache_max_entry_count=0.8 would commit up to"):  # most of the RAM
+        assert PytorchEngineConfig(device_type="cpu", cache_max_entry_count=0.8).cache_max_entry_count == 0.8
     assert PytorchEngineConfig(device_type="cuda").cache_max_entry_count == 0.8
 
 

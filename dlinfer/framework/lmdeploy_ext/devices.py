@@ -33,6 +33,12 @@ class DeviceSpec:
     max_batch_size: default `max_batch_size` (LMDeploy asks the device when it is not given).
     cache_max_entry_count: default share of free memory for the KV cache, or None to keep
         LMDeploy's default (0.8).
+    max_prefill_token_num: default token budget of one prefill step (longer prompts are prefilled
+        in chunks of it, and a step admits waiting prompts up to it), or None to keep LMDeploy's
+        default (8192).
+    kv_cache_warn_share: a `cache_max_entry_count` at or above this share of free host RAM gets a
+        `HostMemoryWarning` with the bytes it would commit (`patches/engine_config.py`), or None
+        for no such warning (a device whose cache does not live in host RAM).
     """
 
     device_type: str
@@ -42,6 +48,8 @@ class DeviceSpec:
     auto_fallback: str
     max_batch_size: int
     cache_max_entry_count: float | None
+    max_prefill_token_num: int | None
+    kv_cache_warn_share: float | None
 
 
 CPU = DeviceSpec(
@@ -55,6 +63,14 @@ CPU = DeviceSpec(
     # memory would leave the machine unusable. 0.1 of available RAM still holds tens of
     # thousands of tokens for small models; pass cache_max_entry_count or num_gpu_blocks for more.
     cache_max_entry_count=0.1,
+    # A prefill step of LMDeploy's default 8192 tokens takes 8 s for SmolLM2-135M on 2 cores (more
+    # for bigger models), and every prompt admitted to it waits for all of it: a burst of long
+    # prompts gets no first token until the whole burst is prefilled. 512-token steps halved the
+    # median time to first token of 32 x 256-token prompts, with the burst done no later
+    # (docs/benchmarks.md, "Time to first token under a burst").
+    max_prefill_token_num=512,
+    # Half or more of the free RAM in zero-filled KV pages is "most of the machine": warn.
+    kv_cache_warn_share=0.5,
 )
 
 DLINFER_CUDA = DeviceSpec(
@@ -65,6 +81,8 @@ DLINFER_CUDA = DeviceSpec(
     auto_fallback="float16",
     max_batch_size=128,
     cache_max_entry_count=None,
+    max_prefill_token_num=None,
+    kv_cache_warn_share=None,
 )
 
 DEVICES: dict[str, DeviceSpec] = {spec.device_type: spec for spec in (CPU, DLINFER_CUDA)}

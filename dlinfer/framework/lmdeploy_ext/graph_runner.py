@@ -14,6 +14,9 @@ What it does
   "direct" (vendor kernels called from the captured graph, docs/graph.md) unless
   DLINFER_GRAPH_COMPILER names another or the vendor declares its own.
 - A model Dynamo cannot capture whole logs a warning and runs eagerly.
+- Vision-language models: a decode step passes their image inputs as None (it runs a graph like a
+  text model's) and Qwen2-VL's mrope positions [3, B], padded to the bucket like `position_ids`;
+  prefill steps, which run the vision tower, are eager as for every model.
 
 Keeping recompiles bounded (one per bucket, whatever the lengths): the graph is static
 (`dynamic=False`) except for the two things that grow with the sequences, marked dynamic through
@@ -50,6 +53,10 @@ log = logging.getLogger("dlinfer.lmdeploy.graph")
 # Dynamo source names of what changes per step but must not recompile (see the module docstring).
 DYNAMIC_SOURCES = r"L\['attn_metadata'\]\.max_kv_seq_len,L\['attn_metadata'\]\.block_offsets:1"
 _FORWARD_KEYS = {"input_ids", "position_ids", "past_key_values", "attn_metadata", "inputs_embeds"}
+# Per-token inputs of vision-language models' decode steps, padded like `position_ids` (along their
+# last dim): Qwen2-VL's multimodal rope positions [3, T]. Their other inputs (pixel values, image
+# masks, ...) are None in a decode step; a step that carries any of them runs eagerly.
+_PER_TOKEN_KEYS = {"mrope_position_ids"}
 
 
 class DlinferGraphRunner(GraphRunner):
@@ -96,7 +103,8 @@ class DlinferGraphRunner(GraphRunner):
 
     def _graph_batch(self, kwargs: Dict[str, Any]) -> Optional[int]:
         """Batch size B when this forward is a plain one-token decode step, else None."""
-        if not self.enable_graph or self._failed is not None or set(kwargs) - _FORWARD_KEYS:
+        given = {key for key, value in kwargs.items() if value is not None}
+        if not self.enable_graph or self._failed is not None or given - _FORWARD_KEYS - _PER_TOKEN_KEYS:
             return None
         meta = kwargs.get("attn_metadata")
         if not isinstance(meta, DlinferAttentionMetadata) or not meta.is_decoding or meta.max_q_seqlen != 1:
@@ -152,6 +160,10 @@ class DlinferGraphRunner(GraphRunner):
         out = dict(kwargs)
         out["input_ids"] = padded(kwargs["input_ids"].view(-1), 0).view(1, bucket)
         out["position_ids"] = padded(kwargs["position_ids"].view(-1), 0).view(1, bucket)
+        for key in _PER_TOKEN_KEYS:
+            if kwargs.get(key) is not None:
+                per_token = kwargs[key]
+                out[key] = torch.cat([per_token, per_token.new_zeros((*per_token.shape[:-1], pad))], dim=-1)
         out["attn_metadata"] = new_meta
         return out
 

@@ -7,6 +7,9 @@ few of those would run silently wrong rather than fail (the dlinfer attention la
 architectures and rope types whose greedy tokens were compared with HF transformers in
 tests/lmdeploy (test_pipeline_greedy.py, test_architectures.py, test_rope_scaling.py), minus
 features they may turn on; every refusal names what is refused, why, and what is supported.
+Vision-language models (test_vlm.py) are checked on their language model's config (`text_config`);
+`check_architecture` alone runs before their image preprocessor is built
+(patches/vl_preprocess.py), so an unsupported VLM is refused by name before anything else fails.
 """
 
 from __future__ import annotations
@@ -23,7 +26,36 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "Phi3ForCausalLM",
     "GemmaForCausalLM",
     "InternLM2ForCausalLM",
+    # vision-language (tests/lmdeploy/test_vlm.py: images through `pipeline`, token-exact vs HF)
+    "InternVLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 })
+
+# Vision-language architectures among them: their language model's settings live in `text_config`.
+VISION_LANGUAGE_ARCHITECTURES: frozenset[str] = frozenset({
+    "InternVLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+})
+
+# Architectures whose language model runs Qwen2-VL's chunked multimodal rope (`mrope_section`).
+MROPE_ARCHITECTURES: frozenset[str] = frozenset({
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+})
+
+# Architectures refused with a reason of their own (any other unsupported one: "not compared").
+REFUSED_ARCHITECTURES: dict[str, str] = {
+    "CogVLMForCausalLM": (
+        "its tokens cannot be compared with HF transformers offline: transformers 4.57 has no CogVLM, whose "
+        "modeling code is remote code on the Hugging Face Hub (THUDM's modeling_cogvlm.py, which also imports "
+        "xformers and torchvision), and LMDeploy's CogVLM image preprocessor needs torchvision"),
+    "InternVLChatModel": (
+        "the remote-code InternVL checkpoints (OpenGVLab/InternVL*, not '-hf') have no transformers class to "
+        "compare with, and LMDeploy's preprocessor for them needs torchvision; the HF-native '-hf' checkpoints "
+        "(InternVLForConditionalGeneration) run"),
+}
 
 
 # Rope types (`rope_scaling["rope_type"]`, or the older "type") whose greedy tokens equal HF
@@ -71,12 +103,22 @@ def rope_type(hf_config) -> str:
 
 def _check_rope(hf_config, arch: str, where: str) -> None:
     kind = rope_type(hf_config)
+    params = rope_parameters(hf_config) or {}
+    if arch in MROPE_ARCHITECTURES and "mrope_section" in params:
+        # Qwen2-VL's own: chunked sections over default frequencies (older configs say "mrope",
+        # which transformers reads as "default").
+        if params.get("mrope_interleaved") or kind not in ("default", "mrope"):
+            raise UnsupportedModelError(
+                f"{where} cannot run multimodal rope with rope_type={kind!r}, mrope_interleaved="
+                f"{bool(params.get('mrope_interleaved'))} ({arch}): not compared with HF transformers on dlinfer "
+                "device types (chunked mrope over default frequencies runs).")
+        kind = "default"
+        params = {k: v for k, v in params.items() if k != "mrope_section"}
     if kind not in SUPPORTED_ROPE_TYPES:
         reason = REFUSED_ROPE_TYPES.get(kind, "not compared with HF transformers on dlinfer device types")
         raise UnsupportedModelError(
             f"{where} cannot run rope_type={kind!r} ({arch}): {reason}. "
             f"Supported rope types: {', '.join(sorted(SUPPORTED_ROPE_TYPES))}.")
-    params = rope_parameters(hf_config) or {}
     if "mrope_section" in params or any(key.startswith("fope") for key in params):
         raise UnsupportedModelError(
             f"{where} cannot run multimodal (mrope) or Fourier (fope) rotary embeddings ({arch}).")
@@ -120,16 +162,31 @@ _ARCHITECTURE_CHECKS = {
 }
 
 
+def architecture(hf_config) -> str:
+    """The architecture LMDeploy builds for a HF config (its first `architectures` entry)."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    return architectures[0] if architectures else type(hf_config).__name__
+
+
+def check_architecture(arch: str, spec: DeviceSpec) -> None:
+    """Raise UnsupportedModelError unless `spec` runs architecture `arch`."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        reason = REFUSED_ARCHITECTURES.get(arch)
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UnsupportedModelError(
+            f"device_type={spec.device_type!r} cannot run architecture {arch!r}"
+            + (f" ({reason})" if reason else "") + f"; supported: {supported}.")
+
+
 def check_model(model_config, spec: DeviceSpec) -> None:
     """Raise UnsupportedModelError unless `model_config` (LMDeploy's ModelConfig) runs on `spec`."""
-    hf_config = model_config.hf_config
     where = f"device_type={spec.device_type!r}"
-    architectures = list(getattr(hf_config, "architectures", None) or [])
-    arch = architectures[0] if architectures else type(hf_config).__name__
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{where} cannot run architecture {arch!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}.")
-    quant = getattr(hf_config, "quantization_config", None)
+    top = model_config.hf_config
+    arch = architecture(top)
+    check_architecture(arch, spec)
+    # A VLM's language model: its rope, window, soft-capping and quantization are checked there.
+    hf_config = (getattr(top, "text_config", None) or top) if arch in VISION_LANGUAGE_ARCHITECTURES else top
+    quant = getattr(top, "quantization_config", None) or getattr(hf_config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
         raise UnsupportedModelError(f"{where} cannot run quantized checkpoints ({arch}, quant_method={method!r}).")

@@ -6,6 +6,8 @@ layers, which call `dlinfer.ops` through `lmdeploy/pytorch/kernels/dlinfer`. Wha
 - `update_step_context`: the attention metadata those layers read (`step_context.py`);
 - KV block shapes in the active vendor's layout (`kv_layout.py`);
 - the rotary layer where LMDeploy's dlinfer choice is wrong (Llama 3.x scaling: `rotary.py`);
+- non-causal attention without a cache (vision towers), which LMDeploy's dlinfer layer runs
+  causally (`bidirectional_attention.py`);
 - for the CPU: cache allocation on the host (`cache.py`), "gloo" as collective backend, and
   with `eager_mode=False` decode steps compiled by `graph_runner.py` (`eager_mode=True`: LMDeploy's
   base `GraphRunner`, every step eager).
@@ -18,11 +20,13 @@ from typing import ClassVar
 import torch
 
 from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.backend.bidirectional_attention import build_bidirectional_attention
 from dlinfer.framework.lmdeploy_ext.backend.cache import HostCacheBackend
 from dlinfer.framework.lmdeploy_ext.backend.kv_layout import active_kv_layout, block_shape
 from dlinfer.framework.lmdeploy_ext.backend.rotary import build_rotary_embedding
 from dlinfer.framework.lmdeploy_ext.backend.step_context import build_attention_metadata
 from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+from lmdeploy.pytorch.backends.flash_attention import FlashAttentionBuildSpec
 from lmdeploy.pytorch.backends.rotary_embedding import RotaryEmbeddingBuildSpec
 
 
@@ -33,9 +37,14 @@ class DlinferDeviceOpsBackend(DlinferOpsBackend):
 
     @classmethod
     def build_op(cls, spec, *, enable_deterministic: bool = False):
-        """LMDeploy's dlinfer layer for `spec`, except the rotary layers `rotary.py` builds itself."""
+        """LMDeploy's dlinfer layer for `spec`, except the rotary layers `rotary.py` builds itself
+        and the non-causal attention `bidirectional_attention.py` builds."""
         if isinstance(spec, RotaryEmbeddingBuildSpec):
             impl = build_rotary_embedding(spec)
+            if impl is not None:
+                return impl
+        if isinstance(spec, FlashAttentionBuildSpec):
+            impl = build_bidirectional_attention(spec)
             if impl is not None:
                 return impl
         return super().build_op(spec, enable_deterministic=enable_deterministic)

@@ -16,7 +16,9 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     env_check,
     model_agent,
     model_dtype,
+    mp_engine,
     openmp_pool,
+    vl_preprocess,
 )
 
 PATCHES = (
@@ -28,6 +30,8 @@ PATCHES = (
     cuda_calls,        # streams/events/"cuda" strings in the engine modules
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
     openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up
+    mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
+    vl_preprocess,     # VLM image preprocessors without torchvision; unsupported VLMs refused first
 )
 
 

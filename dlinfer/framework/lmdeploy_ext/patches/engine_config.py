@@ -2,15 +2,26 @@
 
 Why: `PytorchEngineConfig.__post_init__` (messages.py:604, :622) asserts `dtype` in
 auto/float16/bfloat16 and `device_type` in cuda/ascend/maca/camb, so `device_type="cpu"` and
-`dtype="float32"` fail before any engine code runs. Its KV-cache default
-(`cache_max_entry_count=0.8` of free memory) suits a GPU, not the host RAM of a CPU machine.
+`dtype="float32"` fail before any engine code runs. Its defaults suit a GPU, not the host RAM and
+few cores of a CPU machine: `cache_max_entry_count=0.8` of free memory (zero-filled, so
+committed RAM) and `max_prefill_token_num=8192` tokens per prefill step (8 s of a 2-core CPU for
+a 135M model, more for bigger ones, during which no admitted prompt gets its first token). And
+settings LMDeploy's `EngineChecker.check` (engine/engine_checker.py:76-103) refuses end in
+`exit(1)`, a `SystemExit` from deep inside `pipeline()` (or the death of the serving engine's
+process), not in an error naming the setting.
 
 How: for a dlinfer device type only (see `devices.py`), and only there,
-- `__init__` fills the device's default `cache_max_entry_count` when the caller gave none;
+- `__init__` fills the device's defaults (`cache_max_entry_count`, `max_prefill_token_num`) when
+  the caller gave none or passed None (LMDeploy's CLI always passes both: `serve.py` passes None
+  to mean "the device's default");
 - `__post_init__` first checks what the device can run (dtype, tp=dp=ep=1, no KV-cache
-  quantization, in-process engine) and raises ValueError naming the allowed values, then runs
-  LMDeploy's own checks with `device_type`/`dtype` shown as "cuda"/"auto" for the duration of
-  the call, and restores them.
+  quantization, the 'uni' executor, the 'mp' multi-process engine) and what LMDeploy's engine
+  checker would exit on (`max_batch_size` >= 1, `num_gpu_blocks` 0 or >= 16, no `thread_safe`,
+  `block_size == kernel_block_size` outside the hybrid role) plus `max_prefill_token_num` >= 1,
+  raising ValueError naming the setting; then runs LMDeploy's own checks with
+  `device_type`/`dtype` shown as "cuda"/"auto" for the duration of the call, and restores them;
+  last, warns (`HostMemoryWarning`, with the bytes) when the KV-cache share would commit
+  `DeviceSpec.kv_cache_warn_share` or more of the free host RAM.
 Other device types go straight to LMDeploy's code.
 """
 
@@ -18,9 +29,23 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
+
+import psutil
 
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.patching import wrap
+
+# LMDeploy's EngineChecker.check: `0 < num_gpu_blocks < 16` exits ("should be greater than 16",
+# but 16 itself passes).
+MIN_NUM_GPU_BLOCKS = 16
+
+# The `DeviceSpec` fields that are also `PytorchEngineConfig` fields with a per-device default.
+_DEVICE_DEFAULTS = ("cache_max_entry_count", "max_prefill_token_num")
+
+
+class HostMemoryWarning(UserWarning):
+    """A dlinfer engine setting would commit most of the machine's free RAM."""
 
 
 def check_engine_config(config, spec: devices.DeviceSpec) -> None:
@@ -36,11 +61,55 @@ def check_engine_config(config, spec: devices.DeviceSpec) -> None:
     if int(config.quant_policy) != 0:
         raise ValueError(f"device_type={name!r} has no quantized KV cache: quant_policy must be 0, "
                          f"got {int(config.quant_policy)}.")
-    if config.enable_mp_engine:
-        raise ValueError(f"device_type={name!r} runs the engine in-process: enable_mp_engine must be False.")
+    if config.enable_mp_engine and config.mp_engine_backend != "mp":
+        raise ValueError(f"device_type={name!r} runs the multi-process engine with mp_engine_backend='mp' only, "
+                         f"got mp_engine_backend={config.mp_engine_backend!r}.")
     if config.distributed_executor_backend not in (None, "uni"):
         raise ValueError(f"device_type={name!r} runs LMDeploy's 'uni' executor only, "
                          f"got distributed_executor_backend={config.distributed_executor_backend!r}.")
+    check_engine_limits(config, spec)
+
+
+def check_engine_limits(config, spec: devices.DeviceSpec) -> None:
+    """Raise ValueError for what LMDeploy's `EngineChecker.check` would `exit(1)` on once the engine
+    is being built (and for a prefill budget no step could run)."""
+    name = spec.device_type
+    if config.max_batch_size is not None and config.max_batch_size < 1:
+        raise ValueError(f"device_type={name!r}: max_batch_size must be at least 1 (or None for the device's "
+                         f"default, {spec.max_batch_size}), got {config.max_batch_size}.")
+    if 0 < config.num_gpu_blocks < MIN_NUM_GPU_BLOCKS:
+        raise ValueError(f"device_type={name!r}: num_gpu_blocks must be 0 (size the KV cache from "
+                         f"cache_max_entry_count) or at least {MIN_NUM_GPU_BLOCKS}, got {config.num_gpu_blocks}.")
+    if config.max_prefill_token_num < 1:
+        raise ValueError(f"device_type={name!r}: max_prefill_token_num (tokens per prefill step) must be at "
+                         f"least 1, got {config.max_prefill_token_num}.")
+    if config.thread_safe:
+        raise ValueError(f"device_type={name!r}: thread_safe=True is no longer supported by LMDeploy; "
+                         "leave it False.")
+    kernel_block_size = config.block_size if config.kernel_block_size == -1 else config.kernel_block_size
+    if getattr(config.role, "name", config.role) != "Hybrid" and config.block_size != kernel_block_size:
+        raise ValueError(f"device_type={name!r}: role={getattr(config.role, 'name', config.role)} (PD migration) needs block_size == "
+                         f"kernel_block_size, got {config.block_size} and {kernel_block_size}.")
+
+
+def warn_host_memory(config, spec: devices.DeviceSpec) -> None:
+    """Warn when the KV cache would take `spec.kv_cache_warn_share` or more of the free host RAM.
+
+    The estimate, `cache_max_entry_count` x RAM available now, is what LMDeploy commits at most:
+    it applies the share to what is free after the weights and a logits reserve
+    (executor/base.py:219-240, 391-403). With `num_gpu_blocks` given, the share is not used."""
+    share = spec.kv_cache_warn_share
+    if share is None or config.num_gpu_blocks > 0 or config.cache_max_entry_count < share:
+        return
+    memory = psutil.virtual_memory()
+    nbytes = int(config.cache_max_entry_count * memory.available)
+    warnings.warn(
+        f"device_type={spec.device_type!r}: cache_max_entry_count={config.cache_max_entry_count} would commit up to "
+        f"{nbytes} bytes ({nbytes / 2**30:.1f} GiB) of zero-filled host RAM for the KV cache: "
+        f"{config.cache_max_entry_count:.0%} of the {memory.available / 2**30:.1f} GiB available now "
+        f"({memory.total / 2**30:.1f} GiB total). Shares of {share} or more leave the machine little; "
+        f"the device's default is {spec.cache_max_entry_count}, or set num_gpu_blocks.",
+        HostMemoryWarning, stacklevel=5)  # the caller of PytorchEngineConfig(...)
 
 
 def _patch_init(original):
@@ -50,8 +119,15 @@ def _patch_init(original):
     def __init__(self, *args, **kwargs):
         given = signature.bind_partial(self, *args, **kwargs).arguments
         spec = devices.spec_for(given.get("device_type"))
-        if spec is not None and spec.cache_max_entry_count is not None and "cache_max_entry_count" not in given:
-            kwargs["cache_max_entry_count"] = spec.cache_max_entry_count
+        if spec is not None:
+            for field in _DEVICE_DEFAULTS:
+                if field in given and (given[field] is not None or field not in kwargs):
+                    continue  # a value, or None given positionally (left to LMDeploy's asserts)
+                default = getattr(spec, field)
+                if default is not None:
+                    kwargs[field] = default
+                elif field in kwargs:  # None given: LMDeploy's own default
+                    del kwargs[field]
         original(self, *args, **kwargs)
 
     return __init__
@@ -71,6 +147,7 @@ def _patch_post_init(original):
             original(self)
         finally:
             self.device_type, self.dtype = device_type, dtype
+        warn_host_memory(self, spec)  # after LMDeploy's asserts: the share is in (0, 1)
 
     return __post_init__
 

@@ -1,0 +1,100 @@
+"""`python -m dlinfer serve MODEL [options]`: LMDeploy's OpenAI-compatible server on a dlinfer device.
+
+The options are `lmdeploy serve api_server`'s own: LMDeploy 0.18's parser
+(`lmdeploy/cli/serve.py:SubCliServe.add_parser_api_server`), so every option it has works and
+means what LMDeploy's documentation says, with these changes for dlinfer's device types:
+
+- `--device`: dlinfer's device types (`devices.py`), default "cpu";
+- `--backend`: "pytorch" only (TurboMind is LMDeploy's CUDA engine);
+- `--dtype`: also float32 (what `dtype="auto"` keeps for a float32 checkpoint on cpu);
+- `--cache-max-entry-count`, `--max-prefill-token-num`: default to the device's defaults
+  (`DeviceSpec`; cpu: 0.1 of the free RAM, 512 tokens per prefill step) instead of LMDeploy's
+  GPU values (0.8, 8192).
+
+The parsed options then go to LMDeploy's own `SubCliServe.api_server`, which builds the
+`PytorchEngineConfig` and runs `serve/openai/api_server.py:serve` exactly as
+`lmdeploy serve api_server` does: FastAPI + uvicorn in this process, the engine in a child
+process started with multiprocessing spawn (`enable_mp_engine=True`). That child imports the
+adaptor through its entry point (`patches/mp_engine.py`), and exits when this process is gone.
+A setting the device cannot run is one line on stderr and exit status 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import dlinfer.framework.lmdeploy_ext  # noqa: F401  (patches LMDeploy in this process)
+from dlinfer.framework.lmdeploy_ext import devices
+
+PROG = "python -m dlinfer serve"
+DEFAULT_DEVICE = "cpu"
+
+
+def _action(parser: argparse.ArgumentParser, dest: str) -> argparse.Action:
+    return next(a for a in parser._actions if a.dest == dest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """LMDeploy's `serve api_server` parser, with the dlinfer changes listed in this module's doc."""
+    from lmdeploy.cli.serve import SubCliServe
+
+    if "api_server" not in SubCliServe.subparsers.choices:
+        SubCliServe.add_parser_api_server()
+    parser = SubCliServe.subparsers.choices["api_server"]
+    parser.prog = PROG
+    parser.description = ("Serve a model with LMDeploy's OpenAI-compatible API server on a dlinfer device type "
+                          "(the options are `lmdeploy serve api_server`'s).")
+
+    device = _action(parser, "device")
+    device.choices, device.default = list(devices.DEVICES), DEFAULT_DEVICE
+    device.help = "dlinfer device type to run the engine on"
+    backend = _action(parser, "backend")
+    backend.choices, backend.default = ["pytorch"], "pytorch"
+    backend.help = "inference engine (LMDeploy's PyTorch engine; TurboMind is CUDA-only)"
+    dtype = _action(parser, "dtype")
+    dtype.choices = list(dict.fromkeys([*dtype.choices, *(d for spec in devices.DEVICES.values()
+                                                          for d in spec.dtypes)]))
+    dtype.help = ("data type of weights and activations; 'auto' keeps a float32 or bfloat16 checkpoint's dtype "
+                  "on cpu (see docs/lmdeploy.md); the device refuses a dtype it cannot run")
+    defaults = ", ".join(f"{s.device_type}: {s.cache_max_entry_count or 0.8}" for s in devices.DEVICES.values())
+    entry = _action(parser, "cache_max_entry_count")
+    entry.default = None
+    entry.help = f"share of the free memory after the weights taken by the KV cache (default: the device's, {defaults})"
+    defaults = ", ".join(f"{s.device_type}: {s.max_prefill_token_num or 8192}" for s in devices.DEVICES.values())
+    prefill = _action(parser, "max_prefill_token_num")
+    prefill.default = None
+    prefill.help = ("tokens per prefill step; longer prompts are prefilled in chunks "
+                    f"(default: the device's, {defaults})")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    # What LMDeploy's entry point (`lmdeploy/cli/entrypoint.py:run`) does before any subcommand.
+    args.model_name = args.model_name or args.model_path
+    return args
+
+
+def main(argv=None) -> int:
+    """Run the server until it is stopped (SIGINT/SIGTERM); 2 for a setting the device cannot run."""
+    from lmdeploy.cli.serve import SubCliServe
+
+    args = parse_args(argv)
+    if not os.path.exists(args.model_path):
+        from lmdeploy.utils import get_model
+
+        args.model_path = get_model(args.model_path, download_dir=args.download_dir, revision=args.revision)
+    try:
+        SubCliServe.api_server(args)
+    except ValueError as exc:  # the config checks (patches/engine_config.py), the model check
+        if args.log_level.upper() == "DEBUG":
+            raise
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
