@@ -6,9 +6,10 @@ hidden size, Hq / Hkv heads, D / Dv head dims, NB blocks, BS block size, B seque
 per sequence, R rotary dims. The caches reach the kernels as `kv_layouts.canonical` views,
 [NB, BS, Hkv, D] whatever the layout, so no kernel knows about layouts.
 
-The kernels read rows through their strides but need each row's last dim dense: an input whose
-last dim is strided is copied first (`_dense`), and a cache whose last dim is strided (which no
-engine allocates) goes to the torch vendor's function, which takes any strides.
+The kernels read rows through their strides but need each row's last dim dense: the C++ side
+copies an input or output whose last dim is strided (`dense_rows` in csrc/common.h), and refuses a
+cache whose last dim is strided (which no engine allocates) with a ValueError before any work,
+which sends the call to the torch vendor's function, which takes any strides.
 """
 
 from typing import Optional
@@ -31,43 +32,34 @@ _few_rows = torch.ops.dlinfer_cpu.linear_few_rows.default
 MAX_ROWS = torch.ops.dlinfer_cpu.max_few_rows()  # linear's C++ kernel up to this many rows
 
 
-def _dense(t: Tensor) -> Tensor:
-    """t itself when its last dim is dense (rows may be strided), else a contiguous copy."""
-    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
-def _dense_last_dim(*caches: Tensor) -> bool:
-    return all(c.shape[-1] <= 1 or c.stride(-1) == 1 for c in caches)
-
-
 def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float) -> Tensor:
     """hidden_states [N, H], weight [H] -> [N, H] in hidden_states' dtype."""
-    return _rms_norm(_dense(hidden_states), weight.float().contiguous(), epsilon)
+    return _rms_norm(hidden_states, weight.float().contiguous(), epsilon)
 
 
 def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float):
     """([N, H], [N, H], [H]) -> (rms_norm(h + r) [N, H], h + r [N, H]); the sum in the activation dtype."""
-    return _add_rms_norm(_dense(hidden_states), _dense(residual), weight.float().contiguous(), epsilon)
+    return _add_rms_norm(hidden_states, residual, weight.float().contiguous(), epsilon)
 
 
 def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor):
     """query [T, Hq, D], key [T, Hkv, D], cos/sin [T, R] -> new (q [T, Hq, D], k [T, Hkv, D])."""
-    return _rotary(_dense(query), _dense(key), cos.float().contiguous(), sin.float().contiguous())
+    return _rotary(query, key, cos.float().contiguous(), sin.float().contiguous())
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
     """x [N, 2I] -> silu(x[:, :I]) * x[:, I:]  [N, I]."""
-    return _silu_and_mul(_dense(x))
+    return _silu_and_mul(x)
 
 
 def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
                   kv_layout: str) -> None:
     """Write key [T, Hkv, D] / value [T, Hkv, Dv] into the caches (in `kv_layout`, written in place)
     at slots kv_indices [T]; slots outside [0, NB*BS) are skipped."""
-    if not _dense_last_dim(key_cache, value_cache):
-        return torch_kv_cache.fill_kv_cache(key, value, key_cache, value_cache, kv_indices, kv_layout)
-    _fill(_dense(key), _dense(value), canonical(key_cache, kv_layout), canonical(value_cache, kv_layout),
-          kv_indices.contiguous())
+    try:
+        _fill(key, value, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), kv_indices.contiguous())
+    except ValueError:  # a cache whose last dim is strided (checked before any write; no engine makes one)
+        torch_kv_cache.fill_kv_cache(key, value, key_cache, value_cache, kv_indices, kv_layout)
 
 
 def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -75,16 +67,13 @@ def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor
                            alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str) -> None:
     """query [T, Hq, D], caches in `kv_layout`, block_table [B, M], cu_seqlens_q [B+1],
     kv_seq_len [B], alibi_slopes [Hq]? -> out [T, Hq, Dv] (written in place)."""
-    if not _dense_last_dim(key_cache, value_cache):
-        return torch_attention.paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q,
-                                                      kv_seq_len, max_kv_seq_len, softmax_scale, alibi_slopes, out,
-                                                      kv_layout)
-    dense_out = _dense(out)
-    _decode(_dense(query), canonical(key_cache, kv_layout), canonical(value_cache, kv_layout),
-            block_table.contiguous(), cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), max_kv_seq_len,
-            softmax_scale, None if alibi_slopes is None else alibi_slopes.contiguous(), dense_out)
-    if dense_out is not out:
-        out.copy_(dense_out)
+    try:
+        _decode(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), block_table.contiguous(),
+                cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), max_kv_seq_len, softmax_scale,
+                None if alibi_slopes is None else alibi_slopes.contiguous(), out)
+    except ValueError:  # a cache whose last dim is strided (checked before any work; no engine makes one)
+        torch_attention.paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
+                                               max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout)
 
 
 def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

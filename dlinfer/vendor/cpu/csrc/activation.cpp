@@ -33,8 +33,9 @@ void silu_mul_rows(const T* x, int64_t ldx, T* out, int64_t N, int64_t I) {
   at::parallel_for(0, N, grain_for(N, N * I * 2 * static_cast<int64_t>(sizeof(T))), rows);
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "silu_and_mul: x must be [N, 2I], rows dense");
+at::Tensor silu_and_mul(const at::Tensor& x_in) {
+  const at::Tensor x = dense_rows(x_in);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [N, 2I]");
   const int64_t N = x.size(0), I = x.size(1) / 2;
   at::Tensor out = at::empty({N, I}, x.options());
   AT_DISPATCH_V2(x.scalar_type(), "silu_and_mul", AT_WRAP([&] {

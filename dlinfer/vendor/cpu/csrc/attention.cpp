@@ -186,13 +186,15 @@ CacheView cache_view(const at::Tensor& cache) {
   return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
-void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                             const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
-                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out) {
+                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in) {
+  const at::Tensor query = dense_rows(query_in), out = dense_rows(out_in);
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              "paged_decode_attention: the last dim of query, out and the caches must be dense");
+  // A ValueError (the Python wrapper hands such caches to the torch vendor; no engine makes them).
+  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+                    "paged_decode_attention: the last dim of the caches must be dense");
   TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
                   out.scalar_type() == query.scalar_type(), "paged_decode_attention: dtypes must match");
   TORCH_CHECK(cu_seqlens_q.is_contiguous() && kv_seq_len.is_contiguous(), "lengths must be contiguous");
@@ -217,7 +219,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
     a.alibi = alibi_slopes->data_ptr<float>();
   }
   if (a.T == 0 || a.NB == 0) {
-    if (a.T) out.zero_();
+    if (a.T) out_in.zero_();
     return;
   }
   // Per token: its sequence, position and the number of keys it sees.
@@ -244,6 +246,7 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   a.S = num_splits(a.T, a.Hkv, longest, a.BS, at::get_num_threads());
   AT_DISPATCH_V2(query.scalar_type(), "paged_decode_attention", AT_WRAP([&] { decode<scalar_t>(a, query, out); }),
                  at::kFloat, at::kBFloat16, at::kHalf);
+  if (!out.is_same(out_in)) out_in.copy_(out);  // an output whose last dim was strided
 }
 
 }  // namespace

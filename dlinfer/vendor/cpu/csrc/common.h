@@ -38,6 +38,13 @@ inline int64_t grain_for(int64_t n, int64_t bytes, int64_t min_bytes = kMinParal
   return bytes < min_bytes ? std::max<int64_t>(n, 1) : 1;
 }
 
+// t itself when its last dim is dense (rows may be strided), else a contiguous copy: the kernels
+// read rows through their strides but each row's elements one after the other. Done here rather
+// than in Python, where the stride check alone would cost more than a small kernel call.
+inline at::Tensor dense_rows(const at::Tensor& t) {
+  return t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
 // Full-vector load of kLanes elements as float32.
 template <typename T>
 inline Vec load_vec(const T* p) {

@@ -31,13 +31,15 @@ void fill_one(const at::Tensor& src, const at::Tensor& cache, const IndexReader&
   at::parallel_for(0, T, grain_for(T, T * H * D * item), copy_tokens);
 }
 
-void fill_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+void fill_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& kv_indices) {
+  const at::Tensor key = dense_rows(key_in), value = dense_rows(value_in);
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
   TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
               "fill_kv_cache: key/value and cache dtypes must match");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              "fill_kv_cache: the last dim of key, value and the caches must be dense");
+  // A ValueError (the Python wrapper hands such caches to the torch vendor; no engine makes them).
+  TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+                    "fill_kv_cache: the last dim of the caches must be dense");
   TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2) &&
                   value_cache.size(2) == value.size(1) && value_cache.size(3) == value.size(2),
               "fill_kv_cache: the caches must be [NB, BS, H, D] views matching key / value [T, H, D]");

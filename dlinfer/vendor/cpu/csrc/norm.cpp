@@ -56,9 +56,12 @@ void norm_rows(const T* x, int64_t ldx, const T* r, int64_t ldr, const float* w,
   at::parallel_for(0, N, grain_for(N, N * H * static_cast<int64_t>(sizeof(T))), rows);
 }
 
-std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden_in, const std::optional<at::Tensor>& residual_in,
                                         const at::Tensor& weight, double eps) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.stride(1) == 1 && weight.is_contiguous(), "rms_norm: shapes");
+  const at::Tensor hidden = dense_rows(hidden_in);
+  const std::optional<at::Tensor> residual =
+      residual_in.has_value() ? std::optional<at::Tensor>(dense_rows(*residual_in)) : std::nullopt;
+  TORCH_CHECK(hidden.dim() == 2 && weight.is_contiguous(), "rms_norm: shapes");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == hidden.size(1),
               "rms_norm: weight must be float32 [H]");
   const int64_t N = hidden.size(0), H = hidden.size(1);
@@ -66,8 +69,8 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden, const std::opt
   at::Tensor summed;
   if (residual.has_value()) {
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == N && residual->size(1) == H &&
-                    residual->stride(1) == 1 && residual->scalar_type() == hidden.scalar_type(),
-                "add_rms_norm: residual must be [N, H] like hidden_states, rows dense");
+                    residual->scalar_type() == hidden.scalar_type(),
+                "add_rms_norm: residual must be [N, H] like hidden_states");
     summed = at::empty({N, H}, hidden.options());
   }
   AT_DISPATCH_V2(hidden.scalar_type(), "rms_norm", AT_WRAP([&] {

@@ -40,9 +40,10 @@ void rotate(const T* x, int64_t s_tok, int64_t s_head, T* out, int64_t T_, int64
   at::parallel_for(0, T_, grain_for(T_, T_ * H * D * static_cast<int64_t>(sizeof(T))), tokens);
 }
 
-std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query, const at::Tensor& key,
+std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query_in, const at::Tensor& key_in,
                                                         const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.stride(2) == 1 && key.stride(2) == 1, "rotary: q/k");
+  const at::Tensor query = dense_rows(query_in), key = dense_rows(key_in);
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3, "rotary: q/k");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(0) == query.size(0),
               "rotary: cos/sin must be dense float32 [T, R]");
