@@ -21,12 +21,10 @@ What changes, per LMDeploy 0.18's models/internlm2.py:
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from tiny_models import CACHE_ROOT, tiny_model
+from tiny_models import CACHE_ROOT, cached_folder, tiny_model
 
 SOURCE = "llama"
 _FORMAT = 1  # bump when the conversion changes (the cached folder's name includes it)
@@ -88,11 +86,8 @@ def tiny_internlm2() -> Path:
     from safetensors.torch import load_file, save_file
 
     source = tiny_model(SOURCE)
-    folder = CACHE_ROOT / "tiny_models" / f"internlm2-from-{source.name}-v{_FORMAT}"
-    if (folder / "config.json").exists():
-        return folder
-    staging = Path(tempfile.mkdtemp(prefix=".internlm2-", dir=folder.parent))
-    try:
+
+    def build(staging: Path) -> None:
         llama_config = json.loads((source / "config.json").read_text())
         state = load_file(source / "model.safetensors")
         tensors = internlm2_state_dict(state, llama_config["num_attention_heads"], llama_config["num_key_value_heads"])
@@ -101,10 +96,5 @@ def tiny_internlm2() -> Path:
         for item in source.iterdir():  # tokenizer and generation config
             if item.name not in ("config.json", "model.safetensors"):
                 shutil.copy(item, staging / item.name)
-        os.replace(staging, folder)
-    except OSError:
-        if not (folder / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+
+    return cached_folder(CACHE_ROOT / "tiny_models" / f"internlm2-from-{source.name}-v{_FORMAT}", build)

@@ -142,17 +142,16 @@ def _save_model(spec: dict, folder: Path) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def tiny_model(name: str) -> Path:
-    """The folder of tiny model `name` (a key of SPECS), built on first use."""
-    spec = SPECS[name]
-    folder = CACHE_ROOT / "tiny_models" / f"{name}-{_key(spec)}"
+def cached_folder(folder: Path, build) -> Path:
+    """`folder`, built on first use by `build(staging)` into a temporary sibling folder that is
+    renamed into place at the end, so a folder that exists is always complete (and two processes
+    building it at once leave one complete copy)."""
     if (folder / "config.json").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        _save_tokenizer(staging)
-        _save_model(spec, staging)
+        build(staging)
         os.replace(staging, folder)
     except OSError:
         if not (folder / "config.json").exists():  # a concurrent builder did not win the race either
@@ -160,3 +159,14 @@ def tiny_model(name: str) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def tiny_model(name: str) -> Path:
+    """The folder of tiny model `name` (a key of SPECS), built on first use."""
+    spec = SPECS[name]
+
+    def build(staging: Path) -> None:
+        _save_tokenizer(staging)
+        _save_model(spec, staging)
+
+    return cached_folder(CACHE_ROOT / "tiny_models" / f"{name}-{_key(spec)}", build)

@@ -16,12 +16,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from tiny_models import CACHE_ROOT, COMMON, SEED, VOCAB_SIZE, _corpus
+from tiny_models import CACHE_ROOT, COMMON, SEED, VOCAB_SIZE, _corpus, cached_folder
 
 # A ChatML template (Qwen2-VL's and InternVL3's): both sides render the same prompt.
 CHAT_TEMPLATE = (
@@ -163,19 +160,10 @@ def _save_processor(spec: dict, folder: Path) -> None:
 def tiny_vlm(name: str) -> Path:
     """The folder of tiny VLM `name` (a key of SPECS), built on first use."""
     spec = SPECS[name]
-    folder = CACHE_ROOT / "tiny_models" / f"{name}-{_key(spec)}"
-    if (folder / "config.json").exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-    try:
+
+    def build(staging: Path) -> None:
         ids = _save_tokenizer(staging, spec["tokens"])
         _save_model(spec, ids, staging)
         _save_processor(spec, staging)
-        os.replace(staging, folder)
-    except OSError:
-        if not (folder / "config.json").exists():  # a concurrent builder did not win the race either
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+
+    return cached_folder(CACHE_ROOT / "tiny_models" / f"{name}-{_key(spec)}", build)
