@@ -39,6 +39,68 @@ def add_rms_norm(hidden_states, residual, weight, epsilon):
     return rms_norm(s, weight, epsilon), _f64(s)
 
 
+# ---------------------------------------------------------------- W8A8 (int8 symmetric)
+
+
+def _round_half_even(v):
+    """float64 tensor -> nearest integers, ties to the even one (spelled out with floor)."""
+    f = torch.floor(v)
+    d = v - f
+    odd = torch.remainder(f, 2) == 1
+    return f + ((d > 0.5) | ((d == 0.5) & odd)).to(F64)
+
+
+def dynamic_quant(x):
+    """Per-row int8: scale = amax|x| / 127 rounded to float32 (the contract's scale dtype), then
+    q = clamp(round_half_even(x / scale rounded to float32), -128, 127); a zero row: scale 0, q 0.
+
+    float64 results rounded once to float32 equal float32's correctly rounded division (both
+    operands are floats, 53 >= 2 * 24 + 2), so this is the contract's float32 arithmetic, exactly.
+    Returns (q int8 on the CPU, scale as float64 of the float32 value).
+    """
+    v = _f64(x)
+    amax = v.abs().amax(dim=-1) if v.shape[-1] else torch.zeros(v.shape[:-1], dtype=F64)
+    scale = (amax / 127.0).to(torch.float32).to(F64)
+    divisor = torch.where(scale == 0, torch.ones_like(scale), scale)
+    ratio = (v / divisor.unsqueeze(-1)).to(torch.float32).to(F64)
+    q = _round_half_even(ratio).clamp(-128.0, 127.0)
+    return q.to(torch.int8), scale
+
+
+def int8_product(a, b):
+    """Exact integer a [M, K] @ b [N, K].T as int64 [M, N]: per row, products summed in int64."""
+    A = a.detach().cpu().to(torch.int64)
+    B = b.detach().cpu().to(torch.int64)
+    out = torch.zeros(A.shape[0], B.shape[0], dtype=torch.int64)
+    for i in range(A.shape[0]):
+        out[i] = (B * A[i]).sum(dim=-1)
+    return out
+
+
+def linear_w8a8(a, b, rms_scale, linear_scale, bias=None):
+    """(a @ b.T, exact) * rms_scale[..., None] * linear_scale (+ bias), float64, [..., N]."""
+    lead = a.shape[:-1]
+    acc = int8_product(a.reshape(-1, a.shape[-1]), b).to(F64)
+    out = acc * _f64(rms_scale).reshape(-1, 1) * _f64(linear_scale).reshape(1, -1)
+    if bias is not None:
+        out = out + _f64(bias)
+    return out.reshape(*lead, b.shape[0])
+
+
+def rms_norm_w8a8(hidden_states, weight, epsilon):
+    """dynamic_quant of rms_norm rounded to the activation dtype; also returns that norm (float64)."""
+    normed = rms_norm(hidden_states, weight, epsilon).to(hidden_states.dtype)
+    q, scale = dynamic_quant(normed)
+    return q, scale, _f64(normed)
+
+
+def add_rms_norm_w8a8(hidden_states, residual, weight, epsilon):
+    """(q, scale, h + r rounded to the activation dtype, the norm) of rms_norm_w8a8(h + r)."""
+    s = (_f64(hidden_states) + _f64(residual)).to(hidden_states.dtype)
+    q, scale, normed = rms_norm_w8a8(s, weight, epsilon)
+    return q, scale, _f64(s), normed
+
+
 # ---------------------------------------------------------------- rotary
 
 

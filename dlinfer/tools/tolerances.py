@@ -64,6 +64,13 @@ FAMILY = {
     "fused_moe": "reduction",
     # weights are float32 outputs whatever the logits' dtype: a softmax over E in float32
     "moe_gating_topk_softmax": "reduction",
+    # W8A8: the int8 product is exact, so the float results are a few float32 roundings
+    # (scale = amax / 127; acc * rms_scale * linear_scale + bias, one cast to out_dtype).
+    "dynamic_quant": "elementwise",
+    "linear_w8a8": "elementwise",
+    # the scales (and int8 values) follow the norm, rounded to the activation dtype first
+    "rms_norm_w8a8": "reduction",
+    "add_rms_norm_w8a8": "reduction",
 }
 
 # (op, result) pairs every correct vendor produces bit for bit, as the parity tests check them:
@@ -73,6 +80,7 @@ EXACT_RESULTS = frozenset({
     ("fill_kv_cache", "value_cache"),
     ("add_rms_norm", "result[1]"),  # h + r in the activation dtype: one correctly rounded add
     ("moe_gating_topk_softmax", "result[1]"),  # top-k ids
+    ("add_rms_norm_w8a8", "result[2]"),  # h + r, as add_rms_norm's
 })
 
 REPLAY_FACTOR = 2.0

@@ -89,6 +89,22 @@ def _linear_fake(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _dynamic_quant_fake(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+def _linear_w8a8_fake(a, b, rms_scale, linear_scale, out_dtype, bias):
+    return a.new_empty((*a.shape[:-1], b.shape[0]), dtype=out_dtype)
+
+
+def _rms_norm_w8a8_fake(hidden_states, weight, epsilon):
+    return _dynamic_quant_fake(hidden_states)
+
+
+def _add_rms_norm_w8a8_fake(hidden_states, residual, weight, epsilon):
+    return (*_dynamic_quant_fake(hidden_states), torch.empty_like(hidden_states))
+
+
 _TABLE = (
     OpSpec(
         "rms_norm",
@@ -167,6 +183,33 @@ _TABLE = (
         "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
         _linear_fake,
         "x [N, K], weight [Nout, K], bias [Nout]? -> [N, Nout]",
+    ),
+    # W8A8: int8 symmetric, per token (activations) / per output channel (weights); the public
+    # functions validate quant_dtype (int8) and granularity (PER_TOKEN), the canonical form fixes them.
+    OpSpec(
+        "dynamic_quant",
+        "(Tensor x) -> (Tensor, Tensor)",
+        _dynamic_quant_fake,
+        "x [N, K] float -> (xq [N, K] int8, scale [N] float32): scale = amax|x| / 127, xq = round(x / scale)",
+    ),
+    OpSpec(
+        "linear_w8a8",
+        "(Tensor a, Tensor b, Tensor rms_scale, Tensor linear_scale, ScalarType out_dtype, Tensor? bias) -> Tensor",
+        _linear_w8a8_fake,
+        "a [N, K] int8, b [Nout, K] int8, rms_scale [N] float32, linear_scale [Nout] float32, bias [Nout]? float "
+        "-> [N, Nout] out_dtype = (a @ b.T, exact int32) * rms_scale[:, None] * linear_scale (+ bias)",
+    ),
+    OpSpec(
+        "rms_norm_w8a8",
+        "(Tensor hidden_states, Tensor weight, float epsilon) -> (Tensor, Tensor)",
+        _rms_norm_w8a8_fake,
+        "hidden_states [N, H], weight [H] -> dynamic_quant(rms_norm(h, w)) (the norm rounded to h's dtype first)",
+    ),
+    OpSpec(
+        "add_rms_norm_w8a8",
+        "(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) -> (Tensor, Tensor, Tensor)",
+        _add_rms_norm_w8a8_fake,
+        "hidden_states [N, H], residual [N, H], weight [H] -> (xq [N, H] int8, scale [N] float32, h + r [N, H])",
     ),
 )
 

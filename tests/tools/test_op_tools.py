@@ -99,6 +99,11 @@ def run_every_op(seed: int = 0, nb: int = 32) -> None:
     DL.fused_moe(randn(t, 16), randn(4, 24, 16, scale=0.3), randn(4, 16, 12, scale=0.3), weights, ids, True)
     ops.silu_and_mul(randn(t, 24))
     ops.linear(randn(t, 48), randn(20, 48), randn(20))
+    xq, x_scale = DL.dynamic_quant(randn(t, 48))
+    wq = torch.randint(-127, 128, (20, 48), generator=g, dtype=torch.int8)
+    DL.linear_w8a8(xq, wq, x_scale, torch.rand(20, generator=g) / 127, torch.float32, randn(20))
+    DL.rms_norm_w8a8(x, randn(64), 1e-6)
+    DL.add_rms_norm_w8a8(x, randn(t, 64), randn(64), 1e-6)
 
 
 # -- off: no wrapper ---------------------------------------------------------------------------

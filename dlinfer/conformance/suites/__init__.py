@@ -8,6 +8,7 @@ from dlinfer.conformance.suites import (  # noqa: F401  (registration order = ru
     attention,
     moe,
     activation,
+    quant,
     strided,
     bad_inputs,
     garbage,

@@ -34,6 +34,17 @@ def samples(name, layout, g):
         return [((r(5, 64), r(48, 64), r(48)), {}), ((r(5, 64), r(48, 64), None), {})]
     if name == "moe_gating_topk_softmax":
         return [((r(5, 8), 2), {})]
+    if name == "dynamic_quant":
+        return [((r(5, 64),), {}), ((r(3, 19, dtype=torch.bfloat16),), {})]
+    if name == "linear_w8a8":
+        i8 = lambda *shape: torch.randint(-128, 128, shape, generator=g, dtype=I64).to(torch.int8).to(dev)  # noqa: E731
+        scales = lambda n: (torch.rand(n, generator=g) / 64).to(dev)  # noqa: E731
+        return [((i8(5, 64), i8(48, 64), scales(5), scales(48), torch.float16, r(48, dtype=torch.float16)), {}),
+                ((i8(3, 19), i8(7, 19), scales(3), scales(7), torch.float32, None), {})]
+    if name == "rms_norm_w8a8":
+        return [((r(5, 64), r(64), 1e-6), {}), ((r(3, 80, dtype=torch.float16), r(80, dtype=torch.float16), 1e-5), {})]
+    if name == "add_rms_norm_w8a8":
+        return [((r(5, 64), r(5, 64), r(64), 1e-6), {})]
     if name == "fused_moe":
         ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=I64, device=dev)
         w = torch.rand(5, 2, generator=g).to(dev)

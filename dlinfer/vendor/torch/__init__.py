@@ -9,7 +9,7 @@ from dlinfer.vendor.base import FEATURE_ALIBI, HEAD_MAJOR, TOKEN_MAJOR, Capabili
 
 
 def load() -> Vendor:
-    from dlinfer.vendor.torch import activation, attention, kv_cache, linear, moe, norm, rotary
+    from dlinfer.vendor.torch import activation, attention, kv_cache, linear, moe, norm, quant, rotary
 
     ops = {
         "rms_norm": norm.rms_norm,
@@ -23,12 +23,17 @@ def load() -> Vendor:
         "fused_moe": moe.fused_moe,
         "silu_and_mul": activation.silu_and_mul,
         "linear": linear.linear,
+        "dynamic_quant": quant.dynamic_quant,
+        "linear_w8a8": quant.linear_w8a8,
+        "rms_norm_w8a8": quant.rms_norm_w8a8,
+        "add_rms_norm_w8a8": quant.add_rms_norm_w8a8,
     }
     notes = {
         "prefill_attention": "scaled_dot_product_attention per sequence",
         "paged_prefill_attention": "per-sequence block gather + scaled_dot_product_attention",
         "paged_decode_attention": "batched per-token block gather + one scaled_dot_product_attention",
         "fused_moe": "tokens sorted by expert, one GEMM pair per active expert",
+        "linear_w8a8": "int8 product as an exact float64 matmul, scales in float32",
         "linear": "float32 on CPU: oneDNN inner product (DLINFER_CPU_LINEAR=aten: F.linear); else F.linear",
     }
     return Vendor(

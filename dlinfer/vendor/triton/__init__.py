@@ -22,6 +22,10 @@ NOTES = {
     "moe_gating_topk_softmax": "Triton: fused fp32 softmax + iterative arg-max top-k (ties to the lower id)",
     "fused_moe": "Triton: on-device expert sort/align, grouped tl.dot GEMMs with SiLU-and-mul fused into "
                  "the gate/up epilogue, fp32 weighted combine; no host sync",
+    "dynamic_quant": "the torch vendor's (fp32 amax / 127, round half to even)",
+    "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
+    "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
+    "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
     "linear": "not a Triton kernel: torch.nn.functional.linear, i.e. the platform matmul (cuBLAS on CUDA)",
 }
 
@@ -31,6 +35,7 @@ def load() -> Vendor:
 
     from dlinfer.vendor.triton import activation, attention, kv_cache, linear, moe, norm, rotary
     from dlinfer.vendor.triton._common import INTERPRET
+    from dlinfer.vendor.torch import quant as torch_quant
 
     ops = {
         "rms_norm": norm.rms_norm,
@@ -44,6 +49,11 @@ def load() -> Vendor:
         "fused_moe": moe.fused_moe,
         "silu_and_mul": activation.silu_and_mul,
         "linear": linear.linear,
+        # W8A8: the torch vendor's functions, by choice (no fallback warning; see NOTES).
+        "dynamic_quant": torch_quant.dynamic_quant,
+        "linear_w8a8": torch_quant.linear_w8a8,
+        "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
+        "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
     }
     # The interpreter runs the kernels on CPU tensors.
     device_types = ("cuda", "cpu") if INTERPRET else ("cuda",)

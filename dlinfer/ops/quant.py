@@ -1,0 +1,136 @@
+"""W8A8: dynamic per-token int8 quantisation, the int8 linear, and RMSNorm fused with the quantisation.
+
+int8 symmetric throughout: activations get one float32 scale per token (row), weights one per
+output channel. `scale = amax(|x|) / 127` (float32), `xq = clamp(round(x / scale), -128, 127)` with
+round half to even; a zero row gives xq 0 and scale 0. The int8 product is exact (int32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from dlinfer.ops import _checks as C
+from dlinfer.ops._dispatch import check_dtype, kernel_for
+from dlinfer.ops.norm import _check_common, _rows
+
+INT8 = (torch.int8,)
+F32 = (torch.float32,)
+
+
+def _check_quant_dtype(op: str, quant_dtype) -> None:
+    if quant_dtype is not torch.int8:
+        raise C.InvalidArgumentError(op, "quant_dtype", "torch.int8 (the only quantised dtype)",
+                                     C.describe(quant_dtype))
+
+
+def _split_quant(out: Tuple[Tensor, Tensor], shape) -> Tuple[Tensor, Tensor]:
+    xq, scale = out
+    if len(shape) == 2:
+        return xq, scale
+    return xq.view(shape), scale.view(shape[:-1])
+
+
+def dynamic_quant(x: Tensor, quant_dtype: torch.dtype = torch.int8,
+                  quant_granularity: str = "PER_TOKEN") -> Tuple[Tensor, Tensor]:
+    """Per-token symmetric int8 quantisation.
+
+    x: [..., K] float32/float16/bfloat16, not modified.
+    quant_dtype: torch.int8 only.  quant_granularity: "PER_TOKEN" only.
+    Returns new tensors (xq [..., K] int8, scale x.shape[:-1] float32), x ~= xq * scale[..., None].
+    """
+    op = "dynamic_quant"
+    C.rank_at_least(op, "x", x, 1, "[..., K]")
+    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
+    _check_quant_dtype(op, quant_dtype)
+    if quant_granularity != "PER_TOKEN":
+        raise C.InvalidArgumentError(op, "quant_granularity", "'PER_TOKEN' (the only granularity)",
+                                     C.describe(quant_granularity))
+    kernel, vendor = kernel_for(op, x.device)
+    check_dtype(vendor, op, x.dtype)
+    return _split_quant(kernel(_rows(x, x.shape[-1])), x.shape)
+
+
+def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype,
+                quant_dtype: torch.dtype = torch.int8, bias: Optional[Tensor] = None) -> Tensor:
+    """(a @ b.T, accumulated exactly in int32) * rms_scale[..., None] * linear_scale (+ bias).
+
+    a: [..., K] int8 (quantised activations).  b: [N, K] int8 (quantised weight), same device.
+    rms_scale: float32, a.shape[:-1] or a.shape[:-1] + (1,) (per-token scales).
+    linear_scale: float32 [N] or [N, 1] (per-output-channel scales).
+    out_dtype: float32/float16/bfloat16.  quant_dtype: torch.int8 only.
+    bias: [N] float32/float16/bfloat16 or None.
+    Returns a new tensor [..., N] in out_dtype (the scaling in float32, one final rounding).
+    """
+    op = "linear_w8a8"
+    ndim = C.rank_at_least(op, "a", a, 1, "[..., K]")
+    C.dtype_in(op, "a", a, INT8)
+    k = a.shape[-1]
+    device = a.device
+    C.tensor(op, "b", b, ("N", k), INT8, device)
+    n = b.shape[0]
+    lead = tuple(a.shape[:-1])
+    if not isinstance(rms_scale, Tensor) or tuple(rms_scale.shape) not in (lead, lead + (1,)):
+        raise C.InvalidArgumentError(op, "rms_scale", f"a tensor {list(lead)} or {list(lead + (1,))}",
+                                     C.describe(rms_scale))
+    C.dtype_in(op, "rms_scale", rms_scale, F32)
+    if rms_scale.device != device:
+        raise C.InvalidArgumentError(op, "rms_scale", f"device {device}", C.describe(rms_scale))
+    if not isinstance(linear_scale, Tensor) or tuple(linear_scale.shape) not in ((n,), (n, 1)):
+        raise C.InvalidArgumentError(op, "linear_scale", f"a tensor [{n}] or [{n}, 1]", C.describe(linear_scale))
+    C.dtype_in(op, "linear_scale", linear_scale, F32)
+    if linear_scale.device != device:
+        raise C.InvalidArgumentError(op, "linear_scale", f"device {device}", C.describe(linear_scale))
+    if out_dtype not in C.FLOAT_DTYPES:
+        raise C.InvalidArgumentError(op, "out_dtype", "float32/float16/bfloat16", C.describe(out_dtype))
+    _check_quant_dtype(op, quant_dtype)
+    if bias is not None:
+        C.tensor(op, "bias", bias, (n,), C.FLOAT_DTYPES, device)
+    kernel, vendor = kernel_for(op, device)
+    check_dtype(vendor, op, out_dtype)
+    rows = math.prod(lead)
+    a2 = a if ndim == 2 else a.reshape(rows, k)
+    out = kernel(a2, b, rms_scale.reshape(rows), linear_scale.reshape(n), out_dtype, bias)
+    return out if ndim == 2 else out.view(*lead, n)
+
+
+def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float,
+                  quant_dtype: torch.dtype = torch.int8) -> Tuple[Tensor, Tensor]:
+    """dynamic_quant(rms_norm(hidden_states, weight, epsilon)), the norm rounded to h's dtype first.
+
+    hidden_states: [..., H] float32/float16/bfloat16, not modified.  weight: [H] float, same device.
+    quant_dtype: torch.int8 only.
+    Returns new tensors (xq [..., H] int8, scale hidden_states.shape[:-1] float32).
+    """
+    op = "rms_norm_w8a8"
+    hidden = _check_common(op, hidden_states, weight, epsilon)
+    _check_quant_dtype(op, quant_dtype)
+    kernel, vendor = kernel_for(op, hidden_states.device)
+    check_dtype(vendor, op, hidden_states.dtype)
+    return _split_quant(kernel(_rows(hidden_states, hidden), weight, float(epsilon)), hidden_states.shape)
+
+
+def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float,
+                      quant_dtype: torch.dtype = torch.int8) -> Tuple[Tensor, Tensor, Tensor]:
+    """Residual add, RMSNorm and per-token int8 quantisation.
+
+    hidden_states, residual: [..., H], same shape, dtype and device; not modified.  weight: [H].
+    quant_dtype: torch.int8 only.
+    Returns new tensors (xq [..., H] int8, scale [...] float32, hidden_states + residual [..., H]),
+    xq/scale quantising rms_norm(h + r) (the sum rounded to the activation dtype, as is the norm).
+    """
+    op = "add_rms_norm_w8a8"
+    hidden = _check_common(op, hidden_states, weight, epsilon)
+    C.tensor(op, "residual", residual, tuple(hidden_states.shape), C.FLOAT_DTYPES, hidden_states.device)
+    C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
+    _check_quant_dtype(op, quant_dtype)
+    kernel, vendor = kernel_for(op, hidden_states.device)
+    check_dtype(vendor, op, hidden_states.dtype)
+    xq, scale, added = kernel(_rows(hidden_states, hidden), _rows(residual, hidden), weight, float(epsilon))
+    if hidden_states.dim() == 2:
+        return xq, scale, added
+    shape = hidden_states.shape
+    return xq.view(shape), scale.view(shape[:-1]), added.view(shape)

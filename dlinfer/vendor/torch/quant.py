@@ -1,0 +1,53 @@
+"""W8A8 in PyTorch: int8 symmetric, per-token activation scales, per-output-channel weight scales.
+
+The int8 x int8 product is computed as a float64 matmul and converted to int32: every product of
+two int8 values and every partial sum is an integer of magnitude <= K * 128**2, exactly
+representable in float64 (53 bits) for K < 2**39, so the result is exact in any summation order
+(BLAS, cuBLAS) and equals an int32 accumulation wherever that does not overflow (K * 2**14 < 2**31,
+i.e. K <= 131071). One path on every device (torch has no integer matmul on CUDA other than
+torch._int_mm, which constrains the shapes).
+"""
+
+import torch
+from torch import Tensor
+
+from dlinfer.vendor.torch.norm import add_rms_norm, rms_norm
+
+
+def dynamic_quant(x: Tensor):
+    """x [N, K] float -> (xq [N, K] int8, scale [N] float32).
+
+    scale = amax(|x|) / 127 in float32; xq = clamp(round_half_even(x / scale), -128, 127) with
+    the division in float32. A zero row gets scale 0 and xq 0 (divided by 1, never 0/0).
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127.0 if xf.shape[-1] else xf.new_zeros(xf.shape[:-1])
+    divisor = torch.where(scale == 0, torch.ones_like(scale), scale)
+    xq = torch.round(xf / divisor.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
+    return xq, scale
+
+
+def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """a [N, K] int8 @ b [Nout, K] int8 .T -> [N, Nout] int32, exact (see the module docstring)."""
+    return (a.double() @ b.double().T).to(torch.int32)
+
+
+def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype, bias=None):
+    """(a @ b.T as int32) * rms_scale[:, None] * linear_scale (+ bias), in float32, cast to out_dtype."""
+    acc = int8_matmul(a, b).float()
+    out = acc * rms_scale.unsqueeze(-1) * linear_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float):
+    """dynamic_quant(rms_norm(h, w, eps)): the norm rounded to h's dtype, then quantised."""
+    return dynamic_quant(rms_norm(hidden_states, weight, epsilon))
+
+
+def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float):
+    """(xq, scale, h + r) of rms_norm_w8a8(h + r); the sum in the activation dtype."""
+    normed, added = add_rms_norm(hidden_states, residual, weight, epsilon)
+    xq, scale = dynamic_quant(normed)
+    return xq, scale, added
