@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
-from dlinfer.conformance.inputs import dtype_name
+from dlinfer.conformance.inputs import DTYPES, dtype_name
 
 PARITY, STRIDED, BAD_INPUT, GARBAGE, OPCHECK = "parity", "strided", "bad_input", "garbage", "opcheck"
 KINDS = (PARITY, STRIDED, BAD_INPUT, GARBAGE, OPCHECK)
@@ -69,6 +70,13 @@ class Suite:
 
 
 SUITES: List[Suite] = []
+
+
+def parity_per_case(op: str, fn: Callable, cases) -> List[Check]:
+    """One parity check of `op` per case x dtype: `fn(vendor, case=..., dtype=...)`; each case has
+    an `id` and a `small` flag."""
+    return [Check(op, params(case.id, dt), op, PARITY, partial(fn, case=case, dtype=dt), case=case.id, dtype=dt,
+                  small=case.small) for case in cases for dt in DTYPES]
 
 
 def suite(name: str):

@@ -1,15 +1,14 @@
 """rms_norm / add_rms_norm parity against the fp64 reference."""
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
 import dlinfer.ops as ops
 from dlinfer.conformance import reference as ref
-from dlinfer.conformance.checks import PARITY, STRIDED, Check, params, suite
+from dlinfer.conformance.checks import STRIDED, Check, parity_per_case, suite
 from dlinfer.conformance.compare import assert_close, assert_equal, expect
-from dlinfer.conformance.inputs import DTYPES, device, gen, randn, seed_of
+from dlinfer.conformance.inputs import device, gen, randn, seed_of
 
 
 @dataclass(frozen=True)
@@ -58,19 +57,14 @@ def _add_rms_norm(vendor, case, dtype):
     assert_close(normed, expected_normed, "add_rms_norm", name="normed")
 
 
-def _per_case(op, fn, layouts):
-    return [Check(op, params(case.id, dt), op, PARITY, partial(fn, case=case, dtype=dt), case=case.id, dtype=dt,
-                  small=case.small) for case in CASES for dt in DTYPES]
-
-
 @suite("rms_norm")
 def rms_norm(layouts):
-    return _per_case("rms_norm", _rms_norm, layouts)
+    return parity_per_case("rms_norm", _rms_norm, CASES)
 
 
 @suite("add_rms_norm")
 def add_rms_norm(layouts):
-    return _per_case("add_rms_norm", _add_rms_norm, layouts)
+    return parity_per_case("add_rms_norm", _add_rms_norm, CASES)
 
 
 def _strided_rows(vendor):

@@ -17,9 +17,9 @@ import torch
 
 import dlinfer.ops as ops
 from dlinfer.conformance import reference as ref
-from dlinfer.conformance.checks import PARITY, Check, params, suite
+from dlinfer.conformance.checks import PARITY, Check, params, parity_per_case, suite
 from dlinfer.conformance.compare import assert_close, assert_equal, expect
-from dlinfer.conformance.inputs import DTYPES, device, gen, randn, seed_of
+from dlinfer.conformance.inputs import device, gen, randn, seed_of
 
 I8 = torch.int8
 
@@ -190,19 +190,14 @@ def _add_rms_norm_w8a8(vendor, case, dtype):
     _check_fused_quant("add_rms_norm_w8a8", xq, scale, q_ref, s_ref, dtype)
 
 
-def _per_case(op, fn, cases):
-    return [Check(op, params(case.id, dt), op, PARITY, partial(fn, case=case, dtype=dt), case=case.id, dtype=dt,
-                  small=case.small) for case in cases for dt in DTYPES]
-
-
 @suite("dynamic_quant")
 def dynamic_quant(layouts):
-    return _per_case("dynamic_quant", _dynamic_quant, CASES)
+    return parity_per_case("dynamic_quant", _dynamic_quant, CASES)
 
 
 @suite("linear_w8a8")
 def linear_w8a8(layouts):
-    return _per_case("linear_w8a8", _linear_w8a8, LINEAR_CASES)
+    return parity_per_case("linear_w8a8", _linear_w8a8, LINEAR_CASES)
 
 
 @suite("linear_w8a8_int_product")
@@ -217,9 +212,9 @@ def linear_w8a8_int_product(layouts):
 
 @suite("rms_norm_w8a8")
 def rms_norm_w8a8(layouts):
-    return _per_case("rms_norm_w8a8", _rms_norm_w8a8, CASES)
+    return parity_per_case("rms_norm_w8a8", _rms_norm_w8a8, CASES)
 
 
 @suite("add_rms_norm_w8a8")
 def add_rms_norm_w8a8(layouts):
-    return _per_case("add_rms_norm_w8a8", _add_rms_norm_w8a8, CASES)
+    return parity_per_case("add_rms_norm_w8a8", _add_rms_norm_w8a8, CASES)
