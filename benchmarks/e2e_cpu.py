@@ -1,15 +1,20 @@
-"""End to end on CPU: LMDeploy + dlinfer against HF transformers `generate`, same model and prompts.
+"""End to end on CPU: LMDeploy + dlinfer against HF transformers `generate` and llama.cpp, same
+model and prompts.
 
-    .venv/bin/python benchmarks/e2e_cpu.py               # prints the table
+    .venv/bin/python benchmarks/e2e_cpu.py               # HF vs LMDeploy eager, float32
     .venv/bin/python benchmarks/e2e_cpu.py --graph       # also LMDeploy's graph mode (eager_mode=False)
     .venv/bin/python benchmarks/e2e_cpu.py --graph --inductor   # and graph mode with Inductor
+    .venv/bin/python benchmarks/e2e_cpu.py --llama-cpp   # and llama.cpp f32/bf16/q8_0/q4_1 (optional
+                                                         # install: pip install llama-cpp-python)
+    .venv/bin/python benchmarks/e2e_cpu.py --sides hf,eager,eager-bf16,eager-w4a16,llama.cpp-q4_1
     .venv/bin/python benchmarks/e2e_cpu.py --write-docs  # and writes it into docs/benchmarks.md
 
-Model SmolLM2-135M-Instruct in float32 (scripts/smollm2.py), chat-templated prompts, greedy
-decoding of exactly N new tokens (both sides ban the end-of-sequence token: LMDeploy
-`ignore_eos=True`, HF `min_new_tokens=N`), batch 1 and batch 8.
+Model SmolLM2-135M-Instruct (scripts/smollm2.py), chat-templated prompts, greedy decoding of
+exactly N new tokens (every side bans the end-of-sequence token: LMDeploy `ignore_eos=True`, HF
+`min_new_tokens=N`, llama.cpp by masking its logit), batch 1 and batch 8. The sides and their
+precisions are listed in `benchmarks/e2e_sides.py`.
 
-Decode tokens/s is measured the same way on both sides: B * (N - 1) / (T(N) - T(1)), where T(n)
+Decode tokens/s is measured the same way on every side: B * (N - 1) / (T(N) - T(1)), where T(n)
 is the wall time to generate n new tokens for the whole batch (prefill and first token cancel
 out). Each T is the best of `--repeats` runs, taken round-robin across the sides so that a busy
 moment of the machine hits all of them alike. HF batches are left-padded; LMDeploy batches are
@@ -33,13 +38,15 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from smollm2 import build_smollm2  # noqa: E402
+
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+from e2e_sides import SIDES, make_side  # noqa: E402
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -53,8 +60,6 @@ QUESTIONS = (
 )
 DOC = REPO_ROOT / "docs" / "benchmarks.md"
 SECTION = "## End to end on CPU"
-SIDES = {"hf": "HF transformers", "eager": "LMDeploy + dlinfer (eager)", "graph": "LMDeploy + dlinfer (graph)",
-         "inductor": "LMDeploy + dlinfer (graph, Inductor)"}
 
 
 def chat_prompts(folder: Path) -> list[str]:
@@ -66,42 +71,6 @@ def chat_prompts(folder: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- the sides (worker processes)
-
-
-def hf_side(folder: Path, prompts: list[str]) -> Callable[[int, int], None]:
-    """run(b, n): n new tokens for the first b prompts with HF transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-    def run(batch: int, n: int) -> None:
-        enc = tokenizer(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False,
-                        return_token_type_ids=False)
-        with torch.inference_mode():
-            out = model.generate(**enc, do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                 pad_token_id=tokenizer.pad_token_id)
-        assert out.shape[1] == enc.input_ids.shape[1] + n
-
-    return run
-
-
-def lmdeploy_side(folder: Path, prompts: list[str], graph: bool):
-    """(run(b, n) through LMDeploy on device_type="cpu", the pipeline)."""
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
-
-    config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, num_gpu_blocks=64, eager_mode=not graph)
-    pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
-
-    def run(batch: int, n: int) -> list[list[int]]:
-        gen = GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True)
-        outs = pipe.infer(prompts[:batch], gen_config=gen, do_preprocess=False)
-        assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
-        return [list(o.token_ids) for o in outs]
-
-    return run, pipe
 
 
 @contextlib.contextmanager
@@ -162,21 +131,16 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int) -> dict:
 
 def worker_main(side: str) -> int:
     """Serve requests on stdin/stdout, one JSON object per line: {"run": [b, n]} -> {"seconds": t};
-    {"tokens": [b, n]} -> the greedy token ids (LMDeploy sides); {"budget": [b, n]} -> op_budget(...);
-    {"info": 1} -> threads, vendor, start-up seconds, graphs compiled."""
+    {"tokens": [b, n]} -> the greedy token ids; {"budget": [b, n]} -> op_budget(...);
+    {"info": 1} -> threads, vendor, start-up seconds, graphs compiled (LMDeploy sides)."""
     out = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel; anything else printed, by
     os.dup2(2, 1)                                 # Python or native code, goes to stderr
     sys.stdout = sys.stderr
     folder = build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
     prompts = chat_prompts(folder)
-    if side == "inductor":
-        os.environ["DLINFER_GRAPH_COMPILER"] = "inductor"  # read when the graph runner is built
     start = time.perf_counter()
-    pipe = None
-    if side == "hf":
-        run = hf_side(folder, prompts)
-    else:
-        run, pipe = lmdeploy_side(folder, prompts, graph=side in ("graph", "inductor"))
+    run, owner = make_side(side, folder, prompts)
+    pipe = owner if hasattr(owner, "async_engine") else None
     startup = time.perf_counter() - start
     print(json.dumps({"ready": side}), file=out, flush=True)
     try:
@@ -186,7 +150,7 @@ def worker_main(side: str) -> int:
                 start = time.perf_counter()
                 run(*request["run"])
                 reply = {"seconds": time.perf_counter() - start}
-            elif "tokens" in request:
+            elif "tokens" in request:  # every side
                 reply = {"tokens": run(*request["tokens"])}
             elif "budget" in request:
                 reply = op_budget(pipe, prompts, *request["budget"])
@@ -200,8 +164,8 @@ def worker_main(side: str) -> int:
                          "startup_s": startup, "graphs": getattr(runner, "compiles", 0)}
             print(json.dumps(reply), file=out, flush=True)
     finally:
-        if pipe is not None:
-            pipe.close()
+        if owner is not None:
+            owner.close()
     return 0
 
 
@@ -319,23 +283,24 @@ def machine(threads: int) -> str:
 # ---------------------------------------------------------------- the report
 
 
-def render(rates: dict[str, dict[int, float]], new_tokens: int, foreign_share: float, info: dict) -> str:
+def render(rates: dict[str, dict[int, float]], new_tokens: int, foreign_share: float, info: dict,
+           same_tokens: dict[str, str]) -> str:
     names = list(rates)
     base = names[0]
-    header = "| batch | " + " | ".join(f"{n} | ratio" if n != base else n for n in names) + " |"
-    rows = [header, "|---" * (1 + 2 * len(names) - 1) + "|"]
-    for batch in (1, 8):
-        cells = [f"{rates[base][batch]:.1f}"]
-        for name in names[1:]:
+    rows = [f"| side | batch 1 | vs {base} | batch 8 | vs {base} | greedy tokens (batch 8) |", "|---" * 6 + "|"]
+    for name in names:
+        cells = []
+        for batch in (1, 8):
             cells += [f"{rates[name][batch]:.1f}", f"{rates[name][batch] / rates[base][batch]:.2f}x"]
-        rows.append(f"| {batch} | " + " | ".join(cells) + " |")
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {same_tokens.get(name, '')} |")
     return "\n".join([
         SECTION,
         "",
-        f"SmolLM2-135M-Instruct, float32, greedy, {new_tokens} new tokens, decode tokens/s "
-        "(`benchmarks/e2e_cpu.py`; method in its docstring; each side in its own process).",
+        f"SmolLM2-135M-Instruct, greedy, {new_tokens} new tokens, decode tokens/s (`benchmarks/e2e_cpu.py`; method "
+        "in its docstring; each side in its own process, all sides in one run).",
         f"Machine: {machine(info['threads'])}; dlinfer vendor `{info['vendor']}`. Other processes used "
-        f"{100 * foreign_share:.0f}% of the CPU time during the run.",
+        f"{100 * foreign_share:.0f}% of the CPU time during the run. The last column compares each float32 side's "
+        "greedy tokens with LMDeploy eager float32's (other precisions are expected to differ).",
         "",
         *rows,
         "",
@@ -362,15 +327,13 @@ def render_budget(budgets: dict[int, dict]) -> str:
     return "\n".join(rows)
 
 
-def render_modes(infos: dict[str, dict], same_tokens: dict[str, bool], batch: int, n: int) -> str:
-    rows = ["| LMDeploy side | build + warm-up s | decode graphs compiled | greedy tokens equal eager's |",
-            "|---|---|---|---|"]
+def render_modes(infos: dict[str, dict]) -> str:
+    rows = ["| LMDeploy side | build + warm-up s | decode graphs compiled |", "|---|---|---|"]
     for name, info in infos.items():
-        rows.append(f"| {name} | {info['startup_s']:.0f} | {info['graphs']} | "
-                    f"{'yes' if same_tokens[name] else 'NO'} |")
+        rows.append(f"| {name} | {info['startup_s']:.0f} | {info['graphs']} |")
     return "\n".join([
-        f"Start-up of each LMDeploy side (model load, KV cache, warm-up with one graph per batch bucket; "
-        f"first run of a fresh process) and its greedy tokens for batch {batch}, {n} new tokens:",
+        "Start-up of each LMDeploy side (model load, KV cache, warm-up with one graph per batch bucket; "
+        "first run of a fresh process):",
         "",
         *rows,
         "",
@@ -389,13 +352,25 @@ def write_section(text: str) -> None:
     DOC.write_text(doc)
 
 
+def _tokens_verdict(mine: list[list[int]], reference: list[list[int]]) -> str:
+    if mine == reference:
+        return "equal"
+    same = min(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(mine, reference))
+    return f"differ after {same} tokens"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sides", default="hf,eager",
+                        help="comma-separated sides, the first is the baseline (benchmarks/e2e_sides.py): "
+                        + ", ".join(SIDES))
     parser.add_argument("--graph", action="store_true", help="also run LMDeploy with eager_mode=False")
     parser.add_argument("--inductor", action="store_true",
                         help="also run graph mode with DLINFER_GRAPH_COMPILER=inductor")
+    parser.add_argument("--llama-cpp", action="store_true",
+                        help="also run llama.cpp at f32, bf16, q8_0 and q4_1 (needs llama-cpp-python)")
     parser.add_argument("--max-wait-idle", type=float, default=600,
                         help="seconds to wait for other processes to leave the CPUs before measuring")
     parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOC.relative_to(REPO_ROOT)}")
@@ -404,24 +379,33 @@ def main(argv=None) -> int:
     if args.worker:
         return worker_main(args.worker)
 
+    sides = [s for s in args.sides.split(",") if s]
+    sides += ["graph"] * args.graph + ["inductor"] * args.inductor
+    sides += [f"llama.cpp-{kind}" for kind in ("f32", "bf16", "q8_0", "q4_1")] * args.llama_cpp
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown or "eager" not in sides:
+        parser.error(f"unknown sides {unknown} (known: {', '.join(SIDES)})" if unknown else
+                     "the sides must include eager (the op budget and the token check use it)")
     folder = build_smollm2()
-    sides = ["hf", "eager"] + (["graph"] if args.graph else []) + (["inductor"] if args.inductor else [])
     workers = []
     try:
-        for side in sides:
+        for side in dict.fromkeys(sides):
             print(f"[e2e] starting {SIDES[side]} ...", flush=True)
             workers.append(Worker(side))
         pids = [w.proc.pid for w in workers]
-        infos = {w.name: w.ask(info=1) for w in workers[1:]}
-        info = infos[workers[1].name]
-        eager_ids = workers[1].tokens(8, 48)
-        same_tokens = {w.name: w.tokens(8, 48) == eager_ids for w in workers[1:]}
+        eager = next(w for w in workers if w.side == "eager")
+        lmdeploy_workers = [w for w in workers if not w.side.startswith(("hf", "llama.cpp"))]
+        infos = {w.name: w.ask(info=1) for w in lmdeploy_workers}
+        info = infos[eager.name]
+        eager_ids = eager.tokens(8, 48)
+        same_tokens = {w.name: _tokens_verdict(w.tokens(8, 48), eager_ids) for w in workers
+                       if w.side in ("hf", "graph", "inductor", "llama.cpp-f32")}
         wait_until_idle(args.max_wait_idle, pids)
         with ForeignLoad(pids) as load:
             rates = decode_rates(workers, args.new_tokens, args.repeats)
         wait_until_idle(args.max_wait_idle, pids)
         with ForeignLoad(pids) as budget_load:
-            budgets = {b: workers[1].ask(budget=[b, args.new_tokens]) for b in (1, 8)}
+            budgets = {b: eager.ask(budget=[b, args.new_tokens]) for b in (1, 8)}
     finally:
         for worker in workers:
             worker.close()
@@ -430,8 +414,8 @@ def main(argv=None) -> int:
     read_bw = read_bandwidth()
     budgets = {int(b): v for b, v in budgets.items()}
     weight_mb = (folder / "model.safetensors").stat().st_size / 1e6
-    hf_rate = rates[SIDES["hf"]][1]
-    text = render(rates, args.new_tokens, load.share, info) + "\n" + render_modes(infos, same_tokens, 8, 48) + \
+    base_name, base_rate = next(iter(rates.items()))
+    text = render(rates, args.new_tokens, load.share, info, same_tokens) + "\n" + render_modes(infos) + \
         "\n" + "\n".join([
         "Where the time of an eager LMDeploy + dlinfer decode step goes (one timed generation per batch,",
         f"wall time of each `dlinfer.ops` call; other processes used {100 * budget_load.share:.0f}% of the CPU time):",
@@ -442,8 +426,8 @@ def main(argv=None) -> int:
         f"at {weight_mb / budgets[1]['ms_per_step']['linear']:.1f} GB/s. This machine reads memory at "
         f"{read_bw / 1e9:.1f} GB/s (same run), so reading the weights alone takes "
         f"{weight_mb * 1e6 / read_bw * 1e3:.1f} ms: no float32 implementation decodes faster than "
-        f"{read_bw / (weight_mb * 1e6):.0f} tokens/s at batch 1 here ({read_bw / (weight_mb * 1e6) / hf_rate:.1f}x "
-        "the HF rate above).",
+        f"{read_bw / (weight_mb * 1e6):.0f} tokens/s at batch 1 here "
+        f"({read_bw / (weight_mb * 1e6) / base_rate[1]:.1f}x the {base_name} rate above).",
         "",
     ])
     print(text)

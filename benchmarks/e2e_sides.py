@@ -1,0 +1,119 @@
+"""The sides `benchmarks/e2e_cpu.py` compares, each run in a worker process of its own.
+
+A side is named `engine[-variant]`:
+- `hf`: HF transformers `generate`, float32;
+- `eager`, `graph`, `inductor`: LMDeploy + dlinfer on `device_type="cpu"` (eager mode, graph mode,
+  graph mode with Inductor), float32; `-bf16` runs `dtype="bfloat16"`; `-w8a8` / `-w4a16` run the
+  SmoothQuant / AWQ checkpoint `python -m dlinfer quantize` makes from the same folder;
+- `llama.cpp-f32`, `-bf16`, `-q8_0`: llama.cpp on GGUFs written from the same folder
+  (`benchmarks/gguf_from_hf.py`); `llama.cpp-q4_1`: the shipped GGUF the folder was made from.
+
+Every side's `run(b, n)` decodes exactly n greedy new tokens for the first b prompts (the end of
+sequence banned) and returns the token ids.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+LMDEPLOY_MODES = ("eager", "graph", "inductor")
+LMDEPLOY_VARIANTS = {"": "float32", "bf16": "bfloat16", "w8a8": "W8A8 (SmoothQuant)", "w4a16": "W4A16 (AWQ)"}
+LLAMA_CPP_KINDS = ("f32", "bf16", "q8_0", "q4_1")
+
+
+def all_sides() -> dict[str, str]:
+    """side name -> label for the report."""
+    sides = {"hf": "HF transformers, float32"}
+    for mode in LMDEPLOY_MODES:
+        for variant, label in LMDEPLOY_VARIANTS.items():
+            name = f"{mode}-{variant}" if variant else mode
+            sides[name] = f"LMDeploy + dlinfer {mode}, {label}"
+    for kind in LLAMA_CPP_KINDS:
+        sides[f"llama.cpp-{kind}"] = f"llama.cpp, {kind}"
+    return sides
+
+
+SIDES = all_sides()
+
+
+def quantized_folder(folder: Path, method: str, log=print) -> Path:
+    """The `python -m dlinfer quantize` checkpoint of `folder` (method awq or smooth_quant), made
+    once and cached beside it."""
+    out = folder.parent / f"{folder.name}-{method}"
+    if not (out / "config.json").is_file():
+        log(f"[e2e] quantizing {folder.name} with {method} (once)")
+        subprocess.run([sys.executable, "-m", "dlinfer", "quantize", str(folder), str(out), "--method", method],
+                       check=True, stdout=sys.stderr)
+    return out
+
+
+def hf_side(folder: Path, prompts: list[str]) -> Callable[[int, int], list]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def run(batch: int, n: int) -> list:
+        enc = tokenizer(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False,
+                        return_token_type_ids=False)
+        with torch.inference_mode():
+            out = model.generate(**enc, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                 pad_token_id=tokenizer.pad_token_id)
+        assert out.shape[1] == enc.input_ids.shape[1] + n
+        return out[:, enc.input_ids.shape[1]:].tolist()
+
+    return run
+
+
+def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str):
+    """(run, pipe) through LMDeploy's pipeline on device_type="cpu"."""
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (the device type "cpu")
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    if mode == "inductor":
+        os.environ["DLINFER_GRAPH_COMPILER"] = "inductor"  # read when the graph runner is built
+    dtype = "bfloat16" if variant == "bf16" else "auto"
+    if variant in ("w8a8", "w4a16"):
+        folder = quantized_folder(folder, "smooth_quant" if variant == "w8a8" else "awq",
+                                  log=lambda msg: print(msg, file=sys.stderr))
+    config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, num_gpu_blocks=64, eager_mode=mode == "eager",
+                                 dtype=dtype)
+    pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
+
+    def run(batch: int, n: int) -> list:
+        gen = GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True)
+        outs = pipe.infer(prompts[:batch], gen_config=gen, do_preprocess=False)
+        assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
+        return [list(o.token_ids) for o in outs]
+
+    return run, pipe
+
+
+def llamacpp_side(folder: Path, prompts: list[str], kind: str):
+    """(run, closer) through llama.cpp (benchmarks/llamacpp_side.py)."""
+    from transformers import AutoTokenizer
+
+    from gguf_from_hf import gguf_for
+    from llamacpp_side import LlamaCppGreedy
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    runner = LlamaCppGreedy(gguf_for(kind, folder, log=lambda msg: print(msg, file=sys.stderr)))
+    return (lambda batch, n: runner.run(ids[:batch], n)), runner
+
+
+def make_side(side: str, folder: Path, prompts: list[str]):
+    """(run(b, n) -> token ids, closable or None) for the side named `side`."""
+    if side == "hf":
+        return hf_side(folder, prompts), None
+    engine, _, variant = side.partition("-")
+    if engine in LMDEPLOY_MODES:
+        return lmdeploy_side(folder, prompts, engine, variant)
+    if engine == "llama.cpp":
+        return llamacpp_side(folder, prompts, variant)
+    raise ValueError(f"unknown side {side!r}; known: {', '.join(SIDES)}")
