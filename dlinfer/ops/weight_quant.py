@@ -10,7 +10,7 @@ return once at load time).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from dlinfer.ops import _checks as C
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 from dlinfer.ops.linear import sum_over_group
 from dlinfer.vendor import w4_layouts as L
+from dlinfer.vendor.selection import resolve
 
 I32 = (torch.int32,)
 
@@ -87,3 +88,29 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     if all_reduce:
         sum_over_group(out)
     return out
+
+
+def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor] = None,
+                        group_size: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+    """The W4A16 weights of one layer in the layout the active vendor's `weight_quant_matmul`
+    reads fastest: call once at load time (the framework adaptor does), then pass the results to
+    every `weight_quant_matmul` call in place of the loaded ones.
+
+    qweight: int32 [K, N/8] (canonical AWQ gemm layout).  scale: [K/g, N] float.
+    offset: int32 [K/g, N/8] or None.  group_size: g (0: one group of K).  All on one device.
+    Returns (qweight', scale', offset'): the vendor's `repack_weight_quant` hook's result (the cpu
+    vendor: qweight column_tiled int32 [ceil(N/128), K, 16]), or the arguments themselves when the
+    vendor has none or qweight is repacked already.
+    """
+    op = "repack_weight_quant"
+    device = qweight.device if isinstance(qweight, Tensor) else None
+    _, g = _check_weights(op, qweight, scale, offset, group_size, None, None, device)
+    if L.is_column_tiled(qweight):
+        return qweight, scale, offset
+    vendor = resolve("weight_quant_matmul", device.type)[1]
+    if vendor.repack_weight_quant is None:
+        return qweight, scale, offset
+    packed = tuple(vendor.repack_weight_quant(qweight, scale, offset, g))
+    _check_weights(f"{op} (vendor {vendor.name}'s result)", packed[0], packed[1], packed[2], group_size,
+                   qweight.shape[0], None, device)
+    return packed

@@ -46,13 +46,13 @@ def samples(name, layout, g):
     if name == "add_rms_norm_w8a8":
         return [((r(5, 64), r(5, 64), r(64), 1e-6), {})]
     if name == "weight_quant_matmul":
-        from dlinfer.conformance.suites.weight_quant import W4Case, weights
+        from dlinfer.conformance.suites.weight_quant import W4Case, column_tile, weights
 
         out = []
-        for dtype, group, zeros, bias, tiled in ((F32, 32, True, True, False), (torch.bfloat16, 64, False, False, False)):
+        for dtype, group, zeros, bias, tiled in ((F32, 32, True, True, False), (torch.bfloat16, 64, False, False, True)):
             qw, s, z, b = weights(W4Case("opcheck", (5,), 64, 136, group, zeros, bias), dtype, g)
             if tiled:
-                qw = dlinfer.ops.repack_weight_quant(qw, s, z, group)[0]
+                qw = column_tile(qw)
             out.append(((r(5, 64, dtype=dtype), qw, s, z, b, group), {}))
         return out
     if name == "fused_moe":

@@ -1,5 +1,6 @@
 """W4A16 (`weight_quant_matmul`, LMDeploy's AWQ gemm layout) against the fp64 reference: parity,
-a strided x, the column_tiled layout of `repack_weight_quant`, bad inputs.
+a strided x, the column_tiled layout (built here, and as the vendor's `repack_weight_quant`
+returns it), bad inputs.
 
 The weights are packed here, from the contract's words (nibble i of word j holds column
 8 * j + [0, 2, 4, 6, 1, 3, 5, 7][i]), and unpacked by the reference's own code
@@ -86,6 +87,18 @@ def weights(case, dtype, g):
     return awq_pack(q).to(dev), s.to(dtype=dtype, device=dev), offset, bias
 
 
+def column_tile(qweight):
+    """canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (the layout's words
+    regrouped: tile t, row k, word w = canonical [k, 16t + w]; zero words past N)."""
+    k, words = qweight.shape
+    tiles = -(-words // 16)
+    out = torch.zeros(tiles, k, 16, dtype=qweight.dtype, device=qweight.device)
+    for t in range(tiles):
+        part = qweight[:, 16 * t:16 * (t + 1)]
+        out[t, :, :part.shape[1]] = part
+    return out
+
+
 def _check(out, expected, case, dtype, what=OP):
     expect(out.dtype == dtype and tuple(out.shape) == (*case.lead, case.n),
            f"{what}: output {tuple(out.shape)} {out.dtype}, expected {(*case.lead, case.n)} {dtype}")
@@ -101,8 +114,10 @@ def _parity(vendor, case, dtype, strided=False, tiled=False):
     else:
         x = randn((*case.lead, case.k), dtype, g)
     expected = ref.weight_quant_matmul(x, qweight, scale, offset, bias, case.group)
-    if tiled:
-        qweight = ops.repack_weight_quant(qweight, scale, offset, case.group)[0]
+    if tiled == "suite":  # the column_tiled layout, built here
+        qweight = column_tile(qweight)
+    elif tiled == "vendor":  # whatever the active vendor's load-time repack returns
+        qweight, scale, offset = ops.repack_weight_quant(qweight, scale, offset, case.group)
     out = ops.weight_quant_matmul(x, qweight, scale, offset=offset, bias=bias, all_reduce=False,
                                   group_size=case.group)
     _check(out, expected, case, dtype)
@@ -111,6 +126,19 @@ def _parity(vendor, case, dtype, strided=False, tiled=False):
 @suite("weight_quant_matmul")
 def weight_quant_matmul(layouts):
     return parity_per_case(OP, _parity, CASES)
+
+
+TILED_CASES = [c for c in CASES if c.id in ("m1_k64_n64_g32", "m7_k96_n136_g32_bias", "m64_k256_n256_g128",
+                                             "m7_k160_n264_g32_extreme", "m8_k576_n1536_g64", "m1_k80_n48_g0")]
+
+
+@suite("weight_quant_matmul_column_tiled")
+def weight_quant_matmul_column_tiled(layouts):
+    """qweight in the column_tiled layout (built by the suite), and as the vendor's
+    `repack_weight_quant` hook returns it (the canonical tensors when it has none)."""
+    return [Check("weight_quant_matmul_column_tiled", params(how, c.id, dt), OP, PARITY,
+                  partial(_parity, case=c, dtype=dt, tiled=how), case=f"{how}-{c.id}", dtype=dt, small=c.small)
+            for how in ("suite", "vendor") for c in TILED_CASES for dt in DTYPES]
 
 
 STRIDED_CASES = [c for c in CASES if c.id in ("m7_k96_n136_g32_bias", "b1_t5_k128_n40_g0_nozero")]

@@ -74,4 +74,5 @@ def load() -> Vendor:
         kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR),
         ops=ops,
         capabilities=Capabilities(features=frozenset({FEATURE_ALIBI}), notes=dict(NOTES)),
+        repack_weight_quant=weight_quant.repack_weight_quant,
     )

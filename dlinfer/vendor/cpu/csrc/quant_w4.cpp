@@ -73,34 +73,48 @@ void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_
 
 #if defined(CPU_CAPABILITY_AVX512)
 // acc[m][i] over rows k0..k1 of tile t, then ybuf[m][i] = fma(acc, s, ybuf).
+//
+// The decode takes 3 instructions per nibble and no int -> float conversion: a nibble masked in
+// place (bits 4i'..4i'+3, i' = i for i < 5, i - 5 after one shift by 20 for i >= 5) OR 0x4B000000
+// is the float 2^23 + q * 2^(4i'), exactly; minus 2^23 + z * 2^(4i') it is (q - z) * 2^(4i'),
+// exactly. So acc[i] accumulates 2^(4i') times the plain sum, every rounding scaled by the same
+// power of two, and the exact multiply by 2^-(4i') at the group's end gives the plain sum's bits
+// (the portable path's; barring float32 overflow past |x| ~ 1e32 or subnormal sums).
 template <int MR>
-inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
-                       int64_t k0, int64_t k1, __mmask16 mask, const int32_t* zs, const float* ss, float* ybuf) {
+inline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
+                       const int32_t* zs, const float* ss, float* ybuf) {
+  constexpr int kShift[8] = {0, 4, 8, 12, 16, 0, 4, 8};  // 4i' of nibble i
   __m512 acc[MR][8];
-  __m512i z[8];
-  for (int i = 0; i < 8; ++i) z[i] = _mm512_loadu_si512(zs + i * kTileWords);
+  __m512 zf[8];  // 2^23 + z * 2^(4i')
+  const __m512i magic = _mm512_set1_epi32(0x4B000000);
+  for (int i = 0; i < 8; ++i) {
+    const __m512i z = _mm512_sllv_epi32(_mm512_loadu_si512(zs + i * kTileWords), _mm512_set1_epi32(kShift[i]));
+    zf[i] = _mm512_castsi512_ps(_mm512_or_si512(z, magic));
+  }
   for (int m = 0; m < MR; ++m)
     for (int i = 0; i < 8; ++i) acc[m][i] = _mm512_setzero_ps();
-  const __m512i nib = _mm512_set1_epi32(15);
   for (int64_t k = k0; k < k1; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(w.row(t, std::min(k + kPrefetchRows, w.K - 1))), _MM_HINT_T0);
-    const __m512i words = _mm512_maskz_loadu_epi32(mask, w.row(t, k));
+    const __m512i lo = _mm512_maskz_loadu_epi32(mask, w.row(t, k));
+    const __m512i hi = _mm512_srli_epi32(lo, 20);
     __m512 xb[MR];
     for (int m = 0; m < MR; ++m) xb[m] = _mm512_set1_ps(xr[m][k]);
-#define DLINFER_W4_NIBBLE(I)                                                                           \
+#define DLINFER_W4_NIBBLE(I, SRC)                                                                      \
   {                                                                                                   \
-    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(words, 4 * (I)), nib);                        \
-    const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, z[I]));                                    \
+    /* (SRC & mask) | magic: ternary-logic truth table 0xEA = (A & B) | C */                            \
+    const __m512i bits = _mm512_ternarylogic_epi32(SRC, _mm512_set1_epi32(15 << kShift[I]), magic, 0xEA); \
+    const __m512 d = _mm512_sub_ps(_mm512_castsi512_ps(bits), zf[I]);                                  \
     for (int m = 0; m < MR; ++m) acc[m][I] = _mm512_fmadd_ps(xb[m], d, acc[m][I]);                     \
   }
-    DLINFER_W4_NIBBLE(0) DLINFER_W4_NIBBLE(1) DLINFER_W4_NIBBLE(2) DLINFER_W4_NIBBLE(3)
-    DLINFER_W4_NIBBLE(4) DLINFER_W4_NIBBLE(5) DLINFER_W4_NIBBLE(6) DLINFER_W4_NIBBLE(7)
+    DLINFER_W4_NIBBLE(0, lo) DLINFER_W4_NIBBLE(1, lo) DLINFER_W4_NIBBLE(2, lo) DLINFER_W4_NIBBLE(3, lo)
+    DLINFER_W4_NIBBLE(4, lo) DLINFER_W4_NIBBLE(5, hi) DLINFER_W4_NIBBLE(6, hi) DLINFER_W4_NIBBLE(7, hi)
 #undef DLINFER_W4_NIBBLE
   }
   for (int m = 0; m < MR; ++m) {
     for (int i = 0; i < 8; ++i) {
       float* yb = ybuf + m * kTileCols + i * kTileWords;
-      _mm512_storeu_ps(yb, _mm512_fmadd_ps(acc[m][i], _mm512_loadu_ps(ss + i * kTileWords), _mm512_loadu_ps(yb)));
+      const __m512 a = _mm512_mul_ps(acc[m][i], _mm512_set1_ps(1.0f / static_cast<float>(1 << kShift[i])));
+      _mm512_storeu_ps(yb, _mm512_fmadd_ps(a, _mm512_loadu_ps(ss + i * kTileWords), _mm512_loadu_ps(yb)));
     }
   }
 }
