@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason=
 @pytest.mark.parametrize("m,k,n,group,zeros", [(1, 576, 1536, 64, True), (2, 96, 136, 32, False),
                                                (3, 160, 264, 0, True), (7, 80, 48, 16, True),
                                                (8, 1536, 576, 128, True), (9, 256, 392, 128, False),
-                                               (33, 192, 128, 64, True)])
+                                               (33, 192, 128, 64, True), (4100, 64, 136, 32, True)])
 def test_repacked_and_canonical_identical_bits(dtype, m, k, n, group, zeros):
     g = torch.Generator().manual_seed(m * 1000 + n)
     qweight, scale, offset, bias = weights(W4Case("bits", (m,), k, n, group, zeros, True), dtype, g)

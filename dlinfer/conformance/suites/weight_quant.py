@@ -53,6 +53,7 @@ CASES = [
     W4Case("m8_k576_n1536_g64", (8,), 576, 1536, 64, small=False),
     W4Case("m33_k4096_n520_g128_bias", (33,), 4096, 520, 128, bias=True, small=False),
     W4Case("m3_k1024_n384_g0", (3,), 1024, 384, 0, small=False),
+    W4Case("m4100_k64_n200_g32_bias", (4100,), 64, 200, 32, bias=True, small=False),  # past 4096 rows
 ]
 
 

@@ -30,8 +30,8 @@ NOTES = {
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
-    "weight_quant_matmul": "C++: <= 8 rows dequantised in registers per 128-column tile, fp32 accumulation per "
-                           "group; more rows: float32 blocks of columns dequantised in C++, then BLAS",
+    "weight_quant_matmul": "C++: dequantised in registers per 128-column tile, 8 rows per decode, fp32 "
+                           "accumulation per group (beyond 4096 rows: float32 blocks dequantised in C++, then BLAS)",
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
     "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention)",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",

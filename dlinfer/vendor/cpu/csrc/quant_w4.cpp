@@ -3,21 +3,24 @@
 // bits 4i..4i+3 of word j; W[k, c] = (q - z[k / g, c]) * s[k / g, c]; or the column_tiled layout
 // int32 [ceil(N/128), K, 16], the same words with each 128-column tile contiguous over K.
 //
-// Few rows (decode): the weight is dequantised in registers, never stored as floats. A thread
+// The weight is dequantised in registers, never stored as floats. A thread
 // owns tiles of 128 columns (16 words); per k it loads the tile's 16 words once (64 bytes: the
 // canonical layout reads them K times with a stride of N/2 bytes, the column_tiled one as one
 // stream) and splits them into 8 vectors of 16 lanes, vector i holding columns 8w + kOrder[i].
 // Per group: acc = fma(x[k], float(q - z), acc) for k in order (q - z exact in float), then
 // y = fma(acc, s, y) per group, in float32; bias added, one rounding to x's dtype. Every lane
 // does that arithmetic in that order on every path (AVX-512, portable), so both layouts give
-// identical bits. Rows go kRowBlock at a time through the tile (the later passes read it from L2).
+// identical bits. All rows share each decoded nibble (3-8 rows: in four passes of two nibbles).
 //
-// Many rows (prefill): `w4_dequantise` gives a float32 block of columns for a GEMM (the caller,
-// kernels.py, walks N in blocks: never the whole float weight).
+// Beyond kMaxRowsW4 rows: `w4_dequantise_tiles` gives a float32 block of tiles for a GEMM (the
+// caller, weight_quant.py, walks N in blocks: never the whole float weight). Measured on one core
+// of the Zen 4 VM, w4_matmul beats that path 2-3x at every M from 1 to 512 (docs/benchmarks.md):
+// 8 rows share each decoded nibble, and the FMAs run from registers like a GEMM micro-kernel's.
 #include "common.h"
 
 #include <ATen/ops/zeros.h>
 #include <cmath>
+#include <utility>
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -29,8 +32,8 @@ namespace {
 constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 constexpr int64_t kTileWords = 16;
 constexpr int64_t kTileCols = 8 * kTileWords;
-constexpr int64_t kMaxRowsW4 = 8;  // the few-rows kernel's limit (kernels.py uses the GEMM beyond)
-constexpr int kRowBlock = 2;       // rows sharing one decode of the weight
+constexpr int64_t kMaxRowsW4 = 4096;  // w4_matmul's limit (weight_quant.py uses the dequantise + BLAS path beyond)
+constexpr int64_t kRowBlock = 8;    // rows sharing one decode of the weight
 constexpr int64_t kPrefetchRows = 8;
 
 struct Packed {
@@ -80,42 +83,65 @@ void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_
 // exactly. So acc[i] accumulates 2^(4i') times the plain sum, every rounding scaled by the same
 // power of two, and the exact multiply by 2^-(4i') at the group's end gives the plain sum's bits
 // (the portable path's; barring float32 overflow past |x| ~ 1e32 or subnormal sums).
-template <int MR>
-inline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
+//
+// MR rows x NI nibbles of accumulators: NI = 8 for 1-2 rows (one pass), NI = 2 for 3-8 rows (four
+// passes over the group's words, from L1/L2, each nibble decoded once for all the rows).
+constexpr int kShift[8] = {0, 4, 8, 12, 16, 0, 4, 8};  // 4i' of nibble i
+
+template <int I, int J, int MR, int NI>
+inline void nibble(const __m512i lo, const __m512i hi, const __m512i magic, const __m512* zf, const __m512* xb,
+                   __m512 (&acc)[MR][NI]) {
+  // (src & mask) | magic: ternary-logic truth table 0xEA = (A & B) | C
+  const __m512i bits = _mm512_ternarylogic_epi32(I < 5 ? lo : hi, _mm512_set1_epi32(15 << kShift[I]), magic, 0xEA);
+  const __m512 d = _mm512_sub_ps(_mm512_castsi512_ps(bits), zf[J]);
+  for (int m = 0; m < MR; ++m) acc[m][J] = _mm512_fmadd_ps(xb[m], d, acc[m][J]);
+}
+
+template <int MR, int I0, int NI>
+inline void group_pass(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
                        const int32_t* zs, const float* ss, float* ybuf) {
-  constexpr int kShift[8] = {0, 4, 8, 12, 16, 0, 4, 8};  // 4i' of nibble i
-  __m512 acc[MR][8];
-  __m512 zf[8];  // 2^23 + z * 2^(4i')
+  __m512 acc[MR][NI];
+  __m512 zf[NI];  // 2^23 + z * 2^(4i')
   const __m512i magic = _mm512_set1_epi32(0x4B000000);
-  for (int i = 0; i < 8; ++i) {
-    const __m512i z = _mm512_sllv_epi32(_mm512_loadu_si512(zs + i * kTileWords), _mm512_set1_epi32(kShift[i]));
-    zf[i] = _mm512_castsi512_ps(_mm512_or_si512(z, magic));
+  for (int j = 0; j < NI; ++j) {
+    const __m512i z = _mm512_sllv_epi32(_mm512_loadu_si512(zs + (I0 + j) * kTileWords),
+                                        _mm512_set1_epi32(kShift[I0 + j]));
+    zf[j] = _mm512_castsi512_ps(_mm512_or_si512(z, magic));
   }
   for (int m = 0; m < MR; ++m)
-    for (int i = 0; i < 8; ++i) acc[m][i] = _mm512_setzero_ps();
+    for (int j = 0; j < NI; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t k = k0; k < k1; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w.row(t, std::min(k + kPrefetchRows, w.K - 1))), _MM_HINT_T0);
+    if (I0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w.row(t, std::min(k + kPrefetchRows, w.K - 1))), _MM_HINT_T0);
     const __m512i lo = _mm512_maskz_loadu_epi32(mask, w.row(t, k));
     const __m512i hi = _mm512_srli_epi32(lo, 20);
     __m512 xb[MR];
     for (int m = 0; m < MR; ++m) xb[m] = _mm512_set1_ps(xr[m][k]);
-#define DLINFER_W4_NIBBLE(I, SRC)                                                                      \
-  {                                                                                                   \
-    /* (SRC & mask) | magic: ternary-logic truth table 0xEA = (A & B) | C */                            \
-    const __m512i bits = _mm512_ternarylogic_epi32(SRC, _mm512_set1_epi32(15 << kShift[I]), magic, 0xEA); \
-    const __m512 d = _mm512_sub_ps(_mm512_castsi512_ps(bits), zf[I]);                                  \
-    for (int m = 0; m < MR; ++m) acc[m][I] = _mm512_fmadd_ps(xb[m], d, acc[m][I]);                     \
-  }
-    DLINFER_W4_NIBBLE(0, lo) DLINFER_W4_NIBBLE(1, lo) DLINFER_W4_NIBBLE(2, lo) DLINFER_W4_NIBBLE(3, lo)
-    DLINFER_W4_NIBBLE(4, lo) DLINFER_W4_NIBBLE(5, hi) DLINFER_W4_NIBBLE(6, hi) DLINFER_W4_NIBBLE(7, hi)
-#undef DLINFER_W4_NIBBLE
+    [&]<int... J>(std::integer_sequence<int, J...>) {
+      (nibble<I0 + J, J, MR, NI>(lo, hi, magic, zf, xb, acc), ...);
+    }(std::make_integer_sequence<int, NI>{});
   }
   for (int m = 0; m < MR; ++m) {
-    for (int i = 0; i < 8; ++i) {
-      float* yb = ybuf + m * kTileCols + i * kTileWords;
-      const __m512 a = _mm512_mul_ps(acc[m][i], _mm512_set1_ps(1.0f / static_cast<float>(1 << kShift[i])));
-      _mm512_storeu_ps(yb, _mm512_fmadd_ps(a, _mm512_loadu_ps(ss + i * kTileWords), _mm512_loadu_ps(yb)));
+    for (int j = 0; j < NI; ++j) {
+      float* yb = ybuf + m * kTileCols + (I0 + j) * kTileWords;
+      const __m512 a = _mm512_mul_ps(acc[m][j], _mm512_set1_ps(1.0f / static_cast<float>(1 << kShift[I0 + j])));
+      _mm512_storeu_ps(yb, _mm512_fmadd_ps(a, _mm512_loadu_ps(ss + (I0 + j) * kTileWords), _mm512_loadu_ps(yb)));
     }
+  }
+}
+
+template <int MR>
+inline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
+                       const int32_t* zs, const float* ss, float* ybuf) {
+  if constexpr (MR == 1) {
+    group_pass<MR, 0, 8>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
+  } else if constexpr (MR == 2) {
+    group_pass<MR, 0, 4>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
+    group_pass<MR, 4, 4>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
+  } else {
+    group_pass<MR, 0, 2>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
+    group_pass<MR, 2, 2>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
+    group_pass<MR, 4, 2>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
+    group_pass<MR, 6, 2>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
   }
 }
 #else
@@ -170,15 +196,24 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0) {
 }
 
 template <typename T>
-void run_few_rows(const Problem<T>& p) {
+void run_rows(const Problem<T>& p) {
   const int64_t tiles = (p.w.words + kTileWords - 1) / kTileWords;
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max(grain_for(tiles, p.K * p.N / 2), (tiles + threads - 1) / threads);
   at::parallel_for(0, tiles, grain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      int64_t m = 0;
-      for (; m + kRowBlock <= p.M; m += kRowBlock) tile_rows<T, kRowBlock>(p, t, m);
-      for (; m < p.M; ++m) tile_rows<T, 1>(p, t, m);
+      for (int64_t m = 0; m < p.M; m += kRowBlock) {  // up to 8 rows through one decode of the tile
+        switch (std::min(kRowBlock, p.M - m)) {
+          case 1: tile_rows<T, 1>(p, t, m); break;
+          case 2: tile_rows<T, 2>(p, t, m); break;
+          case 3: tile_rows<T, 3>(p, t, m); break;
+          case 4: tile_rows<T, 4>(p, t, m); break;
+          case 5: tile_rows<T, 5>(p, t, m); break;
+          case 6: tile_rows<T, 6>(p, t, m); break;
+          case 7: tile_rows<T, 7>(p, t, m); break;
+          case 8: tile_rows<T, 8>(p, t, m); break;
+        }
+      }
     }
   });
 }
@@ -206,53 +241,71 @@ void check_common(const at::Tensor& scale, const std::optional<at::Tensor>& offs
 }
 
 // x [M, K] (M <= kMaxRowsW4), qweight, scale [K/g, N] (x's dtype), offset?, bias? -> [M, N] in x's dtype.
-at::Tensor w4_matmul_few_rows(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                               int64_t group_size) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRowsW4, "w4_matmul_few_rows: x [M <= 8, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRowsW4, "w4_matmul: x [M <= 4096, K]");
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(1);
   check_common(scale, offset, K, group_size);
-  TORCH_CHECK(scale.scalar_type() == x.scalar_type(), "w4_matmul_few_rows: scale in x's dtype");
+  TORCH_CHECK(scale.scalar_type() == x.scalar_type(), "w4_matmul: scale in x's dtype");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor bf;
   if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const Packed w = packed_of(qweight, K, N);
-  AT_DISPATCH_V2(scale.scalar_type(), "w4_matmul_few_rows", AT_WRAP([&] {
+  AT_DISPATCH_V2(scale.scalar_type(), "w4_matmul", AT_WRAP([&] {
     using T = scalar_t;
     Problem<T> p{xf.data_ptr<float>(), w, scale.data_ptr<T>(),
                  offset.has_value() ? offset->data_ptr<int32_t>() : nullptr,
                  bias.has_value() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, group_size};
-    if (M > 0) run_few_rows(p);
+    if (M > 0) run_rows(p);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
 
-// Columns c0..c1 (multiples of 8) of the float32 weight: [K, c1 - c0], W[k, c] = float(q - z) * s.
-at::Tensor w4_dequantise(const at::Tensor& qweight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
-                         int64_t group_size, int64_t c0, int64_t c1) {
+// Tiles t0..t1 of the float32 weight in lane order, [K, (t1 - t0) * 128]: column (t - t0) * 128 +
+// i * 16 + w holds W[k, 8 * (16t + w) + kOrder[i]] = float(q - z) * s (zero past N). The caller
+// multiplies and puts the output columns back in order (a GEMM does not care about their order;
+// a scatter into column order would cost more than the decode).
+at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scale,
+                               const std::optional<at::Tensor>& offset, int64_t group_size, int64_t t0, int64_t t1) {
   const int64_t N = scale.size(1);
   const int64_t K = qweight.dim() == 3 ? qweight.size(1) : qweight.size(0);
   check_common(scale, offset, K, group_size);
-  TORCH_CHECK(0 <= c0 && c0 <= c1 && c1 <= N && c0 % 8 == 0 && c1 % 8 == 0, "w4_dequantise: column range");
+  const int64_t tiles = (N / 8 + kTileWords - 1) / kTileWords;
+  TORCH_CHECK(0 <= t0 && t0 <= t1 && t1 <= tiles, "w4_dequantise_tiles: tile range");
   const Packed w = packed_of(qweight, K, N);
-  at::Tensor out = at::empty({K, c1 - c0}, scale.options().dtype(at::kFloat));
+  const int64_t width = (t1 - t0) * kTileCols;
+  at::Tensor out = at::empty({K, width}, scale.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
-  const int32_t* zeros = offset.has_value() ? offset->data_ptr<int32_t>() : nullptr;
-  const int64_t g = group_size, width = c1 - c0;
-  AT_DISPATCH_V2(scale.scalar_type(), "w4_dequantise", AT_WRAP([&] {
-    const scalar_t* s = scale.data_ptr<scalar_t>();
-    at::parallel_for(0, K, grain_for(K, K * width), [&](int64_t kb, int64_t ke) {
-      for (int64_t k = kb; k < ke; ++k) {
-        const int64_t gi = k / g;
-        float* row = o + k * width;
-        for (int64_t j = c0 / 8; j < c1 / 8; ++j) {
-          const int32_t v = w.word(k, j);
-          const int32_t zw = zeros ? zeros[gi * (N / 8) + j] : 0;
-          for (int i = 0; i < 8; ++i) {
-            const int64_t c = 8 * j + kOrder[i];
-            const int32_t z = zeros ? (zw >> (4 * i)) & 15 : 8;
-            row[c - c0] = static_cast<float>(((v >> (4 * i)) & 15) - z) * static_cast<float>(s[gi * N + c]);
+  AT_DISPATCH_V2(scale.scalar_type(), "w4_dequantise_tiles", AT_WRAP([&] {
+    using T = scalar_t;
+    const Problem<T> p{nullptr, w, scale.data_ptr<T>(), offset.has_value() ? offset->data_ptr<int32_t>() : nullptr,
+                       nullptr, nullptr, 0, K, N, group_size};
+    at::parallel_for(t0, t1, 1, [&](int64_t tb, int64_t te) {
+      alignas(64) int32_t zs[kTileCols];
+      alignas(64) float ss[kTileCols];
+      for (int64_t t = tb; t < te; ++t) {
+        const int nwords = static_cast<int>(std::min<int64_t>(kTileWords, p.w.words - t * kTileWords));
+        for (int64_t gi = 0; gi < K / group_size; ++gi) {
+          group_params(p, t, gi, nwords, zs, ss);
+          for (int64_t k = gi * group_size; k < (gi + 1) * group_size; ++k) {
+            const int32_t* words = w.row(t, k);
+            float* row = o + k * width + (t - t0) * kTileCols;
+#if defined(CPU_CAPABILITY_AVX512)
+            const __m512i v = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << nwords) - 1u), words);
+            for (int i = 0; i < 8; ++i) {
+              const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(4 * i)), _mm512_set1_epi32(15));
+              const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_loadu_si512(zs + i * kTileWords)));
+              _mm512_storeu_ps(row + i * kTileWords, _mm512_mul_ps(d, _mm512_loadu_ps(ss + i * kTileWords)));
+            }
+#else
+            for (int i = 0; i < 8; ++i)
+              for (int wd = 0; wd < kTileWords; ++wd) {
+                const int32_t q = wd < nwords ? (words[wd] >> (4 * i)) & 15 : 0;
+                row[i * kTileWords + wd] = static_cast<float>(q - zs[i * kTileWords + wd]) * ss[i * kTileWords + wd];
+              }
+#endif
           }
         }
       }
@@ -282,14 +335,14 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("w4_matmul_few_rows(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, int group_size) "
+  m.def("w4_matmul(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, int group_size) "
         "-> Tensor");
-  m.impl("w4_matmul_few_rows", c10::DispatchKey::CPU, &w4_matmul_few_rows);
-  m.def("w4_dequantise(Tensor qweight, Tensor scale, Tensor? offset, int group_size, int c0, int c1) -> Tensor");
-  m.impl("w4_dequantise", c10::DispatchKey::CPU, &w4_dequantise);
+  m.impl("w4_matmul", c10::DispatchKey::CPU, &w4_matmul);
+  m.def("w4_dequantise_tiles(Tensor qweight, Tensor scale, Tensor? offset, int group_size, int t0, int t1) -> Tensor");
+  m.impl("w4_dequantise_tiles", c10::DispatchKey::CPU, &w4_dequantise_tiles);
   m.def("w4_column_tiled(Tensor qweight) -> Tensor");
   m.impl("w4_column_tiled", c10::DispatchKey::CPU, &w4_column_tiled);
-  m.def("w4_max_few_rows() -> int", []() -> int64_t { return kMaxRowsW4; });
+  m.def("w4_max_rows() -> int", []() -> int64_t { return kMaxRowsW4; });
 }
 
 }  // namespace dlinfer_cpu
