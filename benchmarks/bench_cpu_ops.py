@@ -11,7 +11,10 @@ Sizes: a 7B-class layer (Llama-3-8B: H 4096, Hq 32, Hkv 8, D 128, I 14336) with 
 context scaled for a 2-core CPU, plus the decode-time `linear` of SmolLM2-135M (H 576, 30 layers),
 whose weights stream from memory at every call like a real decode step's.
 
-    .venv/bin/python benchmarks/bench_cpu_ops.py [--quick] [--vendors torch,cpu]
+    .venv/bin/python benchmarks/bench_cpu_ops.py [--quick] [--vendors torch,cpu] [--w4-only] [--threads N]
+
+The W4A16 table (`weight_quant_matmul`, cpu vendor, SmolLM2-135M shapes at 1 and 8 rows): GB/s of
+packed weight streamed against the read bandwidth, and the float32 `linear` of the same shape.
 """
 
 from __future__ import annotations
@@ -157,6 +160,43 @@ def linear_cases(tab, dtype):
                  lambda: [ops.linear(xs[w.shape[1]], w) for layer in layers for w in layer], nbytes)
 
 
+def w4_cases(bw):
+    """W4A16 `weight_quant_matmul` on the cpu vendor at SmolLM2-135M's shapes (K 576: group 64, as
+    576 is no multiple of 128; K 1536: group 128), canonical AWQ layout and column_tiled (what the
+    vendor's load-time repack gives), against the float32 `linear` of the same shape. Each weight
+    is cycled over copies of >= 64 MB in all, so every call streams it from memory; the three are
+    timed interleaved, three rounds, best median kept. GB/s: packed weight + scale + zero-point
+    bytes per second, against the read bandwidth measured in the same run."""
+    from dlinfer.conformance.suites.weight_quant import W4Case, weights
+
+    print("\n| M | K | N | g | W4 canonical ms | W4 column_tiled ms | GB/s (tiled) | of read bw | "
+          "f32 linear ms | f32 / W4 tiled |")
+    print("|---" * 10 + "|", flush=True)
+    for k, n, g in ((576, 1536, 64), (576, 576, 64), (576, 49152, 64), (1536, 576, 128)):
+        wbytes = k * n // 2 + (k // g) * n * 4 + (k // g) * n // 2
+        sets = []
+        for c in range(max(1, (64 << 20) // wbytes)):
+            qw, sc, z, _ = weights(W4Case("bench", (1,), k, n, g), torch.float32, torch.Generator().manual_seed(c))
+            sets.append(ops.repack_weight_quant(qw, sc, z, g) + (qw,))
+        dense = [torch.randn(n, k) for _ in range(max(1, (64 << 20) // (4 * k * n)))]
+        for m in (1, 8):
+            x = torch.randn(m, k)
+            calls = {
+                "canonical": lambda: [ops.weight_quant_matmul(x, c, s, z, None, False, g) for _, s, z, c in sets],
+                "tiled": lambda: [ops.weight_quant_matmul(x, t, s, z, None, False, g) for t, s, z, _ in sets],
+                "f32": lambda: [ops.linear(x, w) for w in dense],
+            }
+            per = {"canonical": len(sets), "tiled": len(sets), "f32": len(dense)}
+            best = {name: float("inf") for name in calls}
+            for _ in range(3):
+                for name, fn in calls.items():
+                    best[name] = min(best[name], timeit(fn, min_time=0.3) / per[name])
+            gbs = wbytes / best["tiled"]
+            print(f"| {m} | {k} | {n} | {g} | {best['canonical'] * 1e3:.3f} | {best['tiled'] * 1e3:.3f} | "
+                  f"{gbs / 1e9:.1f} | {gbs / bw:.2f} | {best['f32'] * 1e3:.3f} | {best['f32'] / best['tiled']:.2f}x |",
+                  flush=True)
+
+
 def run(quick: bool, vendors):
     torch.manual_seed(0)
     dtype = torch.float32
@@ -166,6 +206,10 @@ def run(quick: bool, vendors):
     tab = Table(vendors, bw, copy_bw)
 
     linear_cases(tab, dtype)
+    if "cpu" in vendors:
+        with dlinfer.vendor.using("cpu"):
+            w4_cases(bw)
+        print()
 
     for tokens, label in ((8, "decode T=8"), (512, "prefill T=512")):
         x = torch.randn(tokens, H, dtype=dtype)
@@ -233,6 +277,17 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer attention sizes")
     parser.add_argument("--vendors", default=None, help="comma-separated (default: the CPU vendors that load)")
+    parser.add_argument("--w4-only", action="store_true", help="only the W4A16 table (cpu vendor)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     names = args.vendors.split(",") if args.vendors else [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
-    run(args.quick, names)
+    if args.w4_only:
+        read_bw = read_bandwidth()
+        print(f"W4A16, cpu vendor; CPU, {torch.get_num_threads()} threads; read bandwidth {read_bw / 1e9:.1f} GB/s "
+              "(this machine, same run)")
+        with dlinfer.vendor.using("cpu"):
+            w4_cases(read_bw)
+    else:
+        run(args.quick, names)

@@ -57,6 +57,12 @@ class Vendor:
     capabilities: dtypes, head dims, optional features.
     graph_compiler: optional `(gm: torch.fx.GraphModule, example_inputs) -> callable` used by the
         `dlinfer` torch.compile backend after dlinfer's own rewrite passes.
+    repack_weight_quant: optional load-time hook `(qweight, scale, offset, group_size) ->
+        (qweight', scale', offset')` for W4A16 weights in the canonical AWQ layout (already
+        checked; group_size resolved, 0 -> K): what this vendor's `weight_quant_matmul` reads
+        fastest, in a layout the op accepts (dlinfer/vendor/w4_layouts.py). `dlinfer.ops.
+        repack_weight_quant` calls it once per layer when the framework loads the weights; without
+        it the canonical tensors are used as they are.
     """
 
     name: str
@@ -65,6 +71,7 @@ class Vendor:
     ops: Mapping[str, Callable]
     capabilities: Capabilities = Capabilities()
     graph_compiler: Optional[Callable] = None
+    repack_weight_quant: Optional[Callable] = None
 
     def __post_init__(self):
         bad = [layout for layout in self.kv_layouts if layout not in KV_LAYOUTS]

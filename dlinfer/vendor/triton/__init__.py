@@ -26,6 +26,7 @@ NOTES = {
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
+    "weight_quant_matmul": "Triton: nibbles unpacked in the kernel (either layout), fp32 W tiles, IEEE fp32 tl.dot",
     "linear": "not a Triton kernel: torch.nn.functional.linear, i.e. the platform matmul (cuBLAS on CUDA)",
 }
 
@@ -33,7 +34,7 @@ NOTES = {
 def load() -> Vendor:
     import triton  # noqa: F401  (ImportError when Triton is missing: the registry records why)
 
-    from dlinfer.vendor.triton import activation, attention, kv_cache, linear, moe, norm, rotary
+    from dlinfer.vendor.triton import activation, attention, kv_cache, linear, moe, norm, rotary, weight_quant
     from dlinfer.vendor.triton._common import INTERPRET
     from dlinfer.vendor.torch import quant as torch_quant
 
@@ -54,6 +55,7 @@ def load() -> Vendor:
         "linear_w8a8": torch_quant.linear_w8a8,
         "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
+        "weight_quant_matmul": weight_quant.weight_quant_matmul,
     }
     # The interpreter runs the kernels on CPU tensors.
     device_types = ("cuda", "cpu") if INTERPRET else ("cuda",)

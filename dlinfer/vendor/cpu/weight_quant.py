@@ -1,0 +1,69 @@
+"""The cpu vendor's W4A16 (`weight_quant_matmul`): C++ kernels of csrc/quant_w4.cpp.
+
+Up to GEMV_MAX_ROWS rows (decode and prefill chunks alike): the weight is dequantised in
+registers and streamed once per 8 rows (`w4_matmul`). More rows: the float32 weight is built a
+block of 128-column tiles at a time (`w4_dequantise_tiles`, at most _BLOCK_BYTES) and multiplied
+by BLAS, so the whole float weight never exists. The switch: measured on one core of the Zen 4
+VM, the register kernel is 2-3x faster than the dequantise + BLAS path at every M from 1 to 512
+(docs/benchmarks.md), so the switch sits at the kernel's own limit. Both read the canonical AWQ layout and the column_tiled one
+(dlinfer/vendor/w4_layouts.py); `repack_weight_quant` is this vendor's load-time hook.
+
+Importing this module needs the kernels loaded (`build.build()`).
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_w4_matmul = torch.ops.dlinfer_cpu.w4_matmul.default
+_dequantise_tiles = torch.ops.dlinfer_cpu.w4_dequantise_tiles.default
+_column_tiled = torch.ops.dlinfer_cpu.w4_column_tiled.default
+GEMV_MAX_ROWS = torch.ops.dlinfer_cpu.w4_max_rows()  # w4_matmul up to this M (the measured switch: see above)
+_BLOCK_BYTES = 2 << 20  # float32 weight bytes per GEMM block of the prefill path
+TILE_COLS = 128
+_LANE_OF_COLUMN = [0, 4, 1, 5, 2, 6, 3, 7]  # column 8j + r of a word sits in nibble lane r // 2 + 4 * (r % 2)
+
+
+def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
+          group_size: int) -> Tensor:
+    """x [M, K] @ W -> [M, N] float32, W dequantised to float32 a block of 128-column tiles at a
+    time, in the kernel's lane order; the output columns are put back in order at the end."""
+    m, k = x.shape
+    n = scale.shape[1]
+    tiles = -(-n // TILE_COLS)
+    xf = x.float()
+    lanes = torch.empty((m, tiles * TILE_COLS), dtype=torch.float32)
+    step = max(1, _BLOCK_BYTES // (4 * k * TILE_COLS))
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        lanes[:, t0 * TILE_COLS:t1 * TILE_COLS] = xf @ _dequantise_tiles(qweight, scale, offset, group_size, t0, t1)
+    # lane (t, i, w) holds column 8 * (16t + w) + ORDER[i]: to (t, w, column-in-word) order
+    out = lanes.view(m, tiles, 8, 16).transpose(2, 3)[..., _LANE_OF_COLUMN].reshape(m, tiles * TILE_COLS)[:, :n]
+    if bias is not None:
+        out = out + bias.float()
+    return out
+
+
+def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
+                        group_size: int) -> Tensor:
+    """x [M, K], qweight int32 [K, N/8] or column_tiled [ceil(N/128), K, 16], scale [K/g, N] (x's
+    dtype), offset int32 [K/g, N/8]?, bias [N]?, group_size g -> [M, N] in x's dtype."""
+    scale = scale.contiguous()
+    offset = None if offset is None else offset.contiguous()
+    qweight = qweight.contiguous()
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return _w4_matmul(x, qweight, scale, offset, bias, group_size)
+    return _gemm(x, qweight, scale, offset, bias, group_size).to(x.dtype)
+
+
+def column_tiled(qweight: Tensor) -> Tensor:
+    """canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (C++, one pass)."""
+    return _column_tiled(qweight)
+
+
+def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], group_size: int):
+    """The vendor's load-time hook: qweight column_tiled (scale and offset as they are). The
+    register kernel reads a tile's words as one stream instead of K strided pieces: 1.2-3.6x
+    faster at one row on SmolLM2-135M's shapes (docs/benchmarks.md); outputs identical bit for bit."""
+    return column_tiled(qweight.contiguous()), scale, offset

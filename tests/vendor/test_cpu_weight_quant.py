@@ -1,0 +1,51 @@
+"""The cpu vendor's W4A16 load-time repack: canonical and column_tiled weights give the same
+output bits (few-rows kernel and the GEMM path), the hook is what `dlinfer.ops.
+repack_weight_quant` returns on CPU, and the torch vendor has none."""
+
+import pytest
+import torch
+
+import dlinfer.ops as ops
+import dlinfer.vendor
+from dlinfer.conformance.suites.weight_quant import W4Case, column_tile, weights
+
+pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n,group,zeros", [(1, 576, 1536, 64, True), (2, 96, 136, 32, False),
+                                               (3, 160, 264, 0, True), (7, 80, 48, 16, True),
+                                               (8, 1536, 576, 128, True), (9, 256, 392, 128, False),
+                                               (33, 192, 128, 64, True), (4100, 64, 136, 32, True)])
+def test_repacked_and_canonical_identical_bits(dtype, m, k, n, group, zeros):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    qweight, scale, offset, bias = weights(W4Case("bits", (m,), k, n, group, zeros, True), dtype, g)
+    x = (torch.randn(m, k, generator=g)).to(dtype)
+    with dlinfer.vendor.using("cpu"):
+        tiled, scale2, offset2 = ops.repack_weight_quant(qweight, scale, offset, group)
+        assert tiled.shape == (-(-n // 128), k, 16) and tiled.dtype == torch.int32
+        assert torch.equal(tiled, column_tile(qweight))  # the layout, as the suite spells it
+        assert scale2 is scale and offset2 is offset
+        a = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, group)
+        b = ops.weight_quant_matmul(x, tiled, scale2, offset2, bias, False, group)
+        assert ops.repack_weight_quant(tiled, scale2, offset2, group)[0] is tiled  # repacked already
+    assert torch.equal(a.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       b.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+def test_torch_vendor_has_no_repack_hook():
+    g = torch.Generator().manual_seed(0)
+    qweight, scale, offset, _ = weights(W4Case("hook", (1,), 64, 48, 32), torch.float32, g)
+    assert dlinfer.vendor.load("torch").repack_weight_quant is None
+    with dlinfer.vendor.using("torch"):
+        out = ops.repack_weight_quant(qweight, scale, offset, 32)
+    assert out[0] is qweight and out[1] is scale and out[2] is offset
+
+
+def test_repack_checks_its_arguments():
+    g = torch.Generator().manual_seed(0)
+    qweight, scale, offset, _ = weights(W4Case("hook", (1,), 64, 48, 32), torch.float32, g)
+    with pytest.raises(ValueError, match=r"repack_weight_quant.*group_size"):
+        ops.repack_weight_quant(qweight, scale, offset, 48)
+    with pytest.raises(ValueError, match=r"repack_weight_quant.*qweight"):
+        ops.repack_weight_quant(qweight.to(torch.int64), scale, offset, 32)
