@@ -108,13 +108,12 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
 
 
 def main(args: argparse.Namespace) -> int:
-    from dlinfer.errors import UnsupportedError
     from dlinfer.quantize.source import QuantizeInputError
 
     try:
         quantize(args.src, args.dst, args.method, args.group_size, args.calib, args.kv_int8,
                  args.calib_seqlen, args.calib_samples)
-    except (QuantizeInputError, UnsupportedError) as exc:
+    except QuantizeInputError as exc:
         print(f"error: {exc}")
         return 2
     return 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dlinfer.errors import UnsupportedError
-
 # Architectures whose decoder layer this package knows (names of the norms and linears, below)
 # and whose quantised checkpoints were compared with HF on LMDeploy's CPU device type.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -16,6 +14,10 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 class QuantizeInputError(ValueError):
     """SRC, DST or an option of `python -m dlinfer quantize` cannot be used."""
+
+
+class UnsupportedCheckpointError(QuantizeInputError):
+    """SRC is a checkpoint this command does not quantise (its architecture, or already quantised)."""
 
 
 def read_config(src: Path) -> dict:
@@ -34,10 +36,10 @@ def read_config(src: Path) -> dict:
     arch = (config.get("architectures") or ["?"])[0]
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
-        raise UnsupportedError(f"quantize: SRC is already quantised (quant_method={method!r}); start from the "
+        raise UnsupportedCheckpointError(f"quantize: SRC is already quantised (quant_method={method!r}); start from the "
                                "float checkpoint.")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedError(f"quantize: architecture {arch!r} is not supported (supported: "
+        raise UnsupportedCheckpointError(f"quantize: architecture {arch!r} is not supported (supported: "
                                f"{', '.join(SUPPORTED_ARCHITECTURES)}); MoE and other families are not quantised "
                                "by this command.")
     return config
