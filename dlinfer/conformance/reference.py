@@ -101,6 +101,37 @@ def add_rms_norm_w8a8(hidden_states, residual, weight, epsilon):
     return q, scale, _f64(s), normed
 
 
+# ---------------------------------------------------------------- W4A16 (AWQ gemm layout)
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of word j holds column 8 * j + AWQ_ORDER[i]
+
+
+def awq_unpack(packed):
+    """int32 [R, W] (AWQ gemm packing) -> int64 [R, 8 * W] of values 0..15, column by column."""
+    P = packed.detach().cpu().to(torch.int64) & 0xFFFFFFFF  # the 32 bits, unsigned
+    out = torch.zeros(P.shape[0], 8 * P.shape[1], dtype=torch.int64)
+    for i, col in enumerate(AWQ_ORDER):
+        out[:, col::8] = (P >> (4 * i)) & 0xF
+    return out
+
+
+def weight_quant_matmul(x, qweight, scale, offset, bias, group_size):
+    """x [..., K] @ W (+ bias), float64 [..., N]: W[k, c] = (q[k, c] - z[k // g, c]) * s[k // g, c]
+    from a canonical qweight int32 [K, N/8], scale [K/g, N], offset int32 [K/g, N/8] or None (8)."""
+    q = awq_unpack(qweight)
+    K, N = q.shape
+    g = group_size or K
+    z = torch.full((K // g, N), 8, dtype=torch.int64) if offset is None else awq_unpack(offset)
+    w = torch.empty(K, N, dtype=F64)
+    s = _f64(scale)
+    for k in range(K):
+        w[k] = (q[k] - z[k // g]).to(F64) * s[k // g]
+    out = _f64(x).reshape(-1, K) @ w
+    if bias is not None:
+        out = out + _f64(bias)
+    return out.reshape(*x.shape[:-1], N)
+
+
 # ---------------------------------------------------------------- rotary
 
 

@@ -37,10 +37,16 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, all_reduce:
     else:
         out = kernel(x.reshape(-1, k), weight, bias).view(*x.shape[:-1], n)
     if all_reduce:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            pg = None if group in ("", None) else group
-            if dist.get_world_size(pg) > 1:
-                dist.all_reduce(out, group=pg)
+        sum_over_group(out, group)
     return out
+
+
+def sum_over_group(out: Tensor, group="") -> None:
+    """all_reduce (sum) `out` in place over `group` ("" or None: the default group); a no-op when
+    torch.distributed is not initialised or the group has one rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pg = None if group in ("", None) else group
+        if dist.get_world_size(pg) > 1:
+            dist.all_reduce(out, group=pg)

@@ -71,6 +71,8 @@ FAMILY = {
     # the scales (and int8 values) follow the norm, rounded to the activation dtype first
     "rms_norm_w8a8": "reduction",
     "add_rms_norm_w8a8": "reduction",
+    # W4A16: a float32 sum over K of x times the dequantised weight (exact for half-type scales)
+    "weight_quant_matmul": "reduction",
 }
 
 # (op, result) pairs every correct vendor produces bit for bit, as the parity tests check them:

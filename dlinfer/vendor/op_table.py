@@ -105,6 +105,10 @@ def _add_rms_norm_w8a8_fake(hidden_states, residual, weight, epsilon):
     return (*_dynamic_quant_fake(hidden_states), torch.empty_like(hidden_states))
 
 
+def _weight_quant_matmul_fake(x, qweight, scale, offset, bias, group_size):
+    return x.new_empty((x.shape[0], scale.shape[1]))
+
+
 _TABLE = (
     OpSpec(
         "rms_norm",
@@ -210,6 +214,15 @@ _TABLE = (
         "(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) -> (Tensor, Tensor, Tensor)",
         _add_rms_norm_w8a8_fake,
         "hidden_states [N, H], residual [N, H], weight [H] -> (xq [N, H] int8, scale [N] float32, h + r [N, H])",
+    ),
+    # W4A16: LMDeploy's AWQ gemm layout (dlinfer/vendor/w4_layouts.py); group_size resolved (0 -> K).
+    OpSpec(
+        "weight_quant_matmul",
+        "(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, SymInt group_size) -> Tensor",
+        _weight_quant_matmul_fake,
+        "x [M, K], qweight int32 [K, N/8] (or column_tiled [ceil(N/128), K, 16]), scale [K/g, N] in x's dtype, "
+        "offset int32 [K/g, N/8]? (None: zero point 8), bias [N]?, group_size g (K % g == 0) "
+        "-> [M, N] = x @ ((q - z) * s) (+ bias)",
     ),
 )
 

@@ -104,6 +104,9 @@ def run_every_op(seed: int = 0, nb: int = 32) -> None:
     DL.linear_w8a8(xq, wq, x_scale, torch.rand(20, generator=g) / 127, torch.float32, randn(20))
     DL.rms_norm_w8a8(x, randn(64), 1e-6)
     DL.add_rms_norm_w8a8(x, randn(t, 64), randn(64), 1e-6)
+    qweight = torch.randint(-2**31, 2**31, (64, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    qzeros = torch.randint(-2**31, 2**31, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    DL.weight_quant_matmul(x, qweight, randn(2, 24, scale=0.02), qzeros, randn(24), 32)
 
 
 # -- off: no wrapper ---------------------------------------------------------------------------

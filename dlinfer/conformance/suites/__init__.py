@@ -9,6 +9,7 @@ from dlinfer.conformance.suites import (  # noqa: F401  (registration order = ru
     moe,
     activation,
     quant,
+    weight_quant,
     strided,
     bad_inputs,
     garbage,

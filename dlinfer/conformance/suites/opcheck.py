@@ -45,6 +45,16 @@ def samples(name, layout, g):
         return [((r(5, 64), r(64), 1e-6), {}), ((r(3, 80, dtype=torch.float16), r(80, dtype=torch.float16), 1e-5), {})]
     if name == "add_rms_norm_w8a8":
         return [((r(5, 64), r(5, 64), r(64), 1e-6), {})]
+    if name == "weight_quant_matmul":
+        from dlinfer.conformance.suites.weight_quant import W4Case, weights
+
+        out = []
+        for dtype, group, zeros, bias, tiled in ((F32, 32, True, True, False), (torch.bfloat16, 64, False, False, False)):
+            qw, s, z, b = weights(W4Case("opcheck", (5,), 64, 136, group, zeros, bias), dtype, g)
+            if tiled:
+                qw = dlinfer.ops.repack_weight_quant(qw, s, z, group)[0]
+            out.append(((r(5, 64, dtype=dtype), qw, s, z, b, group), {}))
+        return out
     if name == "fused_moe":
         ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=I64, device=dev)
         w = torch.rand(5, 2, generator=g).to(dev)

@@ -30,6 +30,8 @@ NOTES = {
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
+    "weight_quant_matmul": "C++: <= 8 rows dequantised in registers per 128-column tile, fp32 accumulation per "
+                           "group; more rows: float32 blocks of columns dequantised in C++, then BLAS",
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
     "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention)",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
@@ -42,7 +44,7 @@ def load() -> Vendor:
 
     build.build()  # raises when the kernels cannot be built: the registry records why
 
-    from dlinfer.vendor.cpu import kernels
+    from dlinfer.vendor.cpu import kernels, weight_quant
     from dlinfer.vendor.torch import attention as torch_attention
     from dlinfer.vendor.torch import moe as torch_moe
     from dlinfer.vendor.torch import quant as torch_quant
@@ -64,6 +66,7 @@ def load() -> Vendor:
         "linear_w8a8": torch_quant.linear_w8a8,
         "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
+        "weight_quant_matmul": weight_quant.weight_quant_matmul,
     }
     return Vendor(
         name="cpu",

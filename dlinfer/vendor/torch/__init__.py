@@ -9,7 +9,7 @@ from dlinfer.vendor.base import FEATURE_ALIBI, HEAD_MAJOR, TOKEN_MAJOR, Capabili
 
 
 def load() -> Vendor:
-    from dlinfer.vendor.torch import activation, attention, kv_cache, linear, moe, norm, quant, rotary
+    from dlinfer.vendor.torch import activation, attention, kv_cache, linear, moe, norm, quant, rotary, weight_quant
 
     ops = {
         "rms_norm": norm.rms_norm,
@@ -27,12 +27,14 @@ def load() -> Vendor:
         "linear_w8a8": quant.linear_w8a8,
         "rms_norm_w8a8": quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": quant.add_rms_norm_w8a8,
+        "weight_quant_matmul": weight_quant.weight_quant_matmul,
     }
     notes = {
         "prefill_attention": "scaled_dot_product_attention per sequence",
         "paged_prefill_attention": "per-sequence block gather + scaled_dot_product_attention",
         "paged_decode_attention": "batched per-token block gather + one scaled_dot_product_attention",
         "fused_moe": "tokens sorted by expert, one GEMM pair per active expert",
+        "weight_quant_matmul": "weight dequantised to float32 in column tiles, then a float32 matmul",
         "linear_w8a8": "int8 product as an exact float64 matmul, scales in float32",
         "linear": "float32 on CPU: oneDNN inner product (DLINFER_CPU_LINEAR=aten: F.linear); else F.linear",
     }

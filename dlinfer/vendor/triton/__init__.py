@@ -26,6 +26,7 @@ NOTES = {
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
+    "weight_quant_matmul": "the torch vendor's (float32 weight dequantised in column tiles, float32 matmul)",
     "linear": "not a Triton kernel: torch.nn.functional.linear, i.e. the platform matmul (cuBLAS on CUDA)",
 }
 
@@ -36,6 +37,7 @@ def load() -> Vendor:
     from dlinfer.vendor.triton import activation, attention, kv_cache, linear, moe, norm, rotary
     from dlinfer.vendor.triton._common import INTERPRET
     from dlinfer.vendor.torch import quant as torch_quant
+    from dlinfer.vendor.torch import weight_quant as torch_weight_quant
 
     ops = {
         "rms_norm": norm.rms_norm,
@@ -54,6 +56,7 @@ def load() -> Vendor:
         "linear_w8a8": torch_quant.linear_w8a8,
         "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
+        "weight_quant_matmul": torch_weight_quant.weight_quant_matmul,
     }
     # The interpreter runs the kernels on CPU tensors.
     device_types = ("cuda", "cpu") if INTERPRET else ("cuda",)

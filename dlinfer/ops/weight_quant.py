@@ -1,0 +1,89 @@
+"""W4A16: a linear layer whose weight is 4-bit, in LMDeploy's AWQ "gemm" layout, as LMDeploy 0.18
+calls it (`kernels/dlinfer/awq_kernels.py`: `weight_quant_matmul(x.squeeze(0), qweight, scales,
+offset=qzeros, bias=bias, all_reduce=all_reduce, group_size=group_size)`).
+
+`W[k, c] = (q[k, c] - z[k // g, c]) * s[k // g, c]`, q and z unsigned 4-bit; the packing is
+dlinfer/vendor/w4_layouts.py's (canonical, or the column_tiled layout `repack_weight_quant` may
+return once at load time).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dlinfer.ops import _checks as C
+from dlinfer.ops._dispatch import check_dtype, kernel_for
+from dlinfer.ops.linear import sum_over_group
+from dlinfer.vendor import w4_layouts as L
+
+I32 = (torch.int32,)
+
+
+def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int], dtype, device):
+    """Checks qweight / scale / offset / group_size against each other (and x's K, dtype and device
+    when given); returns (N, g), g the resolved group size."""
+    C.tensor(op, "scale", scale, ("K/g", "N"), C.FLOAT_DTYPES, device)
+    n = scale.shape[1]
+    if n % 8:
+        raise C.InvalidArgumentError(op, "scale", "N (dim 1 of [K/g, N]) a multiple of 8", C.describe(scale))
+    if not isinstance(qweight, Tensor) or qweight.dim() not in (2, 3):
+        raise C.InvalidArgumentError(op, "qweight", "a tensor int32 [K, N/8] (or column_tiled [ceil(N/128), K, 16])",
+                                     C.describe(qweight))
+    if L.is_column_tiled(qweight):
+        C.tensor(op, "qweight", qweight, (L.num_tiles(n), "K", L.TILE_WORDS), I32, device)
+        k_w = qweight.shape[1]
+    else:
+        C.tensor(op, "qweight", qweight, ("K", n // 8), I32, device)
+        k_w = qweight.shape[0]
+    if k is not None and k_w != k:
+        raise C.InvalidArgumentError(op, "qweight", f"K == {k} (x's last dim) rows", C.describe(qweight))
+    if k_w < 1:
+        raise C.InvalidArgumentError(op, "qweight", "K >= 1 rows", C.describe(qweight))
+    g = C.integer(op, "group_size", group_size, 0) or k_w
+    if k_w % g:
+        raise C.InvalidArgumentError(op, "group_size", f"a divisor of K = {k_w} (or 0: one group)", str(group_size))
+    C.tensor(op, "scale", scale, (k_w // g, n))
+    if dtype is not None and scale.dtype != dtype:
+        raise C.InvalidArgumentError(op, "scale", f"dtype {dtype} (same as x)", C.describe(scale))
+    if offset is not None:
+        C.tensor(op, "offset", offset, (k_w // g, n // 8), I32, device)
+    return n, g
+
+
+def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor] = None,
+                        bias: Optional[Tensor] = None, all_reduce: bool = False, group_size: int = 0) -> Tensor:
+    """x @ W (+ bias) with W 4-bit (AWQ gemm layout), then (when all_reduce) a sum over the default
+    process group, as `dlinfer.ops.linear` does it.
+
+    x: [..., K] float32/float16/bfloat16, not modified.
+    qweight: int32 [K, N/8], output column 8*j + [0, 2, 4, 6, 1, 3, 5, 7][i] at bits 4i..4i+3 of
+        qweight[:, j] (or the column_tiled int32 [ceil(N/128), K, 16] of `repack_weight_quant`).
+    scale: [K/g, N] in x's dtype.  offset: the zero points, int32 [K/g, N/8] packed like qweight,
+        or None (zero point 8).  bias: [N] in x's dtype, or None.  All on x's device.
+    group_size: g, a divisor of K; 0 means one group of K rows.
+    Returns a new tensor [..., N] in x's dtype (fp32 accumulation, one final rounding).
+    """
+    op = "weight_quant_matmul"
+    ndim = C.rank_at_least(op, "x", x, 1, "[..., K]")
+    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
+    k = x.shape[-1]
+    device = x.device
+    n, g = _check_weights(op, qweight, scale, offset, group_size, k, x.dtype, device)
+    if bias is not None:
+        C.tensor(op, "bias", bias, (n,), C.FLOAT_DTYPES, device)
+        C.same_dtype(op, "bias", bias, x, "x")
+    if not isinstance(all_reduce, bool):
+        raise C.InvalidArgumentError(op, "all_reduce", "a bool", C.describe(all_reduce))
+    kernel, vendor = kernel_for(op, device)
+    check_dtype(vendor, op, x.dtype)
+    x2 = x if ndim == 2 else x.reshape(math.prod(x.shape[:-1]), k)
+    out = kernel(x2, qweight, scale, offset, bias, g)
+    if ndim != 2:
+        out = out.view(*x.shape[:-1], n)
+    if all_reduce:
+        sum_over_group(out)
+    return out

@@ -1,0 +1,62 @@
+"""The layouts of a W4A16 (`weight_quant_matmul`) packed weight: the only code that knows them.
+
+canonical: LMDeploy's AWQ "gemm" layout, as its loader holds it: `qweight int32 [K, N/8]`; output
+    column `c = 8*j + ORDER[i]` sits at bits `4i..4i+3` of `qweight[:, j]` (unsigned 0..15),
+    `ORDER = [0, 2, 4, 6, 1, 3, 5, 7]`. The zero points (`qzeros int32 [K/g, N/8]`) are packed
+    alike.
+column_tiled: the same int32 words, regrouped so that a tile of TILE_COLS = 128 output columns
+    (16 words) is contiguous over all K rows: `int32 [ceil(N/128), K, 16]`, word `w` of tile `t`
+    at row k being canonical `qweight[k, 16*t + w]`; the last tile is padded with zero words.
+    A kernel that walks K for a band of columns then reads one contiguous stream per tile instead
+    of K strided 64-byte pieces. Rank 3 tells it from the canonical rank-2 layout. Scales and zero
+    points keep their canonical layouts.
+
+`repack_weight_quant` (dlinfer.ops) asks the active vendor for its layout once, at load time;
+every vendor function of the op receives either layout (a vendor that wants the canonical one
+calls `canonical(qweight, n)`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column 8*j + ORDER[i]
+WORD_COLS = 8  # output columns per int32 word
+TILE_COLS = 128  # output columns per tile of the column_tiled layout
+TILE_WORDS = TILE_COLS // WORD_COLS
+
+
+def num_tiles(n: int) -> int:
+    """Tiles of the column_tiled layout for N output columns."""
+    return (n + TILE_COLS - 1) // TILE_COLS
+
+
+def is_column_tiled(qweight: Tensor) -> bool:
+    """Whether a packed weight is in the column_tiled layout (rank 3) rather than canonical (rank 2)."""
+    return qweight.dim() == 3
+
+
+def column_tiled(qweight: Tensor) -> Tensor:
+    """canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (a new tensor)."""
+    k, words = qweight.shape
+    tiles = num_tiles(words * WORD_COLS)
+    padded = qweight.new_zeros((k, tiles * TILE_WORDS))
+    padded[:, :words] = qweight
+    return padded.view(k, tiles, TILE_WORDS).permute(1, 0, 2).contiguous()
+
+
+def canonical(qweight: Tensor, n: int) -> Tensor:
+    """Either layout -> canonical int32 [K, N/8] (the tensor itself when already canonical, else a
+    copy); n: the output columns N (the scales' last dim)."""
+    if not is_column_tiled(qweight):
+        return qweight
+    tiles, k, _ = qweight.shape
+    return qweight.permute(1, 0, 2).reshape(k, tiles * TILE_WORDS)[:, : n // WORD_COLS].contiguous()
+
+
+def unpack(packed: Tensor) -> Tensor:
+    """canonical-packed int32 [R, N/8] -> the 4-bit values int32 [R, N] in column order."""
+    shifts = torch.tensor([4 * ORDER.index(c) for c in range(WORD_COLS)], dtype=torch.int32, device=packed.device)
+    values = (packed.unsqueeze(-1) >> shifts) & 15
+    return values.reshape(packed.shape[0], packed.shape[1] * WORD_COLS)
