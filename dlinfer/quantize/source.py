@@ -46,7 +46,7 @@ def read_config(src: Path) -> dict:
 
 
 def check_group_size(config: dict, group_size: int) -> None:
-    """Every AWQ linear needs K % group_size == 0 and N % 8 == 0 (8 nibbles per int32)."""
+    """Every AWQ linear needs K % group_size == 0 and N % group_size == 0 (LMDeploy's loader)."""
     if group_size <= 0 or group_size % 8:
         raise QuantizeInputError(f"quantize: --group-size must be a positive multiple of 8, got {group_size}.")
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -56,16 +56,17 @@ def check_group_size(config: dict, group_size: int) -> None:
     shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
               "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
               "down_proj": (inter, hidden)}
+    fits = [g for g in (128, 64, 32) if all(k % g == 0 and n % g == 0 for k, n in shapes.values())]
+    hint = f"; try --group-size {fits[0]}" if fits else ""
     for name, (k, n) in shapes.items():
         if k % group_size:
-            divisors = [g for g in (128, 64, 32) if k % g == 0 and all(
-                kk % g == 0 for kk, _ in shapes.values())]
-            hint = f"; try --group-size {divisors[0]}" if divisors else ""
             raise QuantizeInputError(f"quantize: {name} has K={k} input features, not divisible by --group-size "
                                      f"{group_size}{hint}.")
-        if n % 8:
-            raise QuantizeInputError(f"quantize: {name} has N={n} output features, not a multiple of 8 (AWQ packs "
-                                     "8 4-bit columns per int32).")
+        if n % group_size:
+            # LMDeploy's AWQ loader splits merged linears (qkv, gate_up) in chunks of the group
+            # size (nn/linear/awq.py weight_loader -> chunk_aligned), even on one device.
+            raise QuantizeInputError(f"quantize: {name} has N={n} output features, not divisible by --group-size "
+                                     f"{group_size}, which LMDeploy's AWQ loader requires{hint}.")
 
 
 def load(src: Path):

@@ -25,6 +25,12 @@ _CASES = [("llama", "smooth_quant"), ("qwen2", "smooth_quant")] + [
     pytest.param(name, method, marks=pytest.mark.skipif(not _HAS_W4A16, reason="no weight_quant_matmul op yet"))
     for name in ("llama", "qwen2") for method in ("awq", "rtn")]
 _references: dict = {}
+# The tiny models' k/v projections have 64 output features: LMDeploy's AWQ loader needs N % g == 0.
+GROUP_SIZE = 64
+
+
+def _quantized(name, method):
+    return quantized_model(name, method, **({} if method == "smooth_quant" else {"group_size": GROUP_SIZE}))
 
 
 def _reference(folder):
@@ -39,7 +45,7 @@ _LINEAR_OP = {"smooth_quant": "linear_w8a8", "awq": "weight_quant_matmul", "rtn"
 
 @pytest.mark.parametrize("name,method", _CASES)
 def test_quantized_greedy_matches_fake_quant_hf(name, method, monkeypatch):
-    folder = quantized_model(name, method)
+    folder = _quantized(name, method)
     calls = []
     op = getattr(dlinfer.ops, _LINEAR_OP[method])
     monkeypatch.setattr(dlinfer.ops, _LINEAR_OP[method], lambda *a, **k: calls.append(1) or op(*a, **k))
@@ -53,7 +59,7 @@ def test_quantized_greedy_matches_fake_quant_hf(name, method, monkeypatch):
     "qwen2", "awq", marks=pytest.mark.skipif(not _HAS_W4A16, reason="no weight_quant_matmul op yet"))])
 def test_quantized_graph_mode_matches_fake_quant_hf(name, method):
     """eager_mode=False: decode steps compiled by dlinfer's backend with the quantised ops in them."""
-    folder = quantized_model(name, method)
+    folder = _quantized(name, method)
     with cpu_pipeline(folder, eager_mode=False, max_batch_size=2, enable_prefix_caching=False) as pipe:
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     assert_matches_hf(results, _reference(folder), NEW_TOKENS)
@@ -64,5 +70,5 @@ def test_awq_refused_by_name_without_weight_quant_matmul():
     from dlinfer.framework.lmdeploy_ext.backend.model_support import UnsupportedModelError
 
     with pytest.raises(UnsupportedModelError, match="no weight_quant_matmul op"):
-        with cpu_pipeline(quantized_model("llama", "awq")):
+        with cpu_pipeline(_quantized("llama", "awq")):
             pass

@@ -96,13 +96,13 @@ def test_kv_scales_map_the_range_onto_int8():
 def written(tmp_path_factory):
     dst = tmp_path_factory.mktemp("q") / "llama-awq"
     assert main(["quantize", str(tiny_model("llama")), str(dst), "--method", "awq", "--kv-int8",
-                 "--calib-samples", "8"]) == 0
+                 "--calib-samples", "8", "--group-size", "64"]) == 0
     return dst
 
 
 def test_written_awq_folder(written, capsys):
     config = json.loads((written / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 128,
+    assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64,
                                              "zero_point": True, "version": "gemm"}
     assert (written / "tokenizer.json").is_file() and not list(written.parent.glob(".*partial*"))
     from safetensors import safe_open
@@ -143,6 +143,8 @@ def _fake_src(tmp_path: Path, **config) -> Path:
     (lambda t: _fake_src(t), [], "q_proj has K=576 input features, not divisible by --group-size 128; try "
                                  "--group-size 64"),
     (lambda t: _fake_src(t), ["--group-size", "12"], "positive multiple of 8"),
+    (lambda t: _fake_src(t, hidden_size=1024, num_attention_heads=16, num_key_value_heads=1, intermediate_size=2048),
+     [], "k_proj has N=64 output features, not divisible by --group-size 128, which LMDeploy's AWQ loader requires"),
 ])
 def test_bad_input_refused(tmp_path, capsys, setup, argv, message):
     src = setup(tmp_path)
@@ -155,7 +157,7 @@ def test_non_empty_destination_refused(tmp_path, capsys):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
-    assert main(["quantize", str(tiny_model("llama")), str(dst), "--method", "rtn"]) == 2
+    assert main(["quantize", str(tiny_model("llama")), str(dst), "--method", "smooth_quant"]) == 2
     assert "exists and is not an empty folder" in capsys.readouterr().out
     assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
 
@@ -163,6 +165,6 @@ def test_non_empty_destination_refused(tmp_path, capsys):
 def test_calibration_text_too_short_refused(tmp_path, capsys):
     calib = tmp_path / "c.txt"
     calib.write_text("too short")
-    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "rtn", "--calib",
+    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "smooth_quant", "--calib",
                  str(calib)]) == 2
     assert "fewer than one sample" in capsys.readouterr().out
