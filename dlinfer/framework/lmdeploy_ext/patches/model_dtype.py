@@ -8,7 +8,9 @@ How: for a dlinfer device type the dtype is chosen here and handed to LMDeploy's
 explicit dtype (which it then applies as it applies a user's choice):
 - dtype="auto" keeps the checkpoint's dtype when the device runs it (`DeviceSpec.auto_dtypes`),
   otherwise runs `DeviceSpec.auto_fallback` (float32 on CPU: exact for float16 checkpoints);
-- an explicit dtype must be one the device runs (`DeviceSpec.dtypes`), else ValueError.
+- an explicit dtype must be one the device runs (`DeviceSpec.dtypes`), else ValueError;
+- AWQ checkpoints, which LMDeploy always runs in float16, run in that chosen dtype too
+  (patches/awq_linear.py gives AwqLinear's scales the same dtype).
 Other device types go straight to LMDeploy's function.
 """
 
@@ -67,7 +69,17 @@ def _patch_update_torch_dtype(original):
         if spec is None:
             return original(config, dtype, device_type=device_type)
         chosen = choose_dtype(spec, dtype, checkpoint_dtype(config.hf_config))
-        return original(config, chosen, device_type=device_type)
+        result = original(config, chosen, device_type=device_type)
+        quant = getattr(config.hf_config, "quantization_config", None)
+        if isinstance(quant, dict) and quant.get("quant_method") == "awq":
+            # LMDeploy forced float16 for AWQ (config.py:91-95): run `chosen` and tell AwqLinear
+            # (patches/awq_linear.py) through the quantization config every module is built with.
+            from dlinfer.framework.lmdeploy_ext.patches.awq_linear import DTYPE_KEY
+
+            config.hf_config.torch_dtype = chosen
+            config.dtype = getattr(torch, chosen)
+            quant[DTYPE_KEY] = chosen
+        return result
 
     return _update_torch_dtype
 

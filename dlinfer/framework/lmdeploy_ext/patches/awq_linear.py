@@ -1,0 +1,46 @@
+"""AWQ checkpoints in the engine's dtype on dlinfer's device types (written against LMDeploy 0.18.0).
+
+Why: LMDeploy runs every AWQ model in float16. `_update_torch_dtype` returns float16 for
+`quant_method == "awq"` whatever dtype was asked (pytorch/config.py:89-95), and `AwqLinear`
+creates its `scales` and `bias` in float16 whatever the model's dtype (nn/linear/awq.py:33,
+`create_weights(..., self.dtype, ...)`). The CPU device type does not run float16.
+
+How, for dlinfer device types only (a device type LMDeploy knows keeps its float16):
+- patches/model_dtype.py runs the AWQ model in the dtype it chose (float32 on CPU for dtype="auto")
+  and records that dtype in the in-memory quantization config under `DTYPE_KEY`, which LMDeploy
+  hands to every module it builds (`BuildModelContext.quant_config`, model_inputs.py:530);
+- here `AwqLinear.create_weights` (also used by its merged / QKV subclasses) creates `scales` and
+  `bias` in that dtype; the checkpoint's float16 scales are copied into them exactly.
+The packed `qweight` / `qzeros` are untouched: dlinfer's weight_quant_matmul reads LMDeploy's AWQ
+gemm layout as loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from dlinfer.framework.lmdeploy_ext.patching import wrap
+
+DTYPE_KEY = "dlinfer_dtype"
+
+
+def _patch_create_weights(original):
+
+    @functools.wraps(original)
+    def create_weights(self, in_features, out_features, w_bit, group_size, bias, dtype, device):
+        import torch
+        from lmdeploy.pytorch.models.patch import get_build_model_context
+
+        quant_config = get_build_model_context().quant_config
+        chosen = quant_config.get(DTYPE_KEY) if quant_config is not None else None
+        if chosen is not None:
+            dtype = getattr(torch, chosen)
+        return original(self, in_features, out_features, w_bit, group_size, bias, dtype, device)
+
+    return create_weights
+
+
+def apply() -> None:
+    from lmdeploy.pytorch.nn.linear.awq import AwqLinear
+
+    wrap(AwqLinear, "create_weights", _patch_create_weights)

@@ -1,0 +1,119 @@
+"""`python -m dlinfer quantize SRC DST --method awq|rtn|smooth_quant [--group-size 128]
+[--calib FILE] [--kv-int8]` (docs/quantize.md)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+HELP = "write an AWQ 4-bit or SmoothQuant int8 checkpoint that LMDeploy loads, on CPU (docs/quantize.md)"
+METHODS = ("awq", "rtn", "smooth_quant")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", type=Path, help="a HF checkpoint folder (Llama or Qwen2 family)")
+    parser.add_argument("dst", type=Path, help="the folder to write (must not exist, or be empty)")
+    parser.add_argument("--method", choices=METHODS, required=True,
+                        help="awq: 4-bit with the activation-aware scale search; rtn: the same format, plain "
+                             "round-to-nearest; smooth_quant: int8 weights and activations")
+    parser.add_argument("--group-size", type=int, default=128, help="AWQ group size along K (default 128)")
+    parser.add_argument("--calib", type=Path, default=None,
+                        help="calibration text file (default: the small corpus shipped in dlinfer/quantize/data)")
+    parser.add_argument("--calib-seqlen", type=int, default=128, help="tokens per calibration sample (default 128)")
+    parser.add_argument("--calib-samples", type=int, default=64, help="at most this many samples (default 64)")
+    parser.add_argument("--kv-int8", action="store_true",
+                        help="also write static per-layer per-head int8 KV-cache scales (kv_int8_scales.safetensors)")
+
+
+def _tensor_name(layer_index: int, linear: str, key: str) -> str:
+    return f"model.layers.{layer_index}.{linear}.{key}"
+
+
+def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Path | None = None,
+             kv_int8: bool = False, calib_seqlen: int = 128, calib_samples: int = 64, log=None) -> dict:
+    """Quantise SRC into DST; returns {"layers": [per-layer report lines], "seconds": ...}."""
+    import torch
+
+    from dlinfer.quantize import awq, calib as calibration, kv_scales, pack, smooth_quant, source, walk, writer
+
+    log = log or (lambda text: print(text, flush=True))
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    if method not in METHODS:
+        raise source.QuantizeInputError(f"quantize: --method must be one of {', '.join(METHODS)}, got {method!r}.")
+    config = source.read_config(src)
+    if method != "smooth_quant":
+        source.check_group_size(config, group_size)
+    writer.check_destination(dst)
+    log(f"quantize: loading {src} ({config['architectures'][0]}, {config['num_hidden_layers']} layers)")
+    model, tokenizer = source.load(src)
+    ids = calibration.samples(tokenizer, calib, calib_seqlen, calib_samples)
+    log(f"quantize: {ids.shape[0]} calibration samples x {ids.shape[1]} tokens from "
+        f"{calib or calibration.DEFAULT_CORPUS}")
+    store_dtype = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float32")
+    scale_dtype = torch.float16  # AWQ checkpoints keep their scales in float16 (LMDeploy loads them so)
+    hidden, kwargs = walk.first_layer_inputs(model, ids)
+    num_kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    tensors, ranges, report = {}, [], []
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        t0 = time.perf_counter()
+        record = walk.LINEARS if (method != "rtn" or kv_int8) else ()
+        out, seen = walk.run_layer(layer, hidden, kwargs, record)
+        if kv_int8:
+            ranges.append(kv_scales.head_ranges(seen["self_attn.k_proj:out"], seen["self_attn.v_proj:out"],
+                                                kwargs, num_kv_heads))
+        if method == "awq":
+            groups = awq.scale_layer(layer, seen, group_size, scale_dtype)
+            detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} alpha={a:.2f} err rtn {r:.2e} "
+                               f"awq {e:.2e}" for names, a, r, e in groups)
+        elif method == "smooth_quant":
+            groups = smooth_quant.smooth_layer(layer, seen)
+            detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} max|x| {b:.1f}->{a:.1f}"
+                               for names, b, a in groups)
+        else:
+            detail = "round to nearest"
+        del seen
+        if method != "rtn":
+            out, _ = walk.run_layer(layer, hidden, kwargs)  # the next layer sees this layer as modified
+        for name in walk.LINEARS:
+            linear = layer.get_submodule(name)
+            packed = (smooth_quant.int8_tensors(linear.weight) if method == "smooth_quant"
+                      else pack.awq_tensors(linear.weight, group_size, scale_dtype))
+            for key, value in packed.items():
+                tensors[_tensor_name(i, name, key)] = value
+            if linear.bias is not None:
+                tensors[_tensor_name(i, name, "bias")] = linear.bias.detach().to(store_dtype)
+        hidden = out
+        line = f"quantize: layer {i + 1}/{len(layers)} {method} {time.perf_counter() - t0:.1f} s: {detail}"
+        report.append(line)
+        log(line)
+    quantized = {f"model.layers.{i}.{name}." for i in range(len(layers)) for name in walk.LINEARS}
+    for name, value in model.state_dict().items():
+        if name.rsplit(".", 1)[0] + "." in quantized:
+            continue
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        tensors[name] = value.detach().to(store_dtype)
+    out_config = dict(config)
+    out_config["quantization_config"] = writer.quantization_config(method, group_size)
+    extra = {}
+    if kv_int8:
+        extra[kv_scales.FILE_NAME] = lambda path: kv_scales.save(path, ranges)
+    writer.write(src, dst, out_config, tensors, extra)
+    seconds = time.perf_counter() - start
+    log(f"quantize: wrote {dst} in {seconds:.1f} s")
+    return {"layers": report, "seconds": seconds}
+
+
+def main(args: argparse.Namespace) -> int:
+    from dlinfer.quantize.source import QuantizeInputError
+
+    try:
+        quantize(args.src, args.dst, args.method, args.group_size, args.calib, args.kv_int8,
+                 args.calib_seqlen, args.calib_samples)
+    except QuantizeInputError as exc:
+        print(f"error: {exc}")
+        return 2
+    return 0

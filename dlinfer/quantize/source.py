@@ -1,0 +1,80 @@
+"""The SRC folder: checked before anything is loaded, then loaded in float32 with transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Architectures whose decoder layer this package knows (names of the norms and linears, below)
+# and whose quantised checkpoints were compared with HF on LMDeploy's CPU device type.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+class QuantizeInputError(ValueError):
+    """SRC, DST or an option of `python -m dlinfer quantize` cannot be used."""
+
+
+class UnsupportedCheckpointError(QuantizeInputError):
+    """SRC is a checkpoint this command does not quantise (its architecture, or already quantised)."""
+
+
+def read_config(src: Path) -> dict:
+    """SRC's config.json, after checking that SRC is a HF checkpoint folder of a supported model."""
+    if not src.is_dir():
+        raise QuantizeInputError(f"quantize: SRC {str(src)!r} is not a folder (expected a HF checkpoint folder).")
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise QuantizeInputError(f"quantize: SRC {str(src)!r} has no config.json: not a HF checkpoint folder.")
+    if not any((src / name).is_file() for name in WEIGHT_FILES):
+        raise QuantizeInputError(f"quantize: SRC {str(src)!r} has no weights (expected one of {', '.join(WEIGHT_FILES)}).")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise QuantizeInputError(f"quantize: {config_path} is not valid JSON: {exc}") from None
+    arch = (config.get("architectures") or ["?"])[0]
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise UnsupportedCheckpointError(f"quantize: SRC is already quantised (quant_method={method!r}); start from the "
+                               "float checkpoint.")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedCheckpointError(f"quantize: architecture {arch!r} is not supported (supported: "
+                               f"{', '.join(SUPPORTED_ARCHITECTURES)}); MoE and other families are not quantised "
+                               "by this command.")
+    return config
+
+
+def check_group_size(config: dict, group_size: int) -> None:
+    """Every AWQ linear needs K % group_size == 0 and N % group_size == 0 (LMDeploy's loader)."""
+    if group_size <= 0 or group_size % 8:
+        raise QuantizeInputError(f"quantize: --group-size must be a positive multiple of 8, got {group_size}.")
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    fits = [g for g in (128, 64, 32) if all(k % g == 0 and n % g == 0 for k, n in shapes.values())]
+    hint = f"; try --group-size {fits[0]}" if fits else ""
+    for name, (k, n) in shapes.items():
+        if k % group_size:
+            raise QuantizeInputError(f"quantize: {name} has K={k} input features, not divisible by --group-size "
+                                     f"{group_size}{hint}.")
+        if n % group_size:
+            # LMDeploy's AWQ loader splits merged linears (qkv, gate_up) in chunks of the group
+            # size (nn/linear/awq.py weight_loader -> chunk_aligned), even on one device.
+            raise QuantizeInputError(f"quantize: {name} has N={n} output features, not divisible by --group-size "
+                                     f"{group_size}, which LMDeploy's AWQ loader requires{hint}.")
+
+
+def load(src: Path):
+    """(model, tokenizer): SRC in float32 on the CPU, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    return model, tokenizer

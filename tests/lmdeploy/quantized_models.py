@@ -1,0 +1,112 @@
+"""Tiny checkpoints quantised by `python -m dlinfer quantize`, and the fake-quant HF references
+the LMDeploy tests compare them with. The references are built here from the written files with
+this file's own unpacking and rounding code (never dlinfer.quantize's):
+
+- AWQ: W[k, c] = (q[k, c] - z[k // g, c]) * s[k // g, c], the nibbles read from LMDeploy's gemm
+  layout (column 8j + ORDER[i] in bits 4i..4i+3 of int32 j);
+- SmoothQuant: W = q * scale per output channel, and every quantised linear's input fake-quantised
+  per token: x -> clamp(round(x / s), -128, 127) * s, s = max|x| / 127 (the dynamic_quant rule).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from engine_helpers import HFReference
+from tiny_models import CACHE_ROOT, cached_folder, tiny_model
+
+QUANTIZE_SOURCES = Path(__file__).resolve().parents[2] / "dlinfer" / "quantize"
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def quantized_model(name: str, method: str, **options) -> Path:
+    """Tiny model `name` quantised by the command (cached, keyed by dlinfer/quantize's sources)."""
+    from dlinfer.quantize.cli import quantize
+
+    src = tiny_model(name)
+    blob = hashlib.sha256()
+    for path in sorted(QUANTIZE_SOURCES.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".txt"):
+            blob.update(path.read_bytes())
+    blob.update(json.dumps([src.name, method, options], sort_keys=True).encode())
+    folder = CACHE_ROOT / "quantized" / f"{name}-{method}-{blob.hexdigest()[:12]}"
+
+    def build(staging: Path) -> None:
+        quantize(src, staging, method, log=lambda line: None, **options)
+
+    return cached_folder(folder, build)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, N/8] -> int64 [R, N] nibbles 0..15."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    r, n8 = packed.shape
+    out = torch.empty(r, n8 * 8, dtype=torch.int64)
+    for i, col in enumerate(_NIBBLE_ORDER):
+        out[:, col::8] = (words >> (4 * i)) & 0xF
+    return out
+
+
+def dequantized_state(folder: Path) -> tuple[dict, dict]:
+    """(HF config dict without quantization_config, float32 state dict) of a quantised folder."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    stored = load_file(str(folder / "model.safetensors"))
+    state = {}
+    for key, value in stored.items():
+        prefix, leaf = key.rsplit(".", 1)
+        if leaf in ("qweight", "qzeros", "scales", "scale") or (leaf == "weight" and value.dtype == torch.int8):
+            continue
+        state[key] = value.float()
+    layers = config["num_hidden_layers"]
+    for i in range(layers):
+        for linear in LINEARS:
+            p = f"model.layers.{i}.{linear}"
+            if quant["quant_method"] == "awq":
+                g = quant["group_size"]
+                q = unpack_awq(stored[p + ".qweight"])                    # [K, N]
+                z = unpack_awq(stored[p + ".qzeros"]).repeat_interleave(g, 0)
+                s = stored[p + ".scales"].double().repeat_interleave(g, 0)
+                state[p + ".weight"] = ((q - z).double() * s).T.float().contiguous()
+            else:
+                assert stored[p + ".weight"].dtype == torch.int8
+                state[p + ".weight"] = (stored[p + ".weight"].double() * stored[p + ".scale"].double()).float()
+    return config, state
+
+
+def _fake_quant_per_token(module, args):
+    x = args[0]
+    s = x.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return (torch.clamp(torch.round(x / s), -128, 127) * s,) + tuple(args[1:])
+
+
+class FakeQuantReference(HFReference):
+    """HF transformers (float32) running the dequantised weights of a quantised folder; for
+    SmoothQuant also the per-token fake quantisation of each quantised linear's input."""
+
+    def __init__(self, folder: Path):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config_dict, state = dequantized_state(folder)
+        method = json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"]
+        config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "architectures"})
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        if method == "smooth_quant":
+            for layer in model.model.layers:
+                for linear in LINEARS:
+                    layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
+        model.generation_config.eos_token_id = None
+        self.model = model.eval()
+        self._memo = {}

@@ -1,0 +1,74 @@
+"""Checkpoints written by `python -m dlinfer quantize` through `lmdeploy.pipeline` on
+device_type="cpu": the same greedy tokens as HF transformers running a fake-quant reference built
+from the written files by the test's own code (quantized_models.py), eager and graph mode."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from quantized_models import FakeQuantReference, quantized_model
+
+import dlinfer.ops
+from dlinfer.vendor.op_table import OP_NAMES
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 12
+# Prompts whose reference paths have no near tie (top-2 margin > 1e-3) for every case below.
+PROMPTS = (
+    "A small blue window in the dark forest",
+    "The model reads a prompt token by token and the engine keeps every key and value in the cache",
+    "One two three four five six seven eight nine ten hundred thousand the first expert routes the second token",
+)
+_HAS_W4A16 = "weight_quant_matmul" in OP_NAMES
+_CASES = [("llama", "smooth_quant"), ("qwen2", "smooth_quant")] + [
+    pytest.param(name, method, marks=pytest.mark.skipif(not _HAS_W4A16, reason="no weight_quant_matmul op yet"))
+    for name in ("llama", "qwen2") for method in ("awq", "rtn")]
+_references: dict = {}
+# The tiny models' k/v projections have 64 output features: LMDeploy's AWQ loader needs N % g == 0.
+GROUP_SIZE = 64
+
+
+def _quantized(name, method):
+    return quantized_model(name, method, **({} if method == "smooth_quant" else {"group_size": GROUP_SIZE}))
+
+
+def _reference(folder):
+    if folder not in _references:
+        _references[folder] = FakeQuantReference(folder)
+    return _references[folder]
+
+
+# The dlinfer op each method's quantised linears call (LMDeploy looks it up on every call).
+_LINEAR_OP = {"smooth_quant": "linear_w8a8", "awq": "weight_quant_matmul", "rtn": "weight_quant_matmul"}
+
+
+@pytest.mark.parametrize("name,method", _CASES)
+def test_quantized_greedy_matches_fake_quant_hf(name, method, monkeypatch):
+    folder = _quantized(name, method)
+    calls = []
+    op = getattr(dlinfer.ops, _LINEAR_OP[method])
+    monkeypatch.setattr(dlinfer.ops, _LINEAR_OP[method], lambda *a, **k: calls.append(1) or op(*a, **k))
+    with cpu_pipeline(folder, enable_prefix_caching=False) as pipe:
+        results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert_matches_hf(results, _reference(folder), NEW_TOKENS)
+    assert calls, f"{_LINEAR_OP[method]} never ran"
+
+
+@pytest.mark.parametrize("name,method", [("llama", "smooth_quant"), pytest.param(
+    "qwen2", "awq", marks=pytest.mark.skipif(not _HAS_W4A16, reason="no weight_quant_matmul op yet"))])
+def test_quantized_graph_mode_matches_fake_quant_hf(name, method):
+    """eager_mode=False: decode steps compiled by dlinfer's backend with the quantised ops in them."""
+    folder = _quantized(name, method)
+    with cpu_pipeline(folder, eager_mode=False, max_batch_size=2, enable_prefix_caching=False) as pipe:
+        results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert_matches_hf(results, _reference(folder), NEW_TOKENS)
+
+
+@pytest.mark.skipif(_HAS_W4A16, reason="weight_quant_matmul exists: AWQ runs (tested above)")
+def test_awq_refused_by_name_without_weight_quant_matmul():
+    from dlinfer.framework.lmdeploy_ext.backend.model_support import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="no weight_quant_matmul op"):
+        with cpu_pipeline(_quantized("llama", "awq")):
+            pass

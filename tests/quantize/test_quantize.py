@@ -1,0 +1,170 @@
+"""`python -m dlinfer quantize` (dlinfer/quantize): the stored bytes against this file's own
+rounding rules (exact), the AWQ search against round-to-nearest, the KV scales file, refusals.
+The LMDeploy side (the written checkpoints through `pipeline`) is tests/lmdeploy/test_quantized.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmdeploy"))  # tiny_models, quantized_models
+
+from quantized_models import unpack_awq  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
+
+from dlinfer.__main__ import main  # noqa: E402
+from dlinfer.quantize import awq, kv_scales, pack, smooth_quant  # noqa: E402
+
+
+def _expected_awq(w: torch.Tensor, g: int, scale16: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q [N, K] from the stored (float16) scales and zeros: clamp(round(w / s) + z, 0, 15) in float32."""
+    n, k = w.shape
+    s = scale16.float().T.repeat_interleave(g, 1)            # [N, K]
+    z = zero.T.repeat_interleave(g, 1).float()
+    return torch.clamp(torch.round(w / s) + z, 0, 15).to(torch.int64)
+
+
+@pytest.mark.parametrize("n,k,g", [(8, 32, 8), (64, 256, 128), (24, 64, 32)])
+def test_awq_packing_is_lmdeploys_gemm_layout_and_exact(n, k, g):
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k) * torch.rand(1, k) * 3
+    t = pack.awq_tensors(w, g, torch.float16)
+    assert t["qweight"].dtype == torch.int32 and t["qweight"].shape == (k, n // 8)
+    assert t["qzeros"].dtype == torch.int32 and t["qzeros"].shape == (k // g, n // 8)
+    assert t["scales"].dtype == torch.float16 and t["scales"].shape == (k // g, n)
+    q, z = unpack_awq(t["qweight"]), unpack_awq(t["qzeros"])
+    assert q.min() >= 0 and q.max() <= 15 and z.min() >= 0 and z.max() <= 15
+    assert torch.equal(q.T, _expected_awq(w, g, t["scales"], z))
+    # half a step from rounding, at most half a step more from rounding the zero point
+    step = t["scales"].float().T.repeat_interleave(g, 1)
+    deq = (q.T - z.T.repeat_interleave(g, 1)).float() * step
+    assert ((deq - w).abs() <= step * 1.001).all()
+
+
+def test_awq_nibble_order():
+    """Column 8j + ORDER[i] sits in bits 4i..4i+3 of int32 j (ORDER = 0 2 4 6 1 3 5 7)."""
+    values = torch.arange(8).view(1, 8)  # column c holds the value c
+    word = pack.pack_columns(values)[0, 0].item() & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert pack.pack_columns(torch.full((1, 8), 15))[0, 0].item() == -1  # all ones, as signed int32
+
+
+def test_smooth_quant_int8_is_exact():
+    torch.manual_seed(0)
+    w = torch.randn(16, 40)
+    w[3] = 0  # an all-zero row stays zero with a finite scale
+    t = smooth_quant.int8_tensors(w)
+    assert t["weight"].dtype == torch.int8 and t["scale"].dtype == torch.float32 and t["scale"].shape == (16, 1)
+    scale = w.abs().amax(1, keepdim=True) / 127
+    expected = torch.clamp(torch.round(w / torch.where(scale == 0, 1.0, scale)), -128, 127).to(torch.int8)
+    assert torch.equal(t["weight"], expected)
+    assert torch.isfinite(t["scale"]).all() and t["weight"][3].eq(0).all()
+
+
+def test_awq_search_beats_rtn_on_outlier_channels_and_keeps_the_function():
+    """With a few large activation channels (what AWQ is for), the searched scales reduce the
+    output error well below round-to-nearest; folding them changes nothing before quantisation."""
+    torch.manual_seed(1)
+    x = torch.randn(512, 128)
+    x[:, :4] *= 40
+    lin = torch.nn.Linear(128, 64, bias=False)
+    norm = torch.nn.Module()
+    norm.weight = torch.nn.Parameter(torch.rand(128) + 0.5)
+    alpha, s, err = awq.search_scales(x, [lin.weight], 32, torch.float16)
+    rtn = awq.rtn_error(x, [lin.weight], 32, torch.float16)
+    assert alpha > 0 and err < 0.7 * rtn, (alpha, err, rtn)
+    before = (x * norm.weight) @ lin.weight.T
+    awq.fold_into_norm(norm, [lin], s)
+    after = (x * norm.weight) @ lin.weight.T
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-3)
+
+
+def test_kv_scales_map_the_range_onto_int8():
+    lo = torch.tensor([[-2.0, 0.5]])
+    hi = torch.tensor([[1.0, 3.0]])
+    scale, zero = kv_scales.scale_zero(lo, hi)
+    for x, q in ((lo, -128), (hi, 127)):
+        lo0 = torch.minimum(x, torch.zeros_like(x)) if q == -128 else torch.maximum(x, torch.zeros_like(x))
+        torch.testing.assert_close(lo0 / scale + zero, torch.full_like(x, float(q)), rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("q") / "llama-awq"
+    assert main(["quantize", str(tiny_model("llama")), str(dst), "--method", "awq", "--kv-int8",
+                 "--calib-samples", "8", "--group-size", "64"]) == 0
+    return dst
+
+
+def test_written_awq_folder(written, capsys):
+    config = json.loads((written / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64,
+                                             "zero_point": True, "version": "gemm"}
+    assert (written / "tokenizer.json").is_file() and not list(written.parent.glob(".*partial*"))
+    from safetensors import safe_open
+
+    with safe_open(str(written / kv_scales.FILE_NAME), "pt") as f:
+        assert f.metadata() == {"format": "dlinfer-kv-int8-v1"}
+        assert sorted(f.keys()) == ["k_scale", "k_zero", "v_scale", "v_zero"]
+        for key in f.keys():
+            t = f.get_tensor(key)
+            assert t.dtype == torch.float32 and t.shape == (config["num_hidden_layers"],
+                                                           config["num_key_value_heads"])
+        assert (f.get_tensor("k_scale") > 0).all() and (f.get_tensor("v_scale") > 0).all()
+
+
+def test_progress_is_printed_per_layer(tmp_path, capsys):
+    assert main(["quantize", str(tiny_model("qwen2")), str(tmp_path / "sq"), "--method", "smooth_quant",
+                 "--calib-samples", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1/2 smooth_quant" in out and "layer 2/2 smooth_quant" in out and "wrote" in out
+
+
+def _fake_src(tmp_path: Path, **config) -> Path:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 1, **config}))
+    (src / "model.safetensors").write_bytes(b"")
+    return src
+
+
+@pytest.mark.parametrize("setup,argv,message", [
+    (lambda t: t / "missing", [], "is not a folder"),
+    (lambda t: (t / "empty").mkdir() or t / "empty", [], "has no config.json"),
+    (lambda t: _fake_src(t, architectures=["MixtralForCausalLM"]), [], "architecture 'MixtralForCausalLM' is not "
+                                                                       "supported"),
+    (lambda t: _fake_src(t, quantization_config={"quant_method": "gptq"}), [], "already quantised"),
+    (lambda t: _fake_src(t), [], "q_proj has K=576 input features, not divisible by --group-size 128; try "
+                                 "--group-size 64"),
+    (lambda t: _fake_src(t), ["--group-size", "12"], "positive multiple of 8"),
+    (lambda t: _fake_src(t, hidden_size=1024, num_attention_heads=16, num_key_value_heads=1, intermediate_size=2048),
+     [], "k_proj has N=64 output features, not divisible by --group-size 128, which LMDeploy's AWQ loader requires"),
+])
+def test_bad_input_refused(tmp_path, capsys, setup, argv, message):
+    src = setup(tmp_path)
+    assert main(["quantize", str(src), str(tmp_path / "dst"), "--method", "awq", *argv]) == 2
+    assert message in capsys.readouterr().out
+    assert not (tmp_path / "dst").exists()
+
+
+def test_non_empty_destination_refused(tmp_path, capsys):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("x")
+    assert main(["quantize", str(tiny_model("llama")), str(dst), "--method", "smooth_quant"]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().out
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"]
+
+
+def test_calibration_text_too_short_refused(tmp_path, capsys):
+    calib = tmp_path / "c.txt"
+    calib.write_text("too short")
+    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "smooth_quant", "--calib",
+                 str(calib)]) == 2
+    assert "fewer than one sample" in capsys.readouterr().out
