@@ -165,18 +165,11 @@ def test_smooth_quant_refused_for_untested_architectures():
     ({"bits": 8}, "bits=8"), ({"version": "gemv"}, "version='gemv'"), ({"zero_point": False}, "zero_point=False"),
 ])
 def test_awq_other_than_4bit_gemm_with_zeros_refused(quant, message):
-    from dlinfer.vendor.op_table import OP_NAMES
-
     config = _model_config(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128, **quant})
-    _refused(config, message if "weight_quant_matmul" in OP_NAMES else "no weight_quant_matmul op")
+    _refused(config, message)
 
 
-def test_awq_4bit_gemm_passes_once_weight_quant_matmul_exists():
-    from dlinfer.vendor.op_table import OP_NAMES
-
+def test_awq_4bit_gemm_with_zero_points_accepted():
     config = _model_config(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128,
                                                 "zero_point": True, "version": "gemm"})
-    if "weight_quant_matmul" in OP_NAMES:
-        check_model(config, devices.CPU)
-    else:
-        _refused(config, "cannot run quant_method='awq' (LlamaForCausalLM): this dlinfer has no weight_quant_matmul op")
+    check_model(config, devices.CPU)

@@ -209,9 +209,6 @@ QUANTIZED_ARCHITECTURES: dict[str, frozenset[str]] = {
     "smooth_quant": frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}),
     "awq": frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}),
 }
-# The dlinfer op each method's LMDeploy layers call (lmdeploy/pytorch/kernels/dlinfer/).
-_QUANTIZED_OPS = {"smooth_quant": ("dynamic_quant", "linear_w8a8", "rms_norm_w8a8", "add_rms_norm_w8a8"),
-                  "awq": ("weight_quant_matmul",)}
 # Methods refused by name, and why.
 REFUSED_QUANT_METHODS: dict[str, str] = {
     "gptq": "dlinfer has no GPTQ linear op (LMDeploy's dlinfer layers have none either)",
@@ -225,8 +222,6 @@ REFUSED_QUANT_METHODS: dict[str, str] = {
 def check_quantization(quant, arch: str, where: str) -> None:
     """Raise UnsupportedModelError unless the checkpoint's `quantization_config` is one that runs:
     AWQ 4-bit "gemm" with zero points, or SmoothQuant int8, for the architectures tested with it."""
-    from dlinfer.vendor.op_table import OP_NAMES
-
     if not isinstance(quant, dict):
         quant = getattr(quant, "to_dict", lambda: {"quant_method": type(quant).__name__})()
     method = str(quant.get("quant_method", "?")).lower()
@@ -238,9 +233,6 @@ def check_quantization(quant, arch: str, where: str) -> None:
     if arch not in QUANTIZED_ARCHITECTURES[method]:
         raise UnsupportedModelError(f"{head}: not compared with HF transformers for this architecture; supported: "
                                     f"{', '.join(sorted(QUANTIZED_ARCHITECTURES[method]))}.")
-    missing = [op for op in _QUANTIZED_OPS[method] if op not in OP_NAMES]
-    if missing:
-        raise UnsupportedModelError(f"{head}: this dlinfer has no {', '.join(missing)} op.")
     if method == "smooth_quant" and str(quant.get("quant_dtype", "int8")) != "int8":
         raise UnsupportedModelError(f"{head}: quant_dtype={quant.get('quant_dtype')!r}; only int8 runs.")
     if method == "awq":

@@ -11,8 +11,13 @@ How, for dlinfer device types only (a device type LMDeploy knows keeps its float
   hands to every module it builds (`BuildModelContext.quant_config`, model_inputs.py:530);
 - here `AwqLinear.create_weights` (also used by its merged / QKV subclasses) creates `scales` and
   `bias` in that dtype; the checkpoint's float16 scales are copied into them exactly.
-The packed `qweight` / `qzeros` are untouched: dlinfer's weight_quant_matmul reads LMDeploy's AWQ
-gemm layout as loaded.
+
+And once per layer after loading (`AwqLinear.update_weights`, which LMDeploy calls from
+`process_weights_after_loading`, weight_loader/model_weight_loader.py:192), when the layer runs
+on LMDeploy's dlinfer AWQ implementation (`AwqLinearW4A16Impl`), the loaded `qweight` / `scales` /
+`qzeros` go through `dlinfer.ops.repack_weight_quant`: the active vendor's optional load-time
+repack (the cpu vendor tiles the columns; docs/design.md). A vendor without the hook keeps
+LMDeploy's AWQ gemm layout as loaded. Never per call.
 """
 
 from __future__ import annotations
@@ -40,7 +45,26 @@ def _patch_create_weights(original):
     return create_weights
 
 
+def _patch_update_weights(original):
+
+    @functools.wraps(original)
+    def update_weights(self):
+        import dlinfer.ops
+        from lmdeploy.pytorch.backends.dlinfer.awq_modules import AwqLinearW4A16Impl
+
+        original(self)
+        if not isinstance(self.impl, AwqLinearW4A16Impl):
+            return  # another backend's AWQ implementation (a device type LMDeploy knows)
+        qweight, scales, qzeros = dlinfer.ops.repack_weight_quant(self.qweight.data, self.scales.data,
+                                                                  self.qzeros.data, self.impl.group_size)
+        if qweight is not self.qweight.data:
+            self.register_all_parameters(qweight, scales, qzeros, self.bias)
+
+    return update_weights
+
+
 def apply() -> None:
     from lmdeploy.pytorch.nn.linear.awq import AwqLinear
 
     wrap(AwqLinear, "create_weights", _patch_create_weights)
+    wrap(AwqLinear, "update_weights", _patch_update_weights)
