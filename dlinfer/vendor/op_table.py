@@ -105,6 +105,10 @@ def _add_rms_norm_w8a8_fake(hidden_states, residual, weight, epsilon):
     return (*_dynamic_quant_fake(hidden_states), torch.empty_like(hidden_states))
 
 
+def _fused_moe_w8a8_fake(hidden_states, *args):
+    return torch.empty_like(hidden_states)
+
+
 _TABLE = (
     OpSpec(
         "rms_norm",
@@ -210,6 +214,15 @@ _TABLE = (
         "(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) -> (Tensor, Tensor, Tensor)",
         _add_rms_norm_w8a8_fake,
         "hidden_states [N, H], residual [N, H], weight [H] -> (xq [N, H] int8, scale [N] float32, h + r [N, H])",
+    ),
+    OpSpec(
+        "fused_moe_w8a8",
+        "(Tensor hidden_states, Tensor gate_up_weights, Tensor gate_up_scales, Tensor down_weights, "
+        "Tensor down_scales, Tensor topk_weights, Tensor topk_ids, bool renormalize) -> Tensor",
+        _fused_moe_w8a8_fake,
+        "hidden_states [T, H] float, gate_up_weights [E, 2I, H] int8, gate_up_scales [E, 2I] float32, "
+        "down_weights [E, H, I] int8, down_scales [E, H] float32, topk_weights [T, K], topk_ids [T, K] -> [T, H]: "
+        "fused_moe with x and silu(gate) * up (float32) quantised per token (dynamic_quant) before each int8 GEMM",
     ),
 )
 

@@ -104,6 +104,9 @@ def run_every_op(seed: int = 0, nb: int = 32) -> None:
     DL.linear_w8a8(xq, wq, x_scale, torch.rand(20, generator=g) / 127, torch.float32, randn(20))
     DL.rms_norm_w8a8(x, randn(64), 1e-6)
     DL.add_rms_norm_w8a8(x, randn(t, 64), randn(64), 1e-6)
+    i8 = lambda *shape: torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)  # noqa: E731
+    DL.fused_moe_w8a8(randn(t, 16), i8(4, 24, 16), torch.rand(4, 24, generator=g) / 500, i8(4, 16, 12),
+                      torch.rand(4, 16, generator=g) / 500, weights, ids, False)
 
 
 # -- off: no wrapper ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ NOTES = {
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
+    "fused_moe_w8a8": "the torch vendor's (per active expert two exact int8 products, float32 scaling)",
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
     "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention)",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
@@ -64,6 +65,7 @@ def load() -> Vendor:
         "linear_w8a8": torch_quant.linear_w8a8,
         "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
+        "fused_moe_w8a8": torch_quant.fused_moe_w8a8,
     }
     return Vendor(
         name="cpu",

@@ -27,6 +27,7 @@ def load() -> Vendor:
         "linear_w8a8": quant.linear_w8a8,
         "rms_norm_w8a8": quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": quant.add_rms_norm_w8a8,
+        "fused_moe_w8a8": quant.fused_moe_w8a8,
     }
     notes = {
         "prefill_attention": "scaled_dot_product_attention per sequence",
@@ -34,6 +35,8 @@ def load() -> Vendor:
         "paged_decode_attention": "batched per-token block gather + one scaled_dot_product_attention",
         "fused_moe": "tokens sorted by expert, one GEMM pair per active expert",
         "linear_w8a8": "int8 product as an exact float64 matmul, scales in float32",
+        "fused_moe_w8a8": "tokens sorted by expert; per active expert two int8 products (exact float64 matmuls), "
+                          "float32 scaling and activation",
         "linear": "float32 on CPU: oneDNN inner product (DLINFER_CPU_LINEAR=aten: F.linear); else F.linear",
     }
     return Vendor(

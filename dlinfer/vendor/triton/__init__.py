@@ -26,6 +26,7 @@ NOTES = {
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
+    "fused_moe_w8a8": "the torch vendor's (per active expert two exact int8 products, float32 scaling)",
     "linear": "not a Triton kernel: torch.nn.functional.linear, i.e. the platform matmul (cuBLAS on CUDA)",
 }
 
@@ -54,6 +55,7 @@ def load() -> Vendor:
         "linear_w8a8": torch_quant.linear_w8a8,
         "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
+        "fused_moe_w8a8": torch_quant.fused_moe_w8a8,
     }
     # The interpreter runs the kernels on CPU tensors.
     device_types = ("cuda", "cpu") if INTERPRET else ("cuda",)
