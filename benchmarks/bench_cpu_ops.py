@@ -9,7 +9,8 @@ bandwidth, measured in the same run.
 
 Sizes: a 7B-class layer (Llama-3-8B: H 4096, Hq 32, Hkv 8, D 128, I 14336) with batch and
 context scaled for a 2-core CPU, plus the decode-time `linear` of SmolLM2-135M (H 576, 30 layers),
-whose weights stream from memory at every call like a real decode step's.
+whose weights stream from memory at every call like a real decode step's, and its W8A8 form
+(`linear_w8a8`, int8 weights, at K = 576 and N = 1536 / 576 / 49152, against float32 `linear`).
 
     .venv/bin/python benchmarks/bench_cpu_ops.py [--quick] [--vendors torch,cpu] [--w4-only] [--threads N]
 
@@ -197,6 +198,37 @@ def w4_cases(bw):
                   flush=True)
 
 
+def w8a8_cases(vendors, bw, quick):
+    """linear_w8a8 at decode: SmolLM2-135M's K = 576 against N = 1536 (MLP), 576 (attention) and
+    49152 (the vocabulary), M = 1 and 8. Weights are cycled over copies (at least 64 MB of int8 per
+    shape) so each call streams them from memory. Per vendor: ms per call, the int8 weight bytes
+    read per second against the read bandwidth of this run, and float32 `linear` of the same
+    shape on the same vendor (its weights cycled alike) / int8."""
+    print("\n| linear_w8a8 N x K | M | " + " | ".join(f"{v} int8 ms | {v} GB/s (share of read bw) | "
+                                                      f"{v} f32 linear ms | f32 / int8" for v in vendors) + " |")
+    print("|---" * (2 + 4 * len(vendors)) + "|", flush=True)
+    k = 576
+    for n in (1536, 576, 49152):
+        copies = max(2, (64 << 20) // (n * k))
+        if quick:
+            copies = max(2, copies // 4)
+        wq = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(copies)]
+        wf = [torch.randn(n, k) for _ in range(copies)]
+        lin = torch.rand(n) / 127
+        for m in (1, 8):
+            a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+            rms, x = torch.rand(m) / 127, torch.randn(m, k)
+            cells = []
+            for v in vendors:
+                with dlinfer.vendor.using(v):
+                    t8 = timeit(lambda: [ops.linear_w8a8(a, w, rms, lin, torch.float32) for w in wq]) / copies
+                    t32 = timeit(lambda: [ops.linear(x, w) for w in wf]) / copies
+                gbs = n * k / t8
+                cells += [f"{t8 * 1e3:.4f}", f"{gbs / 1e9:.1f} ({gbs / bw:.2f})", f"{t32 * 1e3:.4f}", f"{t32 / t8:.2f}x"]
+            print(f"| {n} x {k} | {m} | " + " | ".join(cells) + " |", flush=True)
+        del wq, wf
+
+
 def run(quick: bool, vendors):
     torch.manual_seed(0)
     dtype = torch.float32
@@ -210,6 +242,8 @@ def run(quick: bool, vendors):
         with dlinfer.vendor.using("cpu"):
             w4_cases(bw)
         print()
+    w8a8_cases(vendors, bw, quick)
+    tab = Table(vendors, bw, copy_bw)
 
     for tokens, label in ((8, "decode T=8"), (512, "prefill T=512")):
         x = torch.randn(tokens, H, dtype=dtype)
@@ -275,10 +309,11 @@ def run(quick: bool, vendors):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer attention sizes")
+    parser.add_argument("--quick", action="store_true", help="fewer attention sizes, fewer W8A8 weight copies")
+    parser.add_argument("--only-w8a8", action="store_true", help="the read bandwidth and the W8A8 table only")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--vendors", default=None, help="comma-separated (default: the CPU vendors that load)")
     parser.add_argument("--w4-only", action="store_true", help="only the W4A16 table (cpu vendor)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -289,5 +324,9 @@ if __name__ == "__main__":
               "(this machine, same run)")
         with dlinfer.vendor.using("cpu"):
             w4_cases(read_bw)
+    elif args.only_w8a8:
+        bandwidth = read_bandwidth()
+        print(f"vendors {names}; CPU, {torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+        w8a8_cases(names, bandwidth, args.quick)
     else:
         run(args.quick, names)

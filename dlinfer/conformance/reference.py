@@ -132,6 +132,57 @@ def weight_quant_matmul(x, qweight, scale, offset, bias, group_size):
     return out.reshape(*x.shape[:-1], N)
 
 
+def _quant_steps_in_doubt(act, delta):
+    """act float64 [I] -> bool [I]: elements whose int8 value (dynamic_quant of the row) may differ
+    by one step when act and its row's scale are each off by up to a relative delta."""
+    amax = float(act.abs().max()) if act.numel() else 0.0
+    if amax == 0.0:
+        return torch.zeros(act.shape, dtype=torch.bool)
+    scale = amax / 127.0
+    a = act.abs()
+    low = _round_half_even(a * (1 - delta) / (scale * (1 + delta))).clamp(max=127.0)
+    high = _round_half_even(a * (1 + delta) / (scale * (1 - delta))).clamp(max=127.0)
+    return low != high
+
+
+def fused_moe_w8a8(hidden_states, gate_up_weights, gate_up_scales, down_weights, down_scales, topk_weights,
+                   topk_ids, renormalize, delta=2.0**-18):
+    """The W8A8 expert MLP, per (token, expert), with the contract's exact steps: x quantised per
+    token (dynamic_quant above), exact int8 products, silu(gate) * up in float64, quantised per
+    token, exact int8 product with the down weights. Returns (out [T, H], slack [T, H], in doubt):
+
+    act is float32 in the contract, a few float32 roundings (<< delta) away from the float64 value
+    here, so an element of act whose quantised value depends on those roundings (see
+    `_quant_steps_in_doubt`) may legitimately land one step away; slack[t] sums, over such elements,
+    the output change one step makes (|w| * a_scale * |down[:, i]| * down_scale). `in doubt` is the
+    fraction of act elements in doubt (a check can require it small, so the slack stays small).
+    """
+    xq, xs = dynamic_quant(hidden_states)
+    gus = _f64(gate_up_scales).reshape(gate_up_weights.shape[0], -1)
+    dns = _f64(down_scales).reshape(down_weights.shape[0], -1)
+    dn_abs = down_weights.detach().cpu().to(torch.int64).abs().to(F64)
+    w = _f64(topk_weights)
+    ids = topk_ids.detach().cpu().to(torch.int64)
+    T, H = hidden_states.shape
+    inter = gate_up_weights.shape[1] // 2
+    out = torch.zeros(T, H, dtype=F64)
+    slack = torch.zeros(T, H, dtype=F64)
+    doubtful, total = 0, 0
+    for t in range(T):
+        wt = w[t] / w[t].sum() if renormalize else w[t]
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gu = int8_product(xq[t:t + 1], gate_up_weights[e])[0].to(F64) * xs[t] * gus[e]
+            act = silu(gu[:inter]) * gu[inter:]
+            aq, a_scale = dynamic_quant(act.unsqueeze(0))
+            y = int8_product(aq, down_weights[e])[0].to(F64) * a_scale[0] * dns[e]
+            out[t] += wt[k] * y
+            doubt = _quant_steps_in_doubt(act, delta)
+            doubtful, total = doubtful + int(doubt.sum()), total + doubt.numel()
+            slack[t] += abs(float(wt[k])) * float(a_scale[0]) * (dn_abs[e] @ doubt.to(F64)) * dns[e].abs()
+    return out, slack, doubtful / max(total, 1)
+
+
 # ---------------------------------------------------------------- rotary
 
 

@@ -20,7 +20,7 @@ from dlinfer.ops.activation import silu_and_mul
 from dlinfer.ops.attention import paged_decode_attention, paged_prefill_attention, prefill_attention
 from dlinfer.ops.kv_cache import fill_kv_cache
 from dlinfer.ops.linear import linear
-from dlinfer.ops.moe import fused_moe, moe_gating_topk_softmax
+from dlinfer.ops.moe import fused_moe, fused_moe_w8a8, moe_gating_topk_softmax
 from dlinfer.ops.norm import add_rms_norm, rms_norm
 from dlinfer.ops.quant import add_rms_norm_w8a8, dynamic_quant, linear_w8a8, rms_norm_w8a8
 from dlinfer.ops.rotary import apply_rotary_pos_emb

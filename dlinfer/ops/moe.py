@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import torch
 from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
@@ -94,3 +95,68 @@ def fused_moe(
     if t == 0:
         return hidden_states.new_empty((0, h))
     return kernel(hidden_states, gate_up_weights, down_weights, topk_weights, topk_ids, bool(renormalize))
+
+
+def _expert_scales(op: str, name: str, scales, e: int, rows: int, dev) -> Tensor:
+    """Per-output-channel scales [E, rows] or [E, rows, 1], any float dtype -> float32 [E, rows]."""
+    if not isinstance(scales, Tensor) or tuple(scales.shape) not in ((e, rows), (e, rows, 1)):
+        raise InvalidArgumentError(op, name, f"a tensor [{e}, {rows}] or [{e}, {rows}, 1]", C.describe(scales))
+    C.dtype_in(op, name, scales, C.FLOAT_DTYPES)
+    if scales.device != dev:
+        raise InvalidArgumentError(op, name, f"device {dev}", C.describe(scales))
+    return scales.reshape(e, rows).float()
+
+
+def fused_moe_w8a8(
+    hidden_states: Tensor,
+    gate_up_weights: Tensor,
+    gate_up_scales: Tensor,
+    down_weights: Tensor,
+    down_scales: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    topk: int,
+    renormalize: bool,
+    moe_metadata=None,
+) -> Tensor:
+    """The routed expert MLP with int8 weights (W8A8, dynamic per-token activation quantisation).
+
+    hidden_states: [T, H] float32/float16/bfloat16, not modified.
+    gate_up_weights: [E, 2I, H] int8 (rows :I gate, I: up); gate_up_scales: [E, 2I] or [E, 2I, 1],
+    any float dtype (LMDeploy keeps them in bfloat16 for a bfloat16 model), one per output channel.
+    down_weights: [E, H, I] int8; down_scales: [E, H] or [E, H, 1].
+    topk_weights: [T, K] (any float dtype; combined in fp32); topk_ids: [T, K] int32/int64 in [0, E).
+    topk: K.  renormalize: rescale each token's K weights to sum to 1 first.
+    moe_metadata: None for single device; ep_size > 1 raises UnsupportedError.
+    Returns a new [T, H] tensor in hidden_states' dtype. Per (token, expert): x is quantised per
+    token (dynamic_quant), gate_up = (xq @ Wq.T exact) * x_scale * gate_up_scales[e] in float32,
+    act = silu(gate) * up in float32, quantised per token again, y = (aq @ Dq.T exact) * a_scale *
+    down_scales[e]; out = sum_k w[t,k] * y in float32, rounded once to hidden_states' dtype.
+    """
+    op = "fused_moe_w8a8"
+    C.tensor(op, "hidden_states", hidden_states, ("T", "H"), C.FLOAT_DTYPES)
+    t, h = hidden_states.shape
+    dev = hidden_states.device
+    C.tensor(op, "gate_up_weights", gate_up_weights, ("E", "2I", h), (torch.int8,), dev)
+    e, two_i, _ = gate_up_weights.shape
+    if two_i % 2:
+        raise InvalidArgumentError(op, "gate_up_weights", "an even dim 1 (2I)", C.describe(gate_up_weights))
+    gate_up_scales = _expert_scales(op, "gate_up_scales", gate_up_scales, e, two_i, dev)
+    C.tensor(op, "down_weights", down_weights, (e, h, two_i // 2), (torch.int8,), dev)
+    down_scales = _expert_scales(op, "down_scales", down_scales, e, h, dev)
+    topk = C.integer(op, "topk", topk, 1)
+    C.tensor(op, "topk_weights", topk_weights, (t, "K"), C.FLOAT_DTYPES, dev)
+    if topk_weights.shape[1] != topk:
+        raise InvalidArgumentError(op, "topk", f"topk_weights' K = {topk_weights.shape[1]}", str(topk))
+    C.tensor(op, "topk_ids", topk_ids, (t, topk), C.INDEX_DTYPES, dev)
+    kernel, vendor = kernel_for(op, dev)
+    _metadata(op, vendor, moe_metadata)
+    check_dtype(vendor, op, hidden_states.dtype)
+    if C.check_values_enabled() and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= e:
+            raise InvalidArgumentError(op, "topk_ids", f"ids in [0, {e})", f"ids in [{lo}, {hi}]")
+    if t == 0:
+        return hidden_states.new_empty((0, h))
+    return kernel(hidden_states, gate_up_weights, gate_up_scales, down_weights, down_scales, topk_weights, topk_ids,
+                  bool(renormalize))

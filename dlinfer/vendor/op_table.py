@@ -109,6 +109,10 @@ def _weight_quant_matmul_fake(x, qweight, scale, offset, bias, group_size):
     return x.new_empty((x.shape[0], scale.shape[1]))
 
 
+def _fused_moe_w8a8_fake(hidden_states, *args):
+    return torch.empty_like(hidden_states)
+
+
 _TABLE = (
     OpSpec(
         "rms_norm",
@@ -223,6 +227,15 @@ _TABLE = (
         "x [M, K], qweight int32 [K, N/8] (or column_tiled [ceil(N/128), K, 16]), scale [K/g, N] in x's dtype, "
         "offset int32 [K/g, N/8]? (None: zero point 8), bias [N]?, group_size g (K % g == 0) "
         "-> [M, N] = x @ ((q - z) * s) (+ bias)",
+    ),
+    OpSpec(
+        "fused_moe_w8a8",
+        "(Tensor hidden_states, Tensor gate_up_weights, Tensor gate_up_scales, Tensor down_weights, "
+        "Tensor down_scales, Tensor topk_weights, Tensor topk_ids, bool renormalize) -> Tensor",
+        _fused_moe_w8a8_fake,
+        "hidden_states [T, H] float, gate_up_weights [E, 2I, H] int8, gate_up_scales [E, 2I] float32, "
+        "down_weights [E, H, I] int8, down_scales [E, H] float32, topk_weights [T, K], topk_ids [T, K] -> [T, H]: "
+        "fused_moe with x and silu(gate) * up (float32) quantised per token (dynamic_quant) before each int8 GEMM",
     ),
 )
 

@@ -1,4 +1,4 @@
-"""moe_gating_topk_softmax and fused_moe parity.
+"""moe_gating_topk_softmax, fused_moe and fused_moe_w8a8 parity.
 
 The checks: dlinfer/conformance/suites/moe.py (shared with `python -m dlinfer conformance`).
 """
@@ -22,4 +22,9 @@ def test_moe_gating_topk_softmax_ties_to_lower_id(vendor, check):
 
 @pytest.mark.parametrize("vendor,check", suite_params(moe.fused_moe))
 def test_fused_moe(vendor, check):
+    run(vendor, check)
+
+
+@pytest.mark.parametrize("vendor,check", suite_params(moe.fused_moe_w8a8))
+def test_fused_moe_w8a8(vendor, check):
     run(vendor, check)

@@ -107,6 +107,9 @@ def run_every_op(seed: int = 0, nb: int = 32) -> None:
     qweight = torch.randint(-2**31, 2**31, (64, 3), generator=g, dtype=torch.int64).to(torch.int32)
     qzeros = torch.randint(-2**31, 2**31, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
     DL.weight_quant_matmul(x, qweight, randn(2, 24, scale=0.02), qzeros, randn(24), 32)
+    i8 = lambda *shape: torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)  # noqa: E731
+    DL.fused_moe_w8a8(randn(t, 16), i8(4, 24, 16), torch.rand(4, 24, generator=g) / 500, i8(4, 16, 12),
+                      torch.rand(4, 16, generator=g) / 500, weights, ids, False)
 
 
 # -- off: no wrapper ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import dlinfer.ops as ops
 from dlinfer.conformance.checks import BAD_INPUT, Check, Skipped, params, suite
 from dlinfer.conformance.compare import CheckFailed, assert_equal, expect
 from dlinfer.conformance.inputs import alloc_cache, device, gen, value_checks
+from dlinfer.conformance.suites import bad_inputs_w8a8
 from dlinfer.errors import InvalidArgumentError, UnsupportedError
 from dlinfer.vendor.base import FEATURE_KV_QUANT
 
@@ -51,22 +52,14 @@ def good_call(op, layout):
         return dict(x=_r(T, 64), weight=_r(48, 64), bias=_r(48))
     if op == "moe_gating_topk_softmax":
         return dict(router_logits=_r(T, 8), topk=2, moe_metadata=None)
-    if op == "dynamic_quant":
-        return dict(x=_r(T, 64), quant_dtype=torch.int8, quant_granularity="PER_TOKEN")
-    if op == "linear_w8a8":
-        return dict(a=_i8(T, 64), b=_i8(48, 64, seed=1), rms_scale=torch.full((T, 1), 0.01, device=device()),
-                    linear_scale=torch.full((48,), 0.01, device=device()), out_dtype=F16, quant_dtype=torch.int8,
-                    bias=_r(48, dtype=F16))
-    if op == "rms_norm_w8a8":
-        return dict(hidden_states=_r(T, 64), weight=_r(64), epsilon=1e-6, quant_dtype=torch.int8)
-    if op == "add_rms_norm_w8a8":
-        return dict(hidden_states=_r(T, 64), residual=_r(T, 64, seed=1), weight=_r(64), epsilon=1e-6,
-                    quant_dtype=torch.int8)
     if op == "fused_moe":
         ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=I64, device=device())
         return dict(hidden_states=_r(T, 32), gate_up_weights=_r(4, 2 * 48, 32), down_weights=_r(4, 32, 48),
                     topk_weights=torch.full((T, 2), 0.5, device=device()), topk_ids=ids, topk=2, renormalize=False,
                     moe_metadata=None, chunked_moe_layout=None)
+    w8a8 = bad_inputs_w8a8.good_call(op)
+    if w8a8 is not None:
+        return w8a8
     kc, vc = _caches(layout)
     if op == "fill_kv_cache":
         return dict(key=_r(T, HKV, D), value=_r(T, HKV, DV), key_cache=kc, value_cache=vc,
@@ -161,41 +154,6 @@ BAD = [
     ("fused_moe", "topk_ids", "dtype", lambda a, l: a["topk_ids"].to(F32)),
     ("fused_moe", "topk_ids", "device", lambda a, l: _meta(a["topk_ids"])),
     ("fused_moe", "topk", "mismatch", lambda a, l: 3),
-    # W8A8
-    ("dynamic_quant", "x", "dtype", lambda a, l: a["x"].to(I32)),
-    ("dynamic_quant", "x", "rank", lambda a, l: torch.tensor(1.0, device=device())),
-    ("dynamic_quant", "quant_dtype", "int4", lambda a, l: torch.quint4x2),
-    ("dynamic_quant", "quant_dtype", "fp8", lambda a, l: torch.float8_e4m3fn),
-    ("dynamic_quant", "quant_granularity", "per_tensor", lambda a, l: "PER_TENSOR"),
-    ("linear_w8a8", "a", "dtype", lambda a, l: a["a"].to(F16)),
-    ("linear_w8a8", "a", "rank", lambda a, l: torch.tensor(1, dtype=torch.int8, device=device())),
-    ("linear_w8a8", "b", "size", lambda a, l: _i8(48, 63)),
-    ("linear_w8a8", "b", "rank", lambda a, l: _i8(64)),
-    ("linear_w8a8", "b", "dtype", lambda a, l: a["b"].to(I32)),
-    ("linear_w8a8", "b", "device", lambda a, l: _meta(a["b"])),
-    ("linear_w8a8", "rms_scale", "tokens", lambda a, l: torch.ones(T + 1, 1, device=device())),
-    ("linear_w8a8", "rms_scale", "cols", lambda a, l: torch.ones(T, 2, device=device())),
-    ("linear_w8a8", "rms_scale", "dtype", lambda a, l: a["rms_scale"].to(F16)),
-    ("linear_w8a8", "rms_scale", "device", lambda a, l: _meta(a["rms_scale"])),
-    ("linear_w8a8", "linear_scale", "size", lambda a, l: torch.ones(47, device=device())),
-    ("linear_w8a8", "linear_scale", "row", lambda a, l: torch.ones(1, 48, device=device())),
-    ("linear_w8a8", "linear_scale", "dtype", lambda a, l: a["linear_scale"].to(torch.float64)),
-    ("linear_w8a8", "linear_scale", "device", lambda a, l: _meta(a["linear_scale"])),
-    ("linear_w8a8", "out_dtype", "int32", lambda a, l: I32),
-    ("linear_w8a8", "quant_dtype", "int4", lambda a, l: torch.quint4x2),
-    ("linear_w8a8", "bias", "size", lambda a, l: _r(47, dtype=F16)),
-    ("linear_w8a8", "bias", "dtype", lambda a, l: a["bias"].to(I32)),
-    ("linear_w8a8", "bias", "device", lambda a, l: _meta(a["bias"])),
-    ("rms_norm_w8a8", "hidden_states", "dtype", lambda a, l: a["hidden_states"].to(torch.int8)),
-    ("rms_norm_w8a8", "weight", "size", lambda a, l: _r(63)),
-    ("rms_norm_w8a8", "weight", "device", lambda a, l: _meta(a["weight"])),
-    ("rms_norm_w8a8", "epsilon", "negative", lambda a, l: -1.0),
-    ("rms_norm_w8a8", "quant_dtype", "uint8", lambda a, l: torch.uint8),
-    ("add_rms_norm_w8a8", "residual", "size", lambda a, l: _r(T, 63)),
-    ("add_rms_norm_w8a8", "residual", "dtype", lambda a, l: a["residual"].to(F16)),
-    ("add_rms_norm_w8a8", "residual", "device", lambda a, l: _meta(a["residual"])),
-    ("add_rms_norm_w8a8", "weight", "size", lambda a, l: _r(65)),
-    ("add_rms_norm_w8a8", "quant_dtype", "int4", lambda a, l: torch.quint4x2),
     # fill_kv_cache
     ("fill_kv_cache", "key", "rank", lambda a, l: _r(T, HKV * D)),
     ("fill_kv_cache", "key", "dtype", lambda a, l: a["key"].to(I32)),
@@ -237,6 +195,7 @@ BAD = [
     ("prefill_attention", "attn_output", "device", lambda a, l: torch.empty(T, HQ, DV, device=META)),
     ("prefill_attention", "actual_seq_lengths_cpu", "size", lambda a, l: torch.tensor([3, 5, 5], dtype=I32)),
     ("prefill_attention", "actual_seq_lengths_cpu", "dtype", lambda a, l: torch.tensor([3.0, 5.0])),
+    *bad_inputs_w8a8.BAD,
 ]
 
 for _op in ("paged_prefill_attention", "paged_decode_attention"):
@@ -283,6 +242,7 @@ BAD_VALUES = [
     ("prefill_attention", "actual_seq_lengths_cpu", "end_not_T", lambda a, l: torch.tensor([3, 4], dtype=I32)),
     ("prefill_attention", "actual_seq_lengths_cpu", "not_cumsum_of_q_seq_len",
      lambda a, l: torch.tensor([2, 5], dtype=I32)),
+    *bad_inputs_w8a8.BAD_VALUES,
 ]
 for _op in ("paged_prefill_attention", "paged_decode_attention"):
     _end = T if _op == "paged_prefill_attention" else B
@@ -348,8 +308,7 @@ def _good_call(vendor, layout, op):
 
 
 NO_CACHE_OPS = ("rms_norm", "add_rms_norm", "apply_rotary_pos_emb", "silu_and_mul", "linear",
-                "moe_gating_topk_softmax", "fused_moe", "dynamic_quant", "linear_w8a8", "rms_norm_w8a8",
-                "add_rms_norm_w8a8")
+                "moe_gating_topk_softmax", "fused_moe", *bad_inputs_w8a8.OPS)
 
 
 @suite("good_call_accepted")

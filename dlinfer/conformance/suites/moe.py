@@ -1,4 +1,4 @@
-"""moe_gating_topk_softmax and fused_moe parity."""
+"""moe_gating_topk_softmax, fused_moe and fused_moe_w8a8 parity."""
 
 from dataclasses import dataclass
 from functools import partial
@@ -120,3 +120,63 @@ def _fused_moe(vendor, case, dtype):
 def fused_moe(layouts):
     return [Check("fused_moe", params(c.id, dt), "fused_moe", PARITY, partial(_fused_moe, case=c, dtype=dt),
                   case=c.id, dtype=dt, small=c.small) for c in MOE_CASES for dt in DTYPES]
+
+
+@dataclass(frozen=True)
+class MoeW8A8Case:
+    id: str
+    T: int
+    H: int
+    I: int  # noqa: E741
+    E: int
+    K: int
+    renormalize: bool
+    scale_col: bool  # scales [E, rows, 1] in bfloat16 (LMDeploy's bf16 models), else [E, rows] float32
+    small: bool
+
+
+MOE_W8A8_CASES = [
+    MoeW8A8Case("t1_h64_i80_e4_k2", 1, 64, 80, 4, 2, False, False, True),
+    MoeW8A8Case("t7_h77_i45_e8_k2_renorm", 7, 77, 45, 8, 2, True, True, True),
+    MoeW8A8Case("t0_h64_i32_e4_k2", 0, 64, 32, 4, 2, True, False, True),
+    MoeW8A8Case("t6_h128_i64_e5_k5", 6, 128, 64, 5, 5, False, True, True),
+    MoeW8A8Case("t9_h19_i7_e3_k1", 9, 19, 7, 3, 1, True, False, True),
+    MoeW8A8Case("t37_h512_i704_e16_k4", 37, 512, 704, 16, 4, False, True, False),
+    MoeW8A8Case("t64_h576_i1536_e8_k2_renorm", 64, 576, 1536, 8, 2, True, False, False),
+]
+
+
+def _channel_scales(e, rows, fan_in, col, g):
+    """Scales that make int8 weights (std ~73) dequantise to std ~fan_in**-0.5."""
+    s = ((0.5 + torch.rand(e, rows, generator=g, dtype=torch.float64)) / (73.0 * fan_in**0.5))
+    s = s.to(torch.bfloat16).unsqueeze(-1) if col else s.to(torch.float32)
+    return s.to(device())
+
+
+def _fused_moe_w8a8(vendor, case, dtype):
+    from dlinfer.conformance.suites.quant import _int8
+
+    g = gen(seed_of("moe_w8a8", case.id, dtype))
+    x = randn((case.T, case.H), dtype, g, scale=1.5)
+    if case.T > 3:
+        x[0] = 0  # a zero token: scale 0, no NaN
+        x[1, case.H // 2] = 40.0  # one huge value: the rest of the token quantises to few steps
+    gate_up, down = _int8((case.E, 2 * case.I, case.H), g), _int8((case.E, case.H, case.I), g)
+    gu_s = _channel_scales(case.E, 2 * case.I, case.H, case.scale_col, g)
+    dn_s = _channel_scales(case.E, case.H, case.I, case.scale_col, g)
+    probs = torch.softmax(torch.randn(case.T, case.E, generator=g), dim=-1)
+    topk_w, topk_ids = torch.topk(probs, case.K, dim=-1)  # weights sum < 1: renormalize matters
+    topk_w, topk_ids = topk_w.to(device()), topk_ids.to(device())
+    expected, slack, in_doubt = ref.fused_moe_w8a8(x, gate_up, gu_s, down, dn_s, topk_w, topk_ids, case.renormalize)
+    expect(in_doubt <= 0.01, f"fused_moe_w8a8 check: {in_doubt:.2%} of the activations sit on quantisation ties")
+    out = ops.fused_moe_w8a8(x, gate_up, gu_s, down, dn_s, topk_w, topk_ids, case.K, case.renormalize, None)
+    expect(out.dtype == dtype and out.device.type == device().type,
+           f"fused_moe_w8a8: output {out.dtype} on {out.device}")
+    assert_close(out, expected, "fused_moe_w8a8", slack=slack)
+
+
+@suite("fused_moe_w8a8")
+def fused_moe_w8a8(layouts):
+    return [Check("fused_moe_w8a8", params(c.id, dt), "fused_moe_w8a8", PARITY,
+                  partial(_fused_moe_w8a8, case=c, dtype=dt), case=c.id, dtype=dt, small=c.small)
+            for c in MOE_W8A8_CASES for dt in DTYPES]

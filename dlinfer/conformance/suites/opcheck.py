@@ -59,6 +59,13 @@ def samples(name, layout, g):
         ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=I64, device=dev)
         w = torch.rand(5, 2, generator=g).to(dev)
         return [((r(5, 32), r(4, 96, 32), r(4, 32, 48), w, ids, renorm), {}) for renorm in (True, False)]
+    if name == "fused_moe_w8a8":
+        ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=I64, device=dev)
+        w = torch.rand(5, 2, generator=g).to(dev)
+        i8 = lambda *shape: torch.randint(-128, 128, shape, generator=g, dtype=I64).to(torch.int8).to(dev)  # noqa: E731
+        scales = lambda *shape: (torch.rand(*shape, generator=g) / 512).to(dev)  # noqa: E731
+        return [((r(5, 32, dtype=dt), i8(4, 96, 32), scales(4, 96), i8(4, 32, 48), scales(4, 32), w, ids, renorm), {})
+                for dt, renorm in ((F32, True), (torch.bfloat16, False))]
     paged = make_block_table([9, 2], 8, g, I32)
     kc = alloc_cache(paged.num_blocks, 8, 2, 64, layout, F32, g)
     vc = alloc_cache(paged.num_blocks, 8, 2, 64, layout, F32, g)

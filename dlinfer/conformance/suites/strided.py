@@ -1,5 +1,5 @@
-"""Inputs whose last dim is not dense (every other element of a wider buffer, NaN in the gaps;
-weights as transposed views; strided index and length tensors; a strided attn_output; caches
+"""Inputs whose last dim is not dense (every other element of a wider buffer, NaN in the gaps,
+127 for int8; weights as transposed views; strided index and length tensors; a strided attn_output; caches
 whose head dim is strided).
 
 A vendor either computes the right result from them or says it cannot take them by raising
@@ -193,9 +193,77 @@ def _prefill(vendor):
                                                                       attn_output=out), check)
 
 
+def _i8_every_other(shape, seed):
+    """An int8 view whose last dim has stride 2, 127 in the gaps (read, they change the result)."""
+    vals = torch.randint(-128, 128, shape, generator=gen(seed), dtype=I64).to(torch.int8)
+    buf = torch.full((*shape[:-1], 2 * shape[-1]), 127, dtype=torch.int8)
+    buf[..., ::2] = vals
+    return buf.to(device())[..., ::2]
+
+
+def _i8_transposed(shape, seed):
+    """An int8 [..., R, C] view of a [..., C, R] buffer (last-dim stride R)."""
+    t = torch.randint(-128, 128, (*shape[:-2], shape[-1], shape[-2]), generator=gen(seed), dtype=I64)
+    return t.to(dtype=torch.int8, device=device()).transpose(-1, -2)
+
+
+def _dynamic_quant(vendor):
+    x = every_other(_r(5, 64, seed=12, scale=3.0))
+
+    def check(result):
+        q_ref, s_ref = ref.dynamic_quant(x)
+        assert_equal(result[0], q_ref.to(result[0].device), "dynamic_quant", name="xq")
+        assert_close(result[1], s_ref, "dynamic_quant", name="scale")
+
+    return _accept("dynamic_quant", lambda: ops.dynamic_quant(x), check)
+
+
+def _linear_w8a8(vendor):
+    a, b = _i8_every_other((5, 48), 13), _i8_transposed((24, 48), 14)
+    rms = every_other((0.5 + _r(5, seed=15).abs()) / (74.0 * 48**0.5))
+    lin, bias = every_other((0.5 + _r(24, seed=16).abs()) / 74.0), every_other(_r(24, seed=17))
+    return _accept("linear_w8a8", lambda: ops.linear_w8a8(a, b, rms, lin, F32, torch.int8, bias),
+                   lambda out: assert_close(out, ref.linear_w8a8(a, b, rms, lin, bias), "linear_w8a8"))
+
+
+def _norm_w8a8(vendor, op):
+    from dlinfer.conformance.suites.quant import _check_fused_quant
+
+    x, r = every_other(_r(5, 64, seed=18, scale=3.0)), every_other(_r(5, 64, seed=19, scale=2.0))
+    w = every_other(1.0 + 0.2 * _r(64, seed=20))
+    if op == "rms_norm_w8a8":
+        q_ref, s_ref, _ = ref.rms_norm_w8a8(x, w, 1e-6)
+        return _accept(op, lambda: ops.rms_norm_w8a8(x, w, 1e-6),
+                       lambda res: _check_fused_quant(op, res[0], res[1], q_ref, s_ref, F32))
+    q_ref, s_ref, summed, _ = ref.add_rms_norm_w8a8(x, r, w, 1e-6)
+
+    def check(res):
+        _check_fused_quant(op, res[0], res[1], q_ref, s_ref, F32)
+        assert_equal(res[2], summed.to(F32).to(res[2].device), op, name="residual sum")
+
+    return _accept(op, lambda: ops.add_rms_norm_w8a8(x, r, w, 1e-6), check)
+
+
+def _fused_moe_w8a8(vendor):
+    T, H, I, E, K = 5, 32, 48, 4, 2  # noqa: E741
+    x = every_other(_r(T, H, seed=21))
+    gate_up, down = _i8_transposed((E, 2 * I, H), 22), _i8_transposed((E, H, I), 23)
+    gu_s = every_other((0.5 + _r(E, 2 * I, seed=24).abs()) / (73 * H**0.5))
+    dn_s = every_other((0.5 + _r(E, H, seed=25).abs()) / (73 * I**0.5))
+    topk_w = every_other(torch.tensor([[0.6, 0.3], [0.5, 0.4], [0.7, 0.1], [0.2, 0.2], [0.9, 0.05]],
+                                      device=device()))
+    ids = every_other(torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2]], dtype=I64, device=device()))
+    expected, slack, _ = ref.fused_moe_w8a8(x, gate_up, gu_s, down, dn_s, topk_w, ids, True)
+    return _accept("fused_moe_w8a8",
+                   lambda: ops.fused_moe_w8a8(x, gate_up, gu_s, down, dn_s, topk_w, ids, K, True, None),
+                   lambda out: assert_close(out, expected, "fused_moe_w8a8", slack=slack))
+
+
 _NO_CACHE = [("rms_norm", _rms_norm), ("add_rms_norm", _add_rms_norm), ("apply_rotary_pos_emb", _rotary),
              ("silu_and_mul", _silu_and_mul), ("linear", _linear), ("moe_gating_topk_softmax", _moe_gating),
-             ("fused_moe", _fused_moe), ("prefill_attention", _prefill)]
+             ("fused_moe", _fused_moe), ("prefill_attention", _prefill), ("dynamic_quant", _dynamic_quant),
+             ("linear_w8a8", _linear_w8a8), ("rms_norm_w8a8", partial(_norm_w8a8, op="rms_norm_w8a8")),
+             ("add_rms_norm_w8a8", partial(_norm_w8a8, op="add_rms_norm_w8a8")), ("fused_moe_w8a8", _fused_moe_w8a8)]
 
 
 @suite("strided_last_dim")

@@ -4,10 +4,13 @@ dlinfer's default on CPU tensors. Its kernels (`csrc/`, built on first use by `b
 the ops' signatures in `kernels.py`) cover what a decode step spends its time on: `linear` at few
 rows (a weight-streaming matrix-vector kernel; BLAS beyond 8 rows), `paged_decode_attention` read
 straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb`
-and `silu_and_mul`, each one call instead of several torch ops. Prefill attention, the MoE ops
-and the W8A8 ops are the torch vendor's implementations, named as such in the op table (no
-fallback warning: they are this vendor's choice). float32/bfloat16/float16, ALiBi, both KV-cache
-layouts (the kernels read the caches as `kv_layouts.canonical` views).
+and `silu_and_mul`, each one call instead of several torch ops, and the W8A8 family
+(`dynamic_quant`, `linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation
+ops, `fused_moe_w8a8`) and W4A16 `weight_quant_matmul` (4-bit weights decoded in registers, on the
+column-tiled layout its load-time `repack_weight_quant` hook makes). Prefill attention and the float MoE ops are the torch vendor's
+implementations, named as such in the op table (no fallback warning: they are this vendor's
+choice). float32/bfloat16/float16, ALiBi, both KV-cache layouts (the kernels read the caches as
+`kv_layouts.canonical` views).
 
 When no C++ compiler can build the kernels, the vendor does not load (`python -m dlinfer env`
 says why) and CPU ops run on the torch vendor.
@@ -26,10 +29,13 @@ NOTES = {
     "add_rms_norm": "C++: residual add fused into the rms_norm pass",
     "apply_rotary_pos_emb": "C++: q and k in one call, fp32 rotate-half, partial rotary",
     "silu_and_mul": "C++: fused fp32 silu(gate) * up",
-    "dynamic_quant": "the torch vendor's (fp32 amax / 127, round half to even)",
-    "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
-    "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
-    "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
+    "dynamic_quant": "C++: one pass per row, fp32 amax / 127, round half to even (bit-identical to torch's)",
+    "linear_w8a8": "C++: exact int8 product, AVX-512 VNNI (vpdpbusd, +128 offset and per-row correction) or "
+                   "AVX-512BW or portable at <= 8 rows, oneDNN's int8 GEMM (torch._int_mm) beyond; fp32 scales",
+    "rms_norm_w8a8": "C++: this vendor's rms_norm row and its quantisation in one pass",
+    "add_rms_norm_w8a8": "C++: residual add, rms_norm and quantisation in one pass",
+    "fused_moe_w8a8": "C++: per active expert two exact int8 products (linear_w8a8's), fp32 epilogues, silu * up "
+                      "and per-token quantisation fused between them",
     "weight_quant_matmul": "C++: dequantised in registers per 128-column tile, 8 rows per decode, fp32 "
                            "accumulation per group (beyond 4096 rows: float32 blocks dequantised in C++, then BLAS)",
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
@@ -47,7 +53,6 @@ def load() -> Vendor:
     from dlinfer.vendor.cpu import kernels, weight_quant
     from dlinfer.vendor.torch import attention as torch_attention
     from dlinfer.vendor.torch import moe as torch_moe
-    from dlinfer.vendor.torch import quant as torch_quant
 
     ops = {
         "rms_norm": kernels.rms_norm,
@@ -61,11 +66,11 @@ def load() -> Vendor:
         "fused_moe": torch_moe.fused_moe,
         "silu_and_mul": kernels.silu_and_mul,
         "linear": kernels.linear,
-        # W8A8: the torch vendor's functions, by choice (no fallback warning; see NOTES).
-        "dynamic_quant": torch_quant.dynamic_quant,
-        "linear_w8a8": torch_quant.linear_w8a8,
-        "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
-        "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
+        "dynamic_quant": kernels.dynamic_quant,
+        "linear_w8a8": kernels.linear_w8a8,
+        "rms_norm_w8a8": kernels.rms_norm_w8a8,
+        "add_rms_norm_w8a8": kernels.add_rms_norm_w8a8,
+        "fused_moe_w8a8": kernels.fused_moe_w8a8,
         "weight_quant_matmul": weight_quant.weight_quant_matmul,
     }
     return Vendor(

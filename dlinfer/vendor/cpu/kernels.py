@@ -92,3 +92,42 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     if uses_few_rows(x, weight, bias):
         return _few_rows(x, weight, bias)
     return torch_linear.linear(x, weight, bias)
+
+
+# W8A8 (csrc/quant_w8.cpp, csrc/moe_w8.cpp, csrc/int8_gemm.cpp): results bit-identical to the torch
+# vendor's, except fused_moe_w8a8's silu (ATen's vectorised exp).
+_dynamic_quant = torch.ops.dlinfer_cpu.dynamic_quant.default
+_linear_w8a8 = torch.ops.dlinfer_cpu.linear_w8a8.default
+_rms_norm_w8a8 = torch.ops.dlinfer_cpu.rms_norm_w8a8.default
+_add_rms_norm_w8a8 = torch.ops.dlinfer_cpu.add_rms_norm_w8a8.default
+_fused_moe_w8a8 = torch.ops.dlinfer_cpu.fused_moe_w8a8.default
+
+
+def dynamic_quant(x: Tensor):
+    """x [N, K] float -> (xq [N, K] int8, scale [N] float32), one pass per row."""
+    return _dynamic_quant(x)
+
+
+def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype,
+                bias: Optional[Tensor]) -> Tensor:
+    """a [M, K] int8, b [N, K] int8, rms_scale [M], linear_scale [N] float32, bias [N]? -> [M, N] out_dtype.
+    The int8 product: a weight-streaming VNNI / AVX-512 kernel up to 8 rows, oneDNN's int8 GEMM beyond."""
+    return _linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, bias)
+
+
+def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float):
+    """hidden_states [N, H], weight [H] -> (xq [N, H] int8, scale [N] float32) of this vendor's rms_norm."""
+    return _rms_norm_w8a8(hidden_states, weight.float().contiguous(), epsilon)
+
+
+def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float):
+    """([N, H], [N, H], [H]) -> (xq [N, H] int8, scale [N] float32, h + r [N, H])."""
+    return _add_rms_norm_w8a8(hidden_states, residual, weight.float().contiguous(), epsilon)
+
+
+def fused_moe_w8a8(hidden_states: Tensor, gate_up_weights: Tensor, gate_up_scales: Tensor, down_weights: Tensor,
+                   down_scales: Tensor, topk_weights: Tensor, topk_ids: Tensor, renormalize: bool) -> Tensor:
+    """hidden [T, H], int8 gate_up [E, 2I, H] + scales [E, 2I], int8 down [E, H, I] + scales [E, H],
+    topk weights / ids [T, K] -> [T, H] in hidden's dtype."""
+    return _fused_moe_w8a8(hidden_states, gate_up_weights, gate_up_scales, down_weights, down_scales, topk_weights,
+                           topk_ids, renormalize)

@@ -28,6 +28,7 @@ def load() -> Vendor:
         "rms_norm_w8a8": quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": quant.add_rms_norm_w8a8,
         "weight_quant_matmul": weight_quant.weight_quant_matmul,
+        "fused_moe_w8a8": quant.fused_moe_w8a8,
     }
     notes = {
         "prefill_attention": "scaled_dot_product_attention per sequence",
@@ -36,6 +37,8 @@ def load() -> Vendor:
         "fused_moe": "tokens sorted by expert, one GEMM pair per active expert",
         "weight_quant_matmul": "weight dequantised to float32 in column tiles, then a float32 matmul",
         "linear_w8a8": "int8 product as an exact float64 matmul, scales in float32",
+        "fused_moe_w8a8": "tokens sorted by expert; per active expert two int8 products (exact float64 matmuls), "
+                          "float32 scaling and activation",
         "linear": "float32 on CPU: oneDNN inner product (DLINFER_CPU_LINEAR=aten: F.linear); else F.linear",
     }
     return Vendor(

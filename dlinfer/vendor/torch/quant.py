@@ -51,3 +51,43 @@ def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, e
     normed, added = add_rms_norm(hidden_states, residual, weight, epsilon)
     xq, scale = dynamic_quant(normed)
     return xq, scale, added
+
+
+def fused_moe_w8a8(hidden_states: Tensor, gate_up_weights: Tensor, gate_up_scales: Tensor, down_weights: Tensor,
+                   down_scales: Tensor, topk_weights: Tensor, topk_ids: Tensor, renormalize: bool) -> Tensor:
+    """hidden [T, H], gate_up int8 [E, 2I, H] with scales f32 [E, 2I], down int8 [E, H, I] with scales
+    f32 [E, H], weights / ids [T, K] -> [T, H] in hidden's dtype.
+
+    x is quantised once per token; the (token, expert) pairs are sorted by expert and each active
+    expert runs: gate_up = int8 GEMM * x_scale * gate_up_scale (float32), act = silu(gate) * up
+    (float32), per-token quantisation of act, int8 GEMM * act_scale * down_scale; the K results
+    of a token are combined in float32 with its (renormalised) weights.
+    """
+    t, k = topk_ids.shape
+    num_experts, two_i, _ = gate_up_weights.shape
+    inter = two_i // 2
+    weights = topk_weights.float()
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    xq, x_scale = dynamic_quant(hidden_states)
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    flat_weights = weights.reshape(-1)
+    # float32 (float64 when the op tools rerun the call in float64, scales included)
+    acc_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    out = torch.zeros(t, hidden_states.shape[1], dtype=acc_dtype, device=hidden_states.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // k
+        gate_up = int8_matmul(xq[tokens], gate_up_weights[expert]).float()
+        gate_up = gate_up * x_scale[tokens].unsqueeze(-1) * gate_up_scales[expert]
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        aq, a_scale = dynamic_quant(act)
+        y = int8_matmul(aq, down_weights[expert]).float() * a_scale.unsqueeze(-1) * down_scales[expert]
+        out.index_add_(0, tokens, (y * flat_weights[pairs].unsqueeze(1)).to(acc_dtype))
+    return out.to(hidden_states.dtype)

@@ -2,8 +2,8 @@
 
 Runs on CUDA; also on CPU tensors under TRITON_INTERPRET=1 (Triton's interpreter: correct but
 ~300x slower than torch, used by CI on small shapes). Both KV-cache layouts. One op family per
-file: norm, rotary, kv_cache, activation, moe, linear, and attention (attention.py, with its
-kernels in attention_prefill.py and attention_decode.py).
+file: norm, rotary, kv_cache, activation, moe, linear, quant (W8A8), moe_w8a8, and attention
+(attention.py, with its kernels in attention_prefill.py and attention_decode.py).
 """
 
 import torch
@@ -22,10 +22,12 @@ NOTES = {
     "moe_gating_topk_softmax": "Triton: fused fp32 softmax + iterative arg-max top-k (ties to the lower id)",
     "fused_moe": "Triton: on-device expert sort/align, grouped tl.dot GEMMs with SiLU-and-mul fused into "
                  "the gate/up epilogue, fp32 weighted combine; no host sync",
-    "dynamic_quant": "the torch vendor's (fp32 amax / 127, round half to even)",
-    "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
-    "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
-    "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
+    "dynamic_quant": "Triton: one program per row, fp32 amax / 127, correctly rounded division, half to even",
+    "linear_w8a8": "Triton: int8 tiles into tl.dot(out_dtype=int32) (exact), fp32 scale epilogue",
+    "rms_norm_w8a8": "Triton: the rms_norm row and its quantisation in one program",
+    "add_rms_norm_w8a8": "Triton: residual add, rms_norm and quantisation in one program",
+    "fused_moe_w8a8": "Triton: fused_moe's expert sort/align and combine around int8 tl.dot GEMMs; x and "
+                      "silu(gate) * up quantised per row in between; no host sync",
     "weight_quant_matmul": "Triton: nibbles unpacked in the kernel (either layout), fp32 W tiles, IEEE fp32 tl.dot",
     "linear": "not a Triton kernel: torch.nn.functional.linear, i.e. the platform matmul (cuBLAS on CUDA)",
 }
@@ -34,9 +36,9 @@ NOTES = {
 def load() -> Vendor:
     import triton  # noqa: F401  (ImportError when Triton is missing: the registry records why)
 
-    from dlinfer.vendor.triton import activation, attention, kv_cache, linear, moe, norm, rotary, weight_quant
+    from dlinfer.vendor.triton import (activation, attention, kv_cache, linear, moe, moe_w8a8, norm, quant, rotary,
+                                       weight_quant)
     from dlinfer.vendor.triton._common import INTERPRET
-    from dlinfer.vendor.torch import quant as torch_quant
 
     ops = {
         "rms_norm": norm.rms_norm,
@@ -50,11 +52,11 @@ def load() -> Vendor:
         "fused_moe": moe.fused_moe,
         "silu_and_mul": activation.silu_and_mul,
         "linear": linear.linear,
-        # W8A8: the torch vendor's functions, by choice (no fallback warning; see NOTES).
-        "dynamic_quant": torch_quant.dynamic_quant,
-        "linear_w8a8": torch_quant.linear_w8a8,
-        "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
-        "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
+        "dynamic_quant": quant.dynamic_quant,
+        "linear_w8a8": quant.linear_w8a8,
+        "rms_norm_w8a8": quant.rms_norm_w8a8,
+        "add_rms_norm_w8a8": quant.add_rms_norm_w8a8,
+        "fused_moe_w8a8": moe_w8a8.fused_moe_w8a8,
         "weight_quant_matmul": weight_quant.weight_quant_matmul,
     }
     # The interpreter runs the kernels on CPU tensors.

@@ -4,47 +4,10 @@
 //   out = y * w                       (product in float32, rounded to the activation dtype; w is
 //                                      passed as float32, so a float32 weight of a bf16 model
 //                                      multiplies unrounded, as in PyTorch's type promotion)
-#include "common.h"
-
-#include <cmath>
+#include "norm_row.h"
 
 namespace dlinfer_cpu {
 namespace {
-
-// One row: pass 1 forms s (h + r, rounded and stored when there is a residual) and the sum of
-// squares; pass 2 writes round(round(s * inv) * w).
-template <typename T>
-void norm_row(const T* x, const T* r, const float* w, T* out, T* summed, int64_t H, float eps) {
-  const T* s = r ? summed : x;
-  Vec acc(0.f);
-  float tail = 0.f;
-  int64_t i = 0;
-  for (; i + kLanes <= H; i += kLanes) {
-    Vec v = load_vec(x + i);
-    if (r) {
-      v = round_to<T>(v + load_vec(r + i));
-      store_vec(summed + i, v);
-    }
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  for (; i < H; ++i) {
-    float v = static_cast<float>(x[i]);
-    if (r) {
-      summed[i] = static_cast<T>(v + static_cast<float>(r[i]));
-      v = static_cast<float>(summed[i]);
-    }
-    tail += v * v;
-  }
-  const float ss = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc) + tail;
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
-  const Vec vinv(inv);
-  for (i = 0; i + kLanes <= H; i += kLanes)
-    store_vec(out + i, round_to<T>(load_vec(s + i) * vinv) * Vec::loadu(w + i));
-  for (; i < H; ++i) {
-    const T y = static_cast<T>(static_cast<float>(s[i]) * inv);
-    out[i] = static_cast<T>(static_cast<float>(y) * w[i]);
-  }
-}
 
 template <typename T>
 void norm_rows(const T* x, int64_t ldx, const T* r, int64_t ldr, const float* w, T* out, T* summed, int64_t N,

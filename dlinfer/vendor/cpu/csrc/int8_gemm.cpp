@@ -1,0 +1,235 @@
+// int8 x int8 -> int32, exact: out[m, n] = sum_k a[m, k] * b[n, k] (b is a weight [N, K]).
+//
+// At decode sizes this is a matrix-vector product bound by how fast b streams from memory (one
+// byte per weight, a quarter of float32's), so the loop shape is linear.cpp's: each b row, once
+// loaded, serves every row of a tile of up to kTile rows of a, with a software prefetch ahead in
+// the stream. Three paths, chosen at run time (best_int8_path):
+//  - VNNI: vpdpbusd multiplies 64 unsigned x signed byte pairs and adds them into 16 int32 lanes.
+//    a is made unsigned by a + 128 (a ^ 0x80); the extra 128 * sum_k b[n, k] is accumulated
+//    alongside (vpdpbusd of 0x80 bytes with the same b vector) and subtracted once per output.
+//    vpdpbusd does not saturate (int32 adds wrap) and the subtraction wraps too, so the result is
+//    exact modulo 2**32: exact whenever the true product fits int32.
+//  - AVX-512BW: 32 bytes sign-extended to int16, vpmaddwd (pairs of int16 products, exact in int32).
+//  - portable C++ (any build): uint32 wrapping sums, the same exactness.
+// Large M reuses the same kernel over blocks of b rows small enough to stay in L2 while every tile
+// of a passes over them.
+#include "int8_gemm.h"
+
+#include <ATen/ops/_int_mm.h>
+
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace dlinfer_cpu {
+namespace {
+
+constexpr int kTile = kGemvRows;          // rows of a per pass over a block of b
+constexpr int64_t kAlign = 64;            // a rows padded (with zeros) to a multiple of this
+constexpr int64_t kBlockBytes = 48 * 1024;  // b rows per block: about this many bytes
+constexpr int64_t kMinIntMmK = 16;        // at::_int_mm only from this K on (see int8_matmul_rows)
+constexpr int64_t kPrefetch = 1024;       // bytes ahead in a b row (4 KB ahead over 4 rows in flight)
+
+template <int M>
+void tile_portable(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
+                   int64_t ldo) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* br = b + n * K;
+    for (int m = 0; m < M; ++m) {
+      const int8_t* ar = a + m * lda;
+      uint32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += static_cast<uint32_t>(static_cast<int32_t>(ar[k]) * br[k]);
+      out[m * ldo + n] = static_cast<int32_t>(s);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+inline int32_t reduce_wrapping(__m512i v) {
+  return static_cast<int32_t>(static_cast<uint32_t>(_mm512_reduce_add_epi32(v)));
+}
+
+template <int M>
+void tile_avx512(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
+                 int64_t ldo) {
+  const int64_t kv = K - K % 32;
+  const __mmask32 tail = K > kv ? static_cast<__mmask32>((1ULL << (K - kv)) - 1) : 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* br = b + n * K;
+    __m512i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < kv; k += 32) {
+      __builtin_prefetch(br + k + kPrefetch, 0, 1);
+      const __m512i bv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(br + k)));
+      for (int m = 0; m < M; ++m) {
+        const __m512i av = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * lda + k)));
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(av, bv));
+      }
+    }
+    if (tail) {  // b's tail masked to zero; a is padded, so its full load stays inside the buffer
+      const __m512i bv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(tail, br + kv));
+      for (int m = 0; m < M; ++m) {
+        const __m512i av = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + m * lda + kv)));
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(av, bv));
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * ldo + n] = reduce_wrapping(acc[m]);
+  }
+}
+
+// a holds a ^ 0x80 (a + 128 as unsigned bytes). R rows of b at a time, the last n1 - n0 mod R
+// rows one by one. R = 1: R = 2 measured 1.5-3x slower streaming SmolLM2's weights on Zen 4 (one
+// thread, M = 1 and 8), where R = 1 runs at the AVX-512BW path's speed, ~0.8-0.95 of the read
+// bandwidth at M = 1.
+template <int M, int R = 1>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int8_t* a, int64_t lda, const int8_t* b,
+                                                                      int64_t K, int64_t n0, int64_t n1, int32_t* out,
+                                                                      int64_t ldo) {
+  const int64_t kv = K - K % 64;
+  const __mmask64 tail = K > kv ? static_cast<__mmask64>(~0ULL >> (64 - (K - kv))) : 0;
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    const int8_t* br = b + n * K;
+    __m512i acc[R][M], corr[R];
+    for (int r = 0; r < R; ++r) {
+      corr[r] = _mm512_setzero_si512();
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_si512();
+    }
+    for (int64_t k = 0; k < kv; k += 64) {
+      __m512i bv[R];
+      for (int r = 0; r < R; ++r) {
+        __builtin_prefetch(br + r * K + k + kPrefetch, 0, 1);
+        bv[r] = _mm512_loadu_si512(br + r * K + k);
+        corr[r] = _mm512_dpbusd_epi32(corr[r], off, bv[r]);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512i av = _mm512_loadu_si512(a + m * lda + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], av, bv[r]);
+      }
+    }
+    if (tail) {  // b's tail masked to zero; a is padded, so its full load stays inside the buffer
+      for (int r = 0; r < R; ++r) {
+        const __m512i bv = _mm512_maskz_loadu_epi8(tail, br + r * K + kv);
+        corr[r] = _mm512_dpbusd_epi32(corr[r], off, bv);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], _mm512_loadu_si512(a + m * lda + kv), bv);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint32_t c = static_cast<uint32_t>(_mm512_reduce_add_epi32(corr[r]));
+      for (int m = 0; m < M; ++m)
+        out[m * ldo + n + r] = static_cast<int32_t>(static_cast<uint32_t>(_mm512_reduce_add_epi32(acc[r][m])) - c);
+    }
+  }
+  if constexpr (R > 1) {
+    if (n < n1) tile_vnni<M, 1>(a, lda, b, K, n, n1, out, ldo);
+  }
+}
+
+#endif
+
+using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*, int64_t);
+
+template <template <int> class Kernel>
+TileFn pick(int rows) {
+  switch (rows) {
+    case 1: return Kernel<1>::fn;
+    case 2: return Kernel<2>::fn;
+    case 3: return Kernel<3>::fn;
+    case 4: return Kernel<4>::fn;
+    case 5: return Kernel<5>::fn;
+    case 6: return Kernel<6>::fn;
+    case 7: return Kernel<7>::fn;
+    default: return Kernel<8>::fn;
+  }
+}
+
+template <int M>
+struct Portable {
+  static constexpr TileFn fn = &tile_portable<M>;
+};
+#if defined(CPU_CAPABILITY_AVX512)
+template <int M>
+struct Avx512 {
+  static constexpr TileFn fn = &tile_avx512<M>;
+};
+template <int M>
+struct Vnni {
+  static constexpr TileFn fn = &tile_vnni<M>;
+};
+#endif
+
+TileFn tile_for(int path, int rows) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (path == kVnni) return pick<Vnni>(rows);
+  if (path == kAvx512) return pick<Avx512>(rows);
+#endif
+  return pick<Portable>(rows);
+}
+
+}  // namespace
+
+int best_int8_path() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const int best = __builtin_cpu_supports("avx512vnni") ? kVnni : kAvx512;
+  return best;
+#else
+  return kPortable;
+#endif
+}
+
+bool int8_path_available(int path) {
+  return path >= kPortable && path <= best_int8_path();
+}
+
+void int8_gemm(const int8_t* const* a_rows, int64_t M, const int8_t* b, int64_t N, int64_t K, int32_t* out,
+               int64_t ldo, int path) {
+  if (M == 0 || N == 0) return;
+  TORCH_CHECK(int8_path_available(path), "int8_gemm: path ", path, " cannot run on this CPU / build");
+  // a packed: rows of lda bytes (zero padding), a ^ 0x80 for VNNI
+  const int64_t lda = (K + kAlign - 1) / kAlign * kAlign;
+  std::vector<int8_t> packed(static_cast<size_t>(M * lda), 0);
+  const int8_t flip = path == kVnni ? static_cast<int8_t>(0x80) : 0;
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* dst = packed.data() + m * lda;
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<int8_t>(a_rows[m][k] ^ flip);
+  }
+  if (K == 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill(out + m * ldo, out + m * ldo + N, 0);
+    return;
+  }
+  const int64_t block = M <= kTile ? 1 : std::max<int64_t>(1, kBlockBytes / K);  // b rows per block
+  const int64_t blocks = (N + block - 1) / block;
+  auto run = [&](int64_t begin, int64_t end) {
+    // at M <= kTile: one contiguous band of b per thread, walked once
+    const int64_t n_begin = begin * block, n_end = std::min(N, end * block);
+    const int64_t step = M <= kTile ? n_end - n_begin : block;
+    for (int64_t n0 = n_begin; n0 < n_end; n0 += step) {
+      const int64_t n1 = std::min(n_end, n0 + step);
+      for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+        tile_for(path, rows)(packed.data() + m0 * lda, lda, b, K, n0, n1, out + m0 * ldo, ldo);
+      }
+    }
+  };
+  at::parallel_for(0, blocks, grain_for(blocks, N * K * std::max<int64_t>(1, (M + kTile - 1) / kTile)), run);
+}
+
+at::Tensor int8_matmul_rows(const int8_t* const* a_rows, int64_t M, const at::Tensor& b) {
+  const int64_t N = b.size(0), K = b.size(1);
+  // torch 2.13's CPU _int_mm returns garbage at K = 1 (N > 1; found by tests/vendor/test_cpu_w8a8.py,
+  // every K in 2..139 and the model sizes checked exact): small K stays on int8_gemm, where it is cheap.
+  if (M > kGemvRows && N > 0 && K >= kMinIntMmK) {
+    at::Tensor a = at::empty({M, K}, b.options());
+    for (int64_t m = 0; m < M; ++m) std::memcpy(a.data_ptr<int8_t>() + m * K, a_rows[m], K);
+    return at::_int_mm(a, b.t());
+  }
+  at::Tensor out = at::empty({M, N}, b.options().dtype(at::kInt));
+  int8_gemm(a_rows, M, b.data_ptr<int8_t>(), N, K, out.data_ptr<int32_t>(), N, best_int8_path());
+  return out;
+}
+
+}  // namespace dlinfer_cpu

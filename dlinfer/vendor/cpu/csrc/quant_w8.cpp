@@ -1,0 +1,176 @@
+// W8A8 on the CPU: dynamic per-token quantisation, RMSNorm fused with it, and the int8 linear.
+//
+// Every result is bit-identical to the torch vendor's (dlinfer/vendor/torch/quant.py):
+//  - quantisation (int8_gemm.h quantize_row): float32 amax / 127, float32 division, round half to
+//    even, clamp; a zero row: scale 0, values 0;
+//  - the fused norms quantise exactly the values this vendor's rms_norm / add_rms_norm write
+//    (norm_row.h), read back as float32, in the same pass over the row;
+//  - linear_w8a8: the exact int32 product (int8_gemm.cpp), then ((float)acc * rms_scale[m]) *
+//    linear_scale[n] (+ (float)bias[n]) in float32, one rounding to out_dtype: PyTorch's order.
+#include "int8_gemm.h"
+#include "norm_row.h"
+
+#include <vector>
+
+namespace dlinfer_cpu {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> dynamic_quant(const at::Tensor& x_in) {
+  const at::Tensor x = dense_rows(x_in);
+  TORCH_CHECK(x.dim() == 2, "dynamic_quant: x must be [N, K]");
+  const int64_t N = x.size(0), K = x.size(1);
+  at::Tensor q = at::empty({N, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({N}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_V2(x.scalar_type(), "dynamic_quant", AT_WRAP([&] {
+    using T = scalar_t;
+    const T* xp = x.data_ptr<T>();
+    const int64_t ldx = x.stride(0);
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* sp = scale.data_ptr<float>();
+    at::parallel_for(0, N, grain_for(N, N * K * static_cast<int64_t>(sizeof(T))), [&](int64_t begin, int64_t end) {
+      std::vector<float> row(std::is_same_v<T, float> ? 0 : K);
+      for (int64_t n = begin; n < end; ++n) {
+        const float* xf;
+        if constexpr (std::is_same_v<T, float>) {
+          xf = reinterpret_cast<const float*>(xp + n * ldx);  // T is float here
+        } else {
+          to_float(xp + n * ldx, row.data(), K);
+          xf = row.data();
+        }
+        sp[n] = quantize_row(xf, qp + n * K, K);
+      }
+    });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return {q, scale};
+}
+
+// rms_norm (+ residual) then quantisation, row by row: (xq, scale, h + r or an undefined tensor).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(const at::Tensor& hidden_in,
+                                                          const std::optional<at::Tensor>& residual_in,
+                                                          const at::Tensor& weight, double eps) {
+  const at::Tensor hidden = dense_rows(hidden_in);
+  const std::optional<at::Tensor> residual =
+      residual_in.has_value() ? std::optional<at::Tensor>(dense_rows(*residual_in)) : std::nullopt;
+  TORCH_CHECK(hidden.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                  weight.numel() == hidden.size(1),
+              "rms_norm_w8a8: hidden_states [N, H], weight float32 [H]");
+  const int64_t N = hidden.size(0), H = hidden.size(1);
+  at::Tensor q = at::empty({N, H}, hidden.options().dtype(at::kChar));
+  at::Tensor scale = at::empty({N}, hidden.options().dtype(at::kFloat));
+  at::Tensor summed;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == N && residual->size(1) == H &&
+                    residual->scalar_type() == hidden.scalar_type(),
+                "add_rms_norm_w8a8: residual must be [N, H] like hidden_states");
+    summed = at::empty({N, H}, hidden.options());
+  }
+  AT_DISPATCH_V2(hidden.scalar_type(), "rms_norm_w8a8", AT_WRAP([&] {
+    using T = scalar_t;
+    const T* hp = hidden.data_ptr<T>();
+    const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+    const int64_t ldh = hidden.stride(0), ldr = residual ? residual->stride(0) : 0;
+    T* sum_p = residual ? summed.data_ptr<T>() : nullptr;
+    const float* w = weight.data_ptr<float>();
+    int8_t* qp = q.data_ptr<int8_t>();
+    float* sp = scale.data_ptr<float>();
+    at::parallel_for(0, N, grain_for(N, N * H * static_cast<int64_t>(sizeof(T))), [&](int64_t begin, int64_t end) {
+      std::vector<T> normed(H);
+      std::vector<float> row(H);
+      for (int64_t n = begin; n < end; ++n) {
+        norm_row(hp + n * ldh, rp ? rp + n * ldr : nullptr, w, normed.data(), sum_p ? sum_p + n * H : nullptr, H,
+                 static_cast<float>(eps));
+        to_float(normed.data(), row.data(), H);
+        sp[n] = quantize_row(row.data(), qp + n * H, H);
+      }
+    });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return {q, scale, summed};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_w8a8(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
+  auto out = norm_quant(hidden, std::nullopt, weight, eps);
+  return {std::get<0>(out), std::get<1>(out)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_w8a8(const at::Tensor& hidden, const at::Tensor& residual,
+                                                                 const at::Tensor& weight, double eps) {
+  return norm_quant(hidden, residual, weight, eps);
+}
+
+int resolve_path(int64_t path) {
+  TORCH_CHECK(int8_path_available(static_cast<int>(path)), "int8 path ", path, " is not available here");
+  return static_cast<int>(path);
+}
+
+// a [M, K] int8, b [N, K] int8 -> [M, N] int32, exact. path -1: int8_matmul_rows' choice, else
+// int8_gemm on that path (the tests run each).
+at::Tensor int8_matmul(const at::Tensor& a_in, const at::Tensor& b_in, int64_t path) {
+  const at::Tensor a = dense_rows(a_in), b = b_in.contiguous();
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.scalar_type() == at::kChar &&
+                  b.scalar_type() == at::kChar,
+              "int8_matmul: a [M, K] int8, b [N, K] int8");
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  std::vector<const int8_t*> rows(M);
+  for (int64_t m = 0; m < M; ++m) rows[m] = a.data_ptr<int8_t>() + m * a.stride(0);
+  if (path < 0) return int8_matmul_rows(rows.data(), M, b);
+  at::Tensor out = at::empty({M, N}, a.options().dtype(at::kInt));
+  int8_gemm(rows.data(), M, b.data_ptr<int8_t>(), N, K, out.data_ptr<int32_t>(), N, resolve_path(path));
+  return out;
+}
+
+at::Tensor linear_w8a8(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rms_scale_in,
+                       const at::Tensor& linear_scale_in, at::ScalarType out_dtype,
+                       const std::optional<at::Tensor>& bias_in, int64_t path) {
+  const at::Tensor acc = int8_matmul(a, b, path);
+  const at::Tensor rms_scale = rms_scale_in.contiguous(), linear_scale = linear_scale_in.contiguous();
+  const int64_t M = acc.size(0), N = acc.size(1);
+  TORCH_CHECK(rms_scale.scalar_type() == at::kFloat && rms_scale.numel() == M &&
+                  linear_scale.scalar_type() == at::kFloat && linear_scale.numel() == N,
+              "linear_w8a8: rms_scale float32 [M], linear_scale float32 [N]");
+  std::vector<float> bias(bias_in.has_value() ? N : 0);
+  if (bias_in.has_value()) {
+    const at::Tensor bf = bias_in->to(at::kFloat).contiguous();  // the exact float32 value of each bias
+    std::copy(bf.data_ptr<float>(), bf.data_ptr<float>() + N, bias.begin());
+  }
+  at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
+  AT_DISPATCH_V2(out_dtype, "linear_w8a8", AT_WRAP([&] {
+    using T = scalar_t;
+    const int32_t* ap = acc.data_ptr<int32_t>();
+    const float* rs = rms_scale.data_ptr<float>();
+    const float* ls = linear_scale.data_ptr<float>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, M, grain_for(M, M * N * 4), [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        for (int64_t n = 0; n < N; ++n) {
+          float v = static_cast<float>(ap[m * N + n]) * rs[m];
+          v = v * ls[n];
+          if (!bias.empty()) v = v + bias[n];
+          op[m * N + n] = static_cast<T>(v);
+        }
+      }
+    });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return out;
+}
+
+int64_t int8_best_path() { return best_int8_path(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def("dynamic_quant(Tensor x) -> (Tensor, Tensor)");
+  m.impl("dynamic_quant", c10::DispatchKey::CPU, &dynamic_quant);
+  m.def("rms_norm_w8a8(Tensor hidden_states, Tensor weight, float epsilon) -> (Tensor, Tensor)");
+  m.impl("rms_norm_w8a8", c10::DispatchKey::CPU, &rms_norm_w8a8);
+  m.def("add_rms_norm_w8a8(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.impl("add_rms_norm_w8a8", c10::DispatchKey::CPU, &add_rms_norm_w8a8);
+  m.def("int8_matmul(Tensor a, Tensor b, int path=-1) -> Tensor");
+  m.impl("int8_matmul", c10::DispatchKey::CPU, &int8_matmul);
+  m.def("linear_w8a8(Tensor a, Tensor b, Tensor rms_scale, Tensor linear_scale, ScalarType out_dtype, "
+        "Tensor? bias, int path=-1) -> Tensor");
+  m.impl("linear_w8a8", c10::DispatchKey::CPU, &linear_w8a8);
+  m.def("int8_best_path() -> int", &int8_best_path);
+}
+
+}  // namespace dlinfer_cpu
