@@ -214,6 +214,32 @@ def fill_kv_cache(key, value, key_cache, value_cache, kv_indices, layout):
     return kc, vc
 
 
+def quantise_kv(x, scale, zero):
+    """The int8 KV cache's write: x [T, H, D], scale / zero [H] (float32 values) -> int8 [T, H, D]
+    = clamp(round_half_even(x / scale + zero), -128, 127), with the contract's float32 steps:
+    the float32 quotient (float64 rounded once to float32: correctly rounded, as in dynamic_quant),
+    then the float32 sum (float64 sum, exact for these magnitudes, rounded once)."""
+    f32 = torch.float32
+    s = _f64(scale).view(1, -1, 1)
+    z = _f64(zero).view(1, -1, 1)
+    ratio = (_f64(x.float()) / s).to(f32).to(F64)
+    shifted = (ratio + z).to(f32).to(F64)
+    return _round_half_even(shifted).clamp(-128.0, 127.0).to(torch.int8)
+
+
+def fill_kv_cache_int8(key, value, key_cache, value_cache, kv_indices, layout, k_scale, k_zero, v_scale, v_zero):
+    """Expected int8 caches after a quantised write: `quantise_kv`'d rows, token by token."""
+    return fill_kv_cache(quantise_kv(key, k_scale, k_zero), quantise_kv(value, v_scale, v_zero),
+                         key_cache.view(torch.int8), value_cache.view(torch.int8), kv_indices, layout)
+
+
+def dequantise_cache(cache, scale, zero, layout):
+    """An int8 (or uint8, read as int8) per-layer cache -> float64 (q - zero[h]) * scale[h]."""
+    q = _f64(cache.view(torch.int8))
+    shape = (1, 1, -1, 1) if layout == "token_major" else (1, -1, 1, 1)
+    return (q - _f64(zero).view(shape)) * _f64(scale).view(shape)
+
+
 def gather_paged(cache, block_table_row, kv_len, block_size, layout):
     """Token-by-token gather of the first kv_len positions of one sequence -> [kv_len, H, D]."""
     blocks = _ints(block_table_row)

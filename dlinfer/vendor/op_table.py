@@ -105,6 +105,12 @@ def _add_rms_norm_w8a8_fake(hidden_states, residual, weight, epsilon):
     return (*_dynamic_quant_fake(hidden_states), torch.empty_like(hidden_states))
 
 
+# The int8 KV cache (quant_bits=8, dlinfer/ops/kv_quant.py): per-head float32 scales and zeros,
+# all four None for a cache in the activation dtype.
+KV_QUANT_ARGS = ", Tensor? k_scale=None, Tensor? k_zero=None, Tensor? v_scale=None, Tensor? v_zero=None"
+KV_QUANT_DOC = ("k_scale / k_zero / v_scale / v_zero [Hkv] float32 or None: int8 caches holding "
+                "clamp(round(x / scale + zero), -128, 127), read as (q - zero) * scale")
+
 _TABLE = (
     OpSpec(
         "rms_norm",
@@ -127,10 +133,11 @@ _TABLE = (
     OpSpec(
         "fill_kv_cache",
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor kv_indices, "
-        "str kv_layout) -> ()",
+        "str kv_layout"
+        + KV_QUANT_ARGS + ") -> ()",
         _none,
         "key [T, Hkv, D], value [T, Hkv, Dv], key_cache / value_cache in kv_layout (written), "
-        "kv_indices [T] slots (outside [0, NB*BS): skipped)",
+        "kv_indices [T] slots (outside [0, NB*BS): skipped); " + KV_QUANT_DOC,
     ),
     OpSpec(
         "prefill_attention",
@@ -144,19 +151,19 @@ _TABLE = (
         "paged_prefill_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
         "Tensor kv_seq_len, SymInt max_q_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
-        "Tensor(a!) out, str kv_layout) -> ()",
+        "Tensor(a!) out, str kv_layout" + KV_QUANT_ARGS + ") -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
-        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written)",
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC,
     ),
     OpSpec(
         "paged_decode_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
         "Tensor kv_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
-        "str kv_layout) -> ()",
+        "str kv_layout" + KV_QUANT_ARGS + ") -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
-        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written)",
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC,
     ),
     OpSpec(
         "moe_gating_topk_softmax",

@@ -6,11 +6,13 @@ from dlinfer.conformance.suites import (  # noqa: F401  (registration order = ru
     rotary,
     kv_cache,
     attention,
+    kv_int8,
     moe,
     activation,
     quant,
     strided,
     bad_inputs,
+    kv_int8_bad,
     garbage,
     opcheck,
 )

@@ -10,7 +10,7 @@ import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
 from dlinfer.conformance import reference as ref
 from dlinfer.conformance.checks import OPCHECK, Check, Skipped, suite
 from dlinfer.conformance.inputs import alloc_cache, device, dtype_name, gen, make_block_table, randn
-from dlinfer.vendor.base import FEATURE_ALIBI
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT
 from dlinfer.vendor.op_table import OPS
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
@@ -54,19 +54,28 @@ def samples(name, layout, g):
     vc = alloc_cache(paged.num_blocks, 8, 2, 64, layout, F32, g)
     kv = torch.tensor([9, 2], dtype=I32, device=dev)
     slopes = ref.alibi_slopes(4).to(dev)
+    # The int8 cache (quant_bits=8): int8 caches and per-head float32 scales / zeros.
+    i8 = lambda c: torch.randint(-128, 128, c.shape, generator=g, dtype=I64).to(torch.int8).to(dev)  # noqa: E731
+    kq, vq = i8(kc), i8(vc)
+    quant = tuple(torch.tensor(v, device=dev) for v in ([0.02, 0.03], [0.0, 1.5], [0.04, 0.05], [-2.0, 0.0]))
     if name == "fill_kv_cache":
         slots = torch.tensor([3, 4, 17, 30, 9], dtype=I64, device=dev)
-        return [((r(5, 2, 64), r(5, 2, 64), kc, vc, slots, layout), {})]
+        return [((r(5, 2, 64), r(5, 2, 64), kc, vc, slots, layout), {}),
+                ((r(5, 2, 64), r(5, 2, 64), kq, vq, slots, layout, *quant), {})]
     if name == "prefill_attention":
         return [((r(5, 4, 64), r(5, 2, 64), r(5, 2, 64), cu, 3, 0.125, a, torch.empty(5, 4, 64, device=dev)), {})
                 for a in (None, slopes)]
     if name == "paged_prefill_attention":
         return [((r(5, 4, 64), kc, vc, paged.block_table, cu, kv, 3, 9, 0.125, a, torch.empty(5, 4, 64, device=dev),
-                  layout), {}) for a in (None, slopes)]
+                  layout), {}) for a in (None, slopes)] + [
+                ((r(5, 4, 64), kq, vq, paged.block_table, cu, kv, 3, 9, 0.125, None, torch.empty(5, 4, 64, device=dev),
+                  layout, *quant), {})]
     if name == "paged_decode_attention":
         cu1 = torch.tensor([0, 1, 2], dtype=I32, device=dev)
         return [((r(2, 4, 64), kc, vc, paged.block_table, cu1, kv, 9, 0.125, a, torch.empty(2, 4, 64, device=dev),
-                  layout), {}) for a in (None, slopes)]
+                  layout), {}) for a in (None, slopes)] + [
+                ((r(2, 4, 64), kq, vq, paged.block_table, cu1, kv, 9, 0.125, None, torch.empty(2, 4, 64, device=dev),
+                  layout, *quant), {})]
     raise KeyError(name)
 
 
@@ -79,6 +88,9 @@ def _opcheck(vendor, layout, name):
     for args, kwargs in samples(name, layout or "token_major", gen(5)):
         if alibi_at is not None and args[alibi_at] is not None and not has_alibi:
             left_out.add(FEATURE_ALIBI)  # an ALiBi sample, for a vendor that declares no ALiBi
+            continue
+        if "k_scale" in arg_names and len(args) > arg_names.index("k_scale") and not vendor.supports(FEATURE_KV_QUANT):
+            left_out.add(FEATURE_KV_QUANT)  # an int8-cache sample, for a vendor without one
             continue
         dtype = args[0].dtype
         if dtype.is_floating_point and dtype not in vendor.capabilities.dtypes:
