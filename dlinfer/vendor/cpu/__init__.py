@@ -6,22 +6,25 @@ rows (a weight-streaming matrix-vector kernel; BLAS beyond 8 rows), `paged_decod
 straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb`
 and `silu_and_mul`, each one call instead of several torch ops. Prefill attention, the MoE ops
 and the W8A8 ops are the torch vendor's implementations, named as such in the op table (no
-fallback warning: they are this vendor's choice). float32/bfloat16/float16, ALiBi, both KV-cache
-layouts (the kernels read the caches as `kv_layouts.canonical` views).
+fallback warning: they are this vendor's choice). float32/bfloat16/float16, ALiBi, the int8 KV
+cache, both KV-cache layouts (the kernels read the caches as `kv_layouts.canonical` views).
 
 When no C++ compiler can build the kernels, the vendor does not load (`python -m dlinfer env`
 says why) and CPU ops run on the torch vendor.
 """
 
-from dlinfer.vendor.base import FEATURE_ALIBI, Capabilities, Vendor
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, Capabilities, Vendor
 from dlinfer.vendor.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 NOTES = {
     "linear": "C++: float32 at <= 8 rows, a weight-streaming kernel (each W row read once for all rows); "
               "otherwise the torch vendor's path (oneDNN / F.linear)",
     "paged_decode_attention": "C++: reads the paged cache in place, (token, kv head[, split]) per thread, "
-                              "GQA heads share each K/V row, online softmax in fp32, split-KV when the batch is small",
-    "fill_kv_cache": "C++: one row copy per (token, head), slots outside the cache skipped",
+                              "GQA heads share each K/V row, online softmax in fp32, split-KV when the batch is small; "
+                              "int8 caches read in place, widened to fp32 in registers, scales applied per head "
+                              "outside the key loops",
+    "fill_kv_cache": "C++: one row copy per (token, head), slots outside the cache skipped; int8 caches: "
+                     "each element quantised (IEEE division, ties to even)",
     "rms_norm": "C++: one pass per row, fp32 statistics, HF Llama order",
     "add_rms_norm": "C++: residual add fused into the rms_norm pass",
     "apply_rotary_pos_emb": "C++: q and k in one call, fp32 rotate-half, partial rotary",
@@ -31,7 +34,8 @@ NOTES = {
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
-    "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention)",
+    "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention; "
+                               "an int8 cache dequantised per gathered sequence)",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
     "fused_moe": "the torch vendor's (tokens sorted by expert, GEMMs through the torch vendor's linear)",
 }
@@ -70,5 +74,5 @@ def load() -> Vendor:
         device_types=("cpu",),
         kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR),
         ops=ops,
-        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI}), notes=dict(NOTES)),
+        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT}), notes=dict(NOTES)),
     )
