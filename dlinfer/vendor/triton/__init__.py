@@ -8,16 +8,18 @@ kernels in attention_prefill.py and attention_decode.py).
 
 import torch
 
-from dlinfer.vendor.base import FEATURE_ALIBI, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
 
 NOTES = {
     "rms_norm": "Triton: one program per row, fp32 statistics, HF Llama order (cast, then weight)",
     "add_rms_norm": "Triton: residual add fused into the rms_norm pass; both outputs written once",
     "apply_rotary_pos_emb": "Triton: q and k in one launch, fp32 rotate-half, partial rotary copies dims R..D",
-    "fill_kv_cache": "Triton: per-token row copy into either layout, int64 offsets, bad slots masked, no host sync",
+    "fill_kv_cache": "Triton: per-token row copy into either layout, int64 offsets, bad slots masked, no host sync; "
+                     "int8 caches quantised in registers (IEEE division, ties to even)",
     "prefill_attention": "Triton: varlen causal flash attention over packed K/V (attention_prefill.py)",
     "paged_prefill_attention": "Triton: the prefill kernel with keys read through the block table",
-    "paged_decode_attention": "Triton: split-KV flash-decoding + log-sum-exp reduction (attention_decode.py)",
+    "paged_decode_attention": "Triton: split-KV flash-decoding + log-sum-exp reduction (attention_decode.py); "
+                              "int8 caches dequantised in registers, dots in fp32",
     "silu_and_mul": "Triton: fused fp32 silu(gate) * up, one rounding",
     "moe_gating_topk_softmax": "Triton: fused fp32 softmax + iterative arg-max top-k (ties to the lower id)",
     "fused_moe": "Triton: on-device expert sort/align, grouped tl.dot GEMMs with SiLU-and-mul fused into "
@@ -65,7 +67,7 @@ def load() -> Vendor:
         capabilities=Capabilities(
             dtypes=(torch.float32, torch.float16, torch.bfloat16),
             head_dims=None,
-            features=frozenset({FEATURE_ALIBI}),
+            features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT}),
             notes=dict(NOTES),
         ),
     )
