@@ -101,7 +101,41 @@ def add_rms_norm_w8a8(hidden_states, residual, weight, epsilon):
     return q, scale, _f64(s), normed
 
 
+def linear_w8a8_static(x, weight, input_scale, input_offset, deq_scale, quant_bias=None):
+    """ModelSlim static W8A8: xq = clamp(round_half_even(x / s + o), -128, 127) with the contract's
+    float32 steps (each float64 result rounded once to float32: the correctly rounded float32
+    division and sum), then (xq @ weight.T exact + quant_bias) * deq_scale in float64 [..., N]."""
+    f32 = torch.float32
+    s, o = _f64(input_scale).reshape(()), _f64(input_offset).reshape(())
+    ratio = (_f64(x.float()) / s).to(f32).to(F64)
+    xq = _round_half_even((ratio + o).to(f32).to(F64)).clamp(-128.0, 127.0).to(torch.int8)
+    lead = x.shape[:-1]
+    acc = int8_product(xq.reshape(-1, x.shape[-1]), weight)
+    if quant_bias is not None:
+        acc = acc + quant_bias.detach().cpu().to(torch.int64)
+    return (acc.to(F64) * _f64(deq_scale)).reshape(*lead, weight.shape[0])
+
+
 # ---------------------------------------------------------------- rotary
+
+
+def apply_rotary_pos_emb_interleaved(x, cos, sin, return_native_layout):
+    """Adjacent pairs (x[2i], x[2i+1]) of x [T, H, D] rotated by angle i, whose cos / sin sit at
+    entries i (and i + D/2) of cos / sin [T, D]; float64, per pair, written out from the math:
+    (a, b) -> (a cos - b sin, b cos + a sin). Native layout: all a' then all b'."""
+    v = _f64(x)
+    T, H, D = v.shape
+    c, s = _f64(cos).reshape(T, D), _f64(sin).reshape(T, D)
+    out = torch.empty_like(v)
+    for i in range(D // 2):
+        a, b = v[..., 2 * i], v[..., 2 * i + 1]
+        ci, si = c[:, i:i + 1], s[:, i:i + 1]
+        first, second = a * ci - b * si, b * ci + a * si
+        if return_native_layout:
+            out[..., i], out[..., D // 2 + i] = first, second
+        else:
+            out[..., 2 * i], out[..., 2 * i + 1] = first, second
+    return out
 
 
 def apply_rotary_pos_emb(query, key, cos, sin):

@@ -97,6 +97,10 @@ def _linear_w8a8_fake(a, b, rms_scale, linear_scale, out_dtype, bias):
     return a.new_empty((*a.shape[:-1], b.shape[0]), dtype=out_dtype)
 
 
+def _linear_w8a8_static_fake(x, weight, input_scale, input_offset, deq_scale, out_dtype, quant_bias):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
 def _rms_norm_w8a8_fake(hidden_states, weight, epsilon):
     return _dynamic_quant_fake(hidden_states)
 
@@ -129,6 +133,13 @@ _TABLE = (
         "(Tensor query, Tensor key, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
         _pair_like,
         "query [T, Hq, D], key [T, Hkv, D], cos [T, R], sin [T, R] (R <= D, even) -> (q, k) new tensors",
+    ),
+    OpSpec(
+        "apply_rotary_pos_emb_interleaved",
+        "(Tensor x, Tensor cos, Tensor sin, bool return_native_layout) -> Tensor",
+        _like_first,
+        "x [T, H, D] (adjacent pairs), cos [T, D], sin [T, D] (half layout: entries i and i + D/2 hold angle i) -> "
+        "new [T, H, D]: pairs rotated, in the front/back-half layout (return_native_layout) or adjacent pairs",
     ),
     OpSpec(
         "fill_kv_cache",
@@ -205,6 +216,15 @@ _TABLE = (
         _linear_w8a8_fake,
         "a [N, K] int8, b [Nout, K] int8, rms_scale [N] float32, linear_scale [Nout] float32, bias [Nout]? float "
         "-> [N, Nout] out_dtype = (a @ b.T, exact int32) * rms_scale[:, None] * linear_scale (+ bias)",
+    ),
+    OpSpec(
+        "linear_w8a8_static",
+        "(Tensor x, Tensor weight, Tensor input_scale, Tensor input_offset, Tensor deq_scale, ScalarType out_dtype, "
+        "Tensor? quant_bias) -> Tensor",
+        _linear_w8a8_static_fake,
+        "x [N, K] float, weight [Nout, K] int8, input_scale [1] float32, input_offset [1] float32, deq_scale [Nout] "
+        "float32, quant_bias [Nout] int32? -> [N, Nout] out_dtype = (clamp(round(x / input_scale + input_offset)) @ "
+        "weight.T, exact, + quant_bias) * deq_scale (ModelSlim static W8A8)",
     ),
     OpSpec(
         "rms_norm_w8a8",

@@ -104,6 +104,10 @@ def run_every_op(seed: int = 0, nb: int = 32) -> None:
     DL.linear_w8a8(xq, wq, x_scale, torch.rand(20, generator=g) / 127, torch.float32, randn(20))
     DL.rms_norm_w8a8(x, randn(64), 1e-6)
     DL.add_rms_norm_w8a8(x, randn(t, 64), randn(64), 1e-6)
+    ops.linear_w8a8_static(randn(t, 48), wq, torch.tensor([0.05]), torch.tensor([3], dtype=torch.int8),
+                           torch.rand(20, generator=g) / 1000, torch.float32, torch.int8,
+                           torch.randint(-100, 100, (20,), generator=g, dtype=torch.int32))
+    ops.apply_rotary_pos_emb_interleaved(randn(t, hq + hkv, 1, d), randn(t, 1, 1, d), randn(t, 1, 1, d), True)
 
 
 # -- off: no wrapper ---------------------------------------------------------------------------

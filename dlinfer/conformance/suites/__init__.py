@@ -10,6 +10,7 @@ from dlinfer.conformance.suites import (  # noqa: F401  (registration order = ru
     moe,
     activation,
     quant,
+    ascend_quant_rope,
     strided,
     bad_inputs,
     kv_int8_bad,

@@ -41,6 +41,15 @@ def samples(name, layout, g):
         scales = lambda n: (torch.rand(n, generator=g) / 64).to(dev)  # noqa: E731
         return [((i8(5, 64), i8(48, 64), scales(5), scales(48), torch.float16, r(48, dtype=torch.float16)), {}),
                 ((i8(3, 19), i8(7, 19), scales(3), scales(7), torch.float32, None), {})]
+    if name == "linear_w8a8_static":
+        i8 = lambda *shape: torch.randint(-128, 128, shape, generator=g, dtype=I64).to(torch.int8).to(dev)  # noqa: E731
+        one = lambda v: torch.tensor([v], device=dev)  # noqa: E731
+        deq = (torch.rand(48, generator=g) / 1000).to(dev)
+        bias = torch.randint(-100, 100, (48,), generator=g).to(torch.int32).to(dev)
+        return [((r(5, 64), i8(48, 64), one(0.05), one(2.0), deq, torch.float32, bias), {}),
+                ((r(3, 64, dtype=torch.bfloat16), i8(48, 64), one(0.05), one(0.0), deq, torch.bfloat16, None), {})]
+    if name == "apply_rotary_pos_emb_interleaved":
+        return [((r(5, 6, 64), r(5, 64), r(5, 64), native), {}) for native in (True, False)]
     if name == "rms_norm_w8a8":
         return [((r(5, 64), r(64), 1e-6), {}), ((r(3, 80, dtype=torch.float16), r(80, dtype=torch.float16), 1e-5), {})]
     if name == "add_rms_norm_w8a8":

@@ -31,6 +31,9 @@ NOTES = {
     "silu_and_mul": "C++: fused fp32 silu(gate) * up",
     "dynamic_quant": "the torch vendor's (fp32 amax / 127, round half to even)",
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
+    "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
+                          "dequant)",
+    "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
@@ -50,6 +53,7 @@ def load() -> Vendor:
     from dlinfer.vendor.torch import attention as torch_attention
     from dlinfer.vendor.torch import moe as torch_moe
     from dlinfer.vendor.torch import quant as torch_quant
+    from dlinfer.vendor.torch import rotary as torch_rotary
 
     ops = {
         "rms_norm": kernels.rms_norm,
@@ -66,6 +70,8 @@ def load() -> Vendor:
         # W8A8: the torch vendor's functions, by choice (no fallback warning; see NOTES).
         "dynamic_quant": torch_quant.dynamic_quant,
         "linear_w8a8": torch_quant.linear_w8a8,
+        "linear_w8a8_static": torch_quant.linear_w8a8_static,
+        "apply_rotary_pos_emb_interleaved": torch_rotary.apply_rotary_pos_emb_interleaved,
         "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
     }

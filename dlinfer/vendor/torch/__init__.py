@@ -25,6 +25,8 @@ def load() -> Vendor:
         "linear": linear.linear,
         "dynamic_quant": quant.dynamic_quant,
         "linear_w8a8": quant.linear_w8a8,
+        "linear_w8a8_static": quant.linear_w8a8_static,
+        "apply_rotary_pos_emb_interleaved": rotary.apply_rotary_pos_emb_interleaved,
         "rms_norm_w8a8": quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": quant.add_rms_norm_w8a8,
     }

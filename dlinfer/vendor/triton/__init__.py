@@ -26,6 +26,9 @@ NOTES = {
                  "the gate/up epilogue, fp32 weighted combine; no host sync",
     "dynamic_quant": "the torch vendor's (fp32 amax / 127, round half to even)",
     "linear_w8a8": "the torch vendor's (int8 product as an exact float64 matmul, fp32 scales)",
+    "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
+                          "dequant)",
+    "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",
     "rms_norm_w8a8": "the torch vendor's (its rms_norm, then dynamic_quant)",
     "add_rms_norm_w8a8": "the torch vendor's (its add_rms_norm, then dynamic_quant)",
     "linear": "not a Triton kernel: torch.nn.functional.linear, i.e. the platform matmul (cuBLAS on CUDA)",
@@ -38,6 +41,7 @@ def load() -> Vendor:
     from dlinfer.vendor.triton import activation, attention, kv_cache, linear, moe, norm, rotary
     from dlinfer.vendor.triton._common import INTERPRET
     from dlinfer.vendor.torch import quant as torch_quant
+    from dlinfer.vendor.torch import rotary as torch_rotary
 
     ops = {
         "rms_norm": norm.rms_norm,
@@ -54,6 +58,8 @@ def load() -> Vendor:
         # W8A8: the torch vendor's functions, by choice (no fallback warning; see NOTES).
         "dynamic_quant": torch_quant.dynamic_quant,
         "linear_w8a8": torch_quant.linear_w8a8,
+        "linear_w8a8_static": torch_quant.linear_w8a8_static,
+        "apply_rotary_pos_emb_interleaved": torch_rotary.apply_rotary_pos_emb_interleaved,
         "rms_norm_w8a8": torch_quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": torch_quant.add_rms_norm_w8a8,
     }
