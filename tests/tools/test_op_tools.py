@@ -20,7 +20,7 @@ from dlinfer import __main__ as cli
 from dlinfer.tools import replayer
 from dlinfer.vendor import registry, selection
 from dlinfer.vendor.base import HEAD_MAJOR, TOKEN_MAJOR, Vendor
-from dlinfer.vendor.op_table import OP_NAMES
+from dlinfer.vendor.op_table import OP_NAMES, OPS
 
 DL = torch.ops.dlinfer
 CPU_VENDORS = [v for v in ("torch", "cpu") if registry.try_load(v) is not None]
@@ -41,7 +41,7 @@ def _perturbed(op: str, fn):
     def wrong(*args):
         result = fn(*args)
         if op in ("paged_decode_attention", "paged_prefill_attention", "prefill_attention"):
-            args[-2 if op != "prefill_attention" else -1].mul_(1.01)
+            args[OPS[op].arg_names.index("out")].mul_(1.01)
         if isinstance(result, tuple):
             return tuple(r * 1.01 if r.is_floating_point() else r for r in result)
         return None if result is None else result * 1.01
