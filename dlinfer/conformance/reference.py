@@ -183,7 +183,41 @@ def fused_moe_w8a8(hidden_states, gate_up_weights, gate_up_scales, down_weights,
     return out, slack, doubtful / max(total, 1)
 
 
+def linear_w8a8_static(x, weight, input_scale, input_offset, deq_scale, quant_bias=None):
+    """ModelSlim static W8A8: xq = clamp(round_half_even(x / s + o), -128, 127) with the contract's
+    float32 steps (each float64 result rounded once to float32: the correctly rounded float32
+    division and sum), then (xq @ weight.T exact + quant_bias) * deq_scale in float64 [..., N]."""
+    f32 = torch.float32
+    s, o = _f64(input_scale).reshape(()), _f64(input_offset).reshape(())
+    ratio = (_f64(x.float()) / s).to(f32).to(F64)
+    xq = _round_half_even((ratio + o).to(f32).to(F64)).clamp(-128.0, 127.0).to(torch.int8)
+    lead = x.shape[:-1]
+    acc = int8_product(xq.reshape(-1, x.shape[-1]), weight)
+    if quant_bias is not None:
+        acc = acc + quant_bias.detach().cpu().to(torch.int64)
+    return (acc.to(F64) * _f64(deq_scale)).reshape(*lead, weight.shape[0])
+
+
 # ---------------------------------------------------------------- rotary
+
+
+def apply_rotary_pos_emb_interleaved(x, cos, sin, return_native_layout):
+    """Adjacent pairs (x[2i], x[2i+1]) of x [T, H, D] rotated by angle i, whose cos / sin sit at
+    entries i (and i + D/2) of cos / sin [T, D]; float64, per pair, written out from the math:
+    (a, b) -> (a cos - b sin, b cos + a sin). Native layout: all a' then all b'."""
+    v = _f64(x)
+    T, H, D = v.shape
+    c, s = _f64(cos).reshape(T, D), _f64(sin).reshape(T, D)
+    out = torch.empty_like(v)
+    for i in range(D // 2):
+        a, b = v[..., 2 * i], v[..., 2 * i + 1]
+        ci, si = c[:, i:i + 1], s[:, i:i + 1]
+        first, second = a * ci - b * si, b * ci + a * si
+        if return_native_layout:
+            out[..., i], out[..., D // 2 + i] = first, second
+        else:
+            out[..., 2 * i], out[..., 2 * i + 1] = first, second
+    return out
 
 
 def apply_rotary_pos_emb(query, key, cos, sin):
@@ -294,6 +328,32 @@ def fill_kv_cache(key, value, key_cache, value_cache, kv_indices, layout):
         cache_slot_view(kc, slot, bs, layout).copy_(k[t])
         cache_slot_view(vc, slot, bs, layout).copy_(v[t])
     return kc, vc
+
+
+def quantise_kv(x, scale, zero):
+    """The int8 KV cache's write: x [T, H, D], scale / zero [H] (float32 values) -> int8 [T, H, D]
+    = clamp(round_half_even(x / scale + zero), -128, 127), with the contract's float32 steps:
+    the float32 quotient (float64 rounded once to float32: correctly rounded, as in dynamic_quant),
+    then the float32 sum (float64 sum, exact for these magnitudes, rounded once)."""
+    f32 = torch.float32
+    s = _f64(scale).view(1, -1, 1)
+    z = _f64(zero).view(1, -1, 1)
+    ratio = (_f64(x.float()) / s).to(f32).to(F64)
+    shifted = (ratio + z).to(f32).to(F64)
+    return _round_half_even(shifted).clamp(-128.0, 127.0).to(torch.int8)
+
+
+def fill_kv_cache_int8(key, value, key_cache, value_cache, kv_indices, layout, k_scale, k_zero, v_scale, v_zero):
+    """Expected int8 caches after a quantised write: `quantise_kv`'d rows, token by token."""
+    return fill_kv_cache(quantise_kv(key, k_scale, k_zero), quantise_kv(value, v_scale, v_zero),
+                         key_cache.view(torch.int8), value_cache.view(torch.int8), kv_indices, layout)
+
+
+def dequantise_cache(cache, scale, zero, layout):
+    """An int8 (or uint8, read as int8) per-layer cache -> float64 (q - zero[h]) * scale[h]."""
+    q = _f64(cache.view(torch.int8))
+    shape = (1, 1, -1, 1) if layout == "token_major" else (1, -1, 1, 1)
+    return (q - _f64(zero).view(shape)) * _f64(scale).view(shape)
 
 
 def gather_paged(cache, block_table_row, kv_len, block_size, layout):

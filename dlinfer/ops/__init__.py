@@ -22,8 +22,8 @@ from dlinfer.ops.kv_cache import fill_kv_cache
 from dlinfer.ops.linear import linear
 from dlinfer.ops.moe import fused_moe, fused_moe_w8a8, moe_gating_topk_softmax
 from dlinfer.ops.norm import add_rms_norm, rms_norm
-from dlinfer.ops.quant import add_rms_norm_w8a8, dynamic_quant, linear_w8a8, rms_norm_w8a8
-from dlinfer.ops.rotary import apply_rotary_pos_emb
+from dlinfer.ops.quant import add_rms_norm_w8a8, dynamic_quant, linear_w8a8, linear_w8a8_static, rms_norm_w8a8
+from dlinfer.ops.rotary import apply_rotary_pos_emb, apply_rotary_pos_emb_interleaved
 from dlinfer.ops.weight_quant import repack_weight_quant, weight_quant_matmul
 from dlinfer.tools.env import from_env as _tools_from_env
 from dlinfer.vendor.op_table import OP_NAMES

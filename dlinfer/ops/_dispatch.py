@@ -10,6 +10,7 @@ import torch
 
 from dlinfer.errors import UnsupportedError
 from dlinfer.vendor.base import Vendor
+from dlinfer.vendor import registry
 from dlinfer.vendor.selection import resolve
 
 
@@ -24,6 +25,13 @@ class _Tracing:
     @torch.compiler.assume_constant_result
     def vendor(op: str, device_type: str) -> Vendor:
         return copy.copy(resolve(op, device_type)[1])
+
+    # Membership in the vendor copy's frozenset of features fails to guard (Dynamo 2.13: a
+    # constant source has no guard): the answer is read as a constant too.
+    @staticmethod
+    @torch.compiler.assume_constant_result
+    def supports(vendor_name: str, feature: str) -> bool:
+        return registry.load(vendor_name).supports(feature)
 
 
 def kernel_for(op: str, device: torch.device) -> Tuple[Callable, Vendor]:
@@ -43,7 +51,8 @@ def kernel_for(op: str, device: torch.device) -> Tuple[Callable, Vendor]:
 
 
 def require(vendor: Vendor, op: str, feature: str) -> None:
-    if not vendor.supports(feature):
+    ok = _Tracing.supports(vendor.name, feature) if torch.compiler.is_compiling() else vendor.supports(feature)
+    if not ok:
         raise UnsupportedError(vendor.name, op, feature)
 
 

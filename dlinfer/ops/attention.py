@@ -20,7 +20,8 @@ from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
 from dlinfer.utils.memo import LastCallMemo
 from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
-from dlinfer.ops.kv_cache import cache_dims, check_quant_bits
+from dlinfer.ops import kv_quant
+from dlinfer.ops.kv_cache import cache_dims
 from dlinfer.vendor.base import FEATURE_ALIBI
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
@@ -173,20 +174,24 @@ def prefill_attention(
 
 def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
                   num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                  quant_bits):
+                  kv_scales, kv_zeros, quant_bits):
     query = _query(op, query)
     t, hq, d = query.shape
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
     kernel, vendor = kernel_for(op, query.device)
-    check_quant_bits(op, vendor, quant_bits)
+    bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
     layout = active_kv_layout(query.device.type)
-    nb, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, query.device, query.dtype)
+    dtypes = kv_quant.cache_dtypes(bits, query.dtype)
+    nb, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, query.device, dtypes)
     dv = value_cache.shape[-1] if isinstance(value_cache, Tensor) and value_cache.dim() == 4 else d
     if head_size_v:
         dv = C.integer(op, "head_size_v", head_size_v, 1)
-    cache_dims(op, "value_cache", value_cache, layout, hkv, dv, query.device, query.dtype)
+    cache_dims(op, "value_cache", value_cache, layout, hkv, dv, query.device, dtypes)
+    if value_cache.dtype != key_cache.dtype:
+        raise InvalidArgumentError(op, "value_cache", f"dtype {key_cache.dtype} like key_cache", C.describe(value_cache))
+    quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, hkv, query.device)
     if value_cache.shape[:3] != key_cache.shape[:3]:
         raise InvalidArgumentError(op, "value_cache", f"blocks like key_cache {list(key_cache.shape[:3])}",
                                    C.describe(value_cache))
@@ -213,7 +218,8 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
             raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
                                        f"ids in [{int(ids.min())}, {int(ids.max())}]")
-    return kernel, query, layout, cu, kv, scale, alibi, out, check_values
+    caches = (kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache))
+    return kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant
 
 
 def paged_prefill_attention(
@@ -254,14 +260,16 @@ def paged_prefill_attention(
     num_q_heads, num_kv_heads: Hq, Hkv.  attn_mask: ignored (causal).
     head_size_v: Dv (0: the value cache's last dim).  softmax_scale: default D ** -0.5.
     alibi_slopes: [Hq] float32 or None.  attn_output: optional [T, Hq, Dv] output, WRITTEN.
-    kv_scales, kv_zeros, quant_bits: the quantised cache (quant_bits 4 or 8), which no in-tree vendor
-        implements yet: quant_bits != 0 raises UnsupportedError; the scales are read only then.
+    quant_bits: 0 (or None): caches in query's dtype; 8: int8 caches (uint8 read as int8), read back
+        as (q - zero) * scale per KV head (dlinfer/ops/kv_quant.py); 4: UnsupportedError.
+    kv_scales: [2] or [2, Hkv] float (K's then V's scale) when quant_bits=8, else None.
+    kv_zeros: the zeros alike (None: 0) when quant_bits=8, else None.
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_prefill_attention"
-    kernel, query, layout, cu, kv, scale, alibi, out, check_values = _paged_common(
+    kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant = _paged_common(
         op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits)
+        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
     t, _, d = query.shape
     hkv = num_kv_heads
     for name, new, dim in (("key", key, d), ("value", value, out.shape[2])):
@@ -276,7 +284,7 @@ def paged_prefill_attention(
         _check_bounds(op, cu, kv, max_q, max_kv)
     if query.shape[0] == 0:
         return out
-    kernel(query, key_cache, value_cache, block_table, cu, kv, max_q, max_kv, scale, alibi, out, layout)
+    kernel(query, *caches, block_table, cu, kv, max_q, max_kv, scale, alibi, out, layout, *quant)
     return out
 
 
@@ -315,13 +323,13 @@ def paged_decode_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_decode_attention"
-    kernel, query, layout, cu, kv, scale, alibi, out, check_values = _paged_common(
+    kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant = _paged_common(
         op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits)
+        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     if check_values and kv.numel():
         _check_bounds(op, cu, kv, None, max_kv)
     if query.shape[0] == 0:
         return out
-    kernel(query, key_cache, value_cache, block_table, cu, kv, max_kv, scale, alibi, out, layout)
+    kernel(query, *caches, block_table, cu, kv, max_kv, scale, alibi, out, layout, *quant)
     return out

@@ -4,30 +4,25 @@ from __future__ import annotations
 
 from typing import Sequence, Tuple
 
+import torch
 from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops._dispatch import check_dtype, kernel_for, require
+from dlinfer.ops import kv_quant
+from dlinfer.ops._dispatch import check_dtype, kernel_for
 from dlinfer.vendor import kv_layouts
-from dlinfer.vendor.base import FEATURE_KV_QUANT
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
-def check_quant_bits(op: str, vendor, quant_bits) -> None:
-    """quant_bits is 0/None (a cache in the activation dtype), 4 or 8; a quantised cache needs a
-    vendor that declares it."""
-    if quant_bits not in (0, None, 4, 8):
-        raise InvalidArgumentError(op, "quant_bits", "0, 4 or 8", str(quant_bits))
-    if quant_bits:
-        require(vendor, op, FEATURE_KV_QUANT)
-
-
-def cache_dims(op: str, name: str, cache, layout: str, heads: int, head_dim, device, dtype) -> Tuple[int, int]:
-    """Check a per-layer cache tensor in `layout`; return (num_blocks, block_size)."""
+def cache_dims(op: str, name: str, cache, layout: str, heads: int, head_dim, device, dtypes: tuple) -> Tuple[int, int]:
+    """Check a per-layer cache tensor in `layout` whose dtype is one of `dtypes`; return
+    (num_blocks, block_size)."""
     C.tensor(op, name, cache, kv_layouts.dims(layout, heads, head_dim), None, device)
-    if cache.dtype != dtype:
-        raise InvalidArgumentError(op, name, f"dtype {dtype} (unquantised cache)", C.describe(cache))
+    if cache.dtype not in dtypes:
+        kind = "int8 cache, quant_bits=8" if torch.int8 in dtypes else "unquantised cache, quant_bits=0"
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise InvalidArgumentError(op, name, f"dtype {names} ({kind})", C.describe(cache))
     return kv_layouts.blocks_and_size(cache, layout)
 
 
@@ -46,12 +41,15 @@ def fill_kv_cache(
     key: [T, Hkv, D]; value: [T, Hkv, Dv] (a leading batch dim of 1 is accepted).
     key_cache / value_cache: [NB, BS, Hkv, D] / [NB, BS, Hkv, Dv] ("token_major") or
         [NB, Hkv, BS, D] / [NB, Hkv, BS, Dv] ("head_major"), as the active vendor declares
-        (`dlinfer.vendor.kv_layout()`, dlinfer/vendor/kv_layouts.py); same dtype as key.
-        WRITTEN IN PLACE at the T slots.
+        (`dlinfer.vendor.kv_layout()`, dlinfer/vendor/kv_layouts.py); same dtype as key, or int8
+        (uint8 accepted, read as int8) when quant_bits=8. WRITTEN IN PLACE at the T slots.
     kv_indices: [T] or [T, 1] int32/int64 slots, on the device of key. Every slot must lie in
         [0, NB*BS) (checked under DLINFER_CHECK_VALUES=1; kernels never write outside the cache).
-    k_scales_zeros, v_scales_zeros, quant_bits: the quantised cache (quant_bits 4 or 8), which no
-        in-tree vendor implements: quant_bits != 0 raises UnsupportedError.
+    quant_bits: 0 (or None): caches in key's dtype; 8: int8 caches storing
+        clamp(round_half_even(x / scale + zero), -128, 127) per KV head (dlinfer/ops/kv_quant.py);
+        4: UnsupportedError.
+    k_scales_zeros, v_scales_zeros: [scale, zero] for K and V, each [1] or [Hkv] float (zero may be
+        None), on key's device, when quant_bits=8; empty otherwise.
     Returns (key_cache, value_cache), the same tensors.
     """
     op = "fill_kv_cache"
@@ -67,11 +65,13 @@ def fill_kv_cache(
         kv_indices = kv_indices.view(-1)
     C.tensor(op, "kv_indices", kv_indices, (t,), C.INDEX_DTYPES, key.device)
     kernel, vendor = kernel_for(op, key.device)
-    check_quant_bits(op, vendor, quant_bits)
+    bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, key.dtype)
     layout = active_kv_layout(key.device.type)
-    nb, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, key.device, key.dtype)
-    cache_dims(op, "value_cache", value_cache, layout, hkv, value.shape[2], key.device, key.dtype)
+    dtypes = kv_quant.cache_dtypes(bits, key.dtype)
+    nb, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, key.device, dtypes)
+    cache_dims(op, "value_cache", value_cache, layout, hkv, value.shape[2], key.device, dtypes)
+    quant = kv_quant.fill_args(op, bits, k_scales_zeros, v_scales_zeros, hkv, key.device)
     if value_cache.shape[0] != nb:
         raise InvalidArgumentError(op, "value_cache", f"{nb} blocks like key_cache", C.describe(value_cache))
     if C.check_values_enabled() and t:
@@ -79,5 +79,5 @@ def fill_kv_cache(
         if lo < 0 or hi >= nb * bs:
             raise InvalidArgumentError(op, "kv_indices", f"slots in [0, {nb * bs})", f"slots in [{lo}, {hi}]")
     if t:
-        kernel(key, value, key_cache, value_cache, kv_indices, layout)
+        kernel(key, value, kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache), kv_indices, layout, *quant)
     return key_cache, value_cache

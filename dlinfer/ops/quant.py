@@ -134,3 +134,50 @@ def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, e
         return xq, scale, added
     shape = hidden_states.shape
     return xq.view(shape), scale.view(shape[:-1]), added.view(shape)
+
+
+def _single_value(op: str, name: str, t, dtypes, device) -> Tensor:
+    if not isinstance(t, Tensor) or t.numel() != 1 or t.dim() > 1:
+        raise C.InvalidArgumentError(op, name, "a tensor [1] (one value for the layer)", C.describe(t))
+    C.dtype_in(op, name, t, dtypes)
+    if t.device != device:
+        raise C.InvalidArgumentError(op, name, f"device {device}", C.describe(t))
+    return t.reshape(1).to(torch.float32)
+
+
+def linear_w8a8_static(x: Tensor, weight: Tensor, input_scale: Tensor, input_offset: Tensor, deq_scale: Tensor,
+                       out_dtype: torch.dtype, quant_dtype: torch.dtype = torch.int8,
+                       quant_bias: Optional[Tensor] = None) -> Tensor:
+    """ModelSlim static W8A8 linear (LMDeploy's `W8A8Linear` ModelSlim parameters, nn/linear/w8a8.py).
+
+    x: [..., K] float32/float16/bfloat16 activations, not modified.
+    weight: [N, K] int8.  input_scale: [1] float (the model dtype), the layer's static activation
+    scale.  input_offset: [1] int8 (or float), its zero point.  deq_scale: [N] float32.
+    out_dtype: float32/float16/bfloat16.  quant_dtype: torch.int8 only.
+    quant_bias: [N] int32 or None (the integer bias ModelSlim folds the offset's correction into).
+    Returns a new [..., N] tensor in out_dtype:
+        xq = clamp(round_half_even(x_f32 / input_scale + input_offset), -128, 127)  (float32 steps)
+        out = float32(xq @ weight.T + quant_bias) * deq_scale   (the integer sum exact)
+    """
+    op = "linear_w8a8_static"
+    ndim = C.rank_at_least(op, "x", x, 1, "[..., K]")
+    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
+    k, device = x.shape[-1], x.device
+    C.tensor(op, "weight", weight, ("N", k), INT8, device)
+    n = weight.shape[0]
+    scale = _single_value(op, "input_scale", input_scale, C.FLOAT_DTYPES, device)
+    offset = _single_value(op, "input_offset", input_offset, INT8 + C.FLOAT_DTYPES, device)
+    C.tensor(op, "deq_scale", deq_scale, (n,), F32, device)
+    if out_dtype not in C.FLOAT_DTYPES:
+        raise C.InvalidArgumentError(op, "out_dtype", "float32/float16/bfloat16", C.describe(out_dtype))
+    _check_quant_dtype(op, quant_dtype)
+    if quant_bias is not None:
+        C.tensor(op, "quant_bias", quant_bias, (n,), (torch.int32,), device)
+    if C.check_values_enabled() and (not bool(torch.isfinite(scale).all()) or float(scale) <= 0):
+        raise C.InvalidArgumentError(op, "input_scale", "a finite scale > 0", str(scale.tolist()))
+    kernel, vendor = kernel_for(op, device)
+    check_dtype(vendor, op, out_dtype)
+    lead = tuple(x.shape[:-1])
+    x2 = x if ndim == 2 else x.reshape(math.prod(lead), k)
+    out = kernel(x2, weight, scale, offset, deq_scale, out_dtype, quant_bias)
+    return out if ndim == 2 else out.view(*lead, n)

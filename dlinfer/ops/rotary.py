@@ -1,4 +1,4 @@
-"""Rotary position embedding (rotate-half form, optionally partial)."""
+"""Rotary position embedding: rotate-half form (optionally partial), and adjacent-pair (interleaved)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,41 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -
     check_dtype(vendor, op, query.dtype)
     q_out, k_out = kernel(q3, k3, _as_rows(cos, t, rot), _as_rows(sin, t, rot))
     return (q_out if q3 is query else q_out.view(query.shape)), (k_out if k3 is key else k_out.view(key.shape))
+
+
+def apply_rotary_pos_emb_interleaved(x: Tensor, cos: Tensor, sin: Tensor, return_native_layout: bool = True) -> Tensor:
+    """Adjacent-pair ("interleaved", complex-number) RoPE, as LMDeploy's dlinfer kernel calls it
+    (kernels/dlinfer/apply_rotary_pos_emb.py: query and key heads concatenated).
+
+    x: [T, Hq + Hkv, 1, D] (LMDeploy's layout) or [T, H, D]; D even; pairs (x[2i], x[2i+1]).
+    cos, sin: [T, 1, 1, D] or [T, D], float, on x's device, in the half layout of Ascend's
+        interleave-rope op: entries i and i + D/2 both hold angle i (i < D/2).
+    return_native_layout: True: the output in the vendor's front/back-half layout
+        (out[..., :D/2] = rotated first members of the pairs, out[..., D/2:] = rotated second
+        members); False: adjacent pairs again.
+    Returns a new tensor shaped like x, in x's dtype (the rotation in fp32, one rounding):
+        a = x[..., 0::2], b = x[..., 1::2], c = cos[..., :D/2], s = sin[..., :D/2]
+        a' = a * c - b * s,  b' = b * c + a * s.
+    """
+    op = "apply_rotary_pos_emb_interleaved"
+    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[2] == 1:
+        x3 = x.reshape(x.shape[0], x.shape[1], x.shape[3])
+    else:
+        x3 = x
+    C.tensor(op, "x", x3, ("T", "H", "D"), C.FLOAT_DTYPES)
+    t, _, d = x3.shape
+    if d % 2:
+        raise C.InvalidArgumentError(op, "x", "an even head dim D", C.describe(x))
+    device = x3.device
+    tables = []
+    for name, table in (("cos", cos), ("sin", sin)):
+        _check_table(op, name, table, device)
+        if table.numel() != t * d or table.shape[0] != t or table.shape[-1] != d:
+            raise C.InvalidArgumentError(op, name, f"[T={t}, 1, 1, D={d}] or [T, D]", C.describe(table))
+        tables.append(table.reshape(t, d))
+    if not isinstance(return_native_layout, bool):
+        raise C.InvalidArgumentError(op, "return_native_layout", "a bool", C.describe(return_native_layout))
+    kernel, vendor = kernel_for(op, device)
+    check_dtype(vendor, op, x3.dtype)
+    out = kernel(x3, tables[0], tables[1], return_native_layout)
+    return out if x3 is x else out.view(x.shape)

@@ -68,6 +68,9 @@ FAMILY = {
     # (scale = amax / 127; acc * rms_scale * linear_scale + bias, one cast to out_dtype).
     "dynamic_quant": "elementwise",
     "linear_w8a8": "elementwise",
+    # static W8A8: the int8 product + int32 bias exact; one float32 product with deq_scale, one cast
+    "linear_w8a8_static": "elementwise",
+    "apply_rotary_pos_emb_interleaved": "elementwise",
     # the scales (and int8 values) follow the norm, rounded to the activation dtype first
     "rms_norm_w8a8": "reduction",
     "add_rms_norm_w8a8": "reduction",

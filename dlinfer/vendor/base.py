@@ -22,7 +22,7 @@ from dlinfer.vendor.op_table import OP_NAMES
 
 # Features an op may be asked for that a vendor may lack (checked before dispatch).
 FEATURE_ALIBI = "alibi_slopes"
-FEATURE_KV_QUANT = "quantised KV cache (quant_bits != 0)"
+FEATURE_KV_QUANT = "the int8 KV cache (quant_bits=8)"
 FEATURE_EXPERT_PARALLEL = "expert parallelism (moe_metadata.ep_size > 1)"
 FEATURE_GROUPED_ROUTER = "grouped top-k routing (moe_metadata.router_n_groups > 1)"
 

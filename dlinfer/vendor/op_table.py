@@ -97,6 +97,10 @@ def _linear_w8a8_fake(a, b, rms_scale, linear_scale, out_dtype, bias):
     return a.new_empty((*a.shape[:-1], b.shape[0]), dtype=out_dtype)
 
 
+def _linear_w8a8_static_fake(x, weight, input_scale, input_offset, deq_scale, out_dtype, quant_bias):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
 def _rms_norm_w8a8_fake(hidden_states, weight, epsilon):
     return _dynamic_quant_fake(hidden_states)
 
@@ -112,6 +116,12 @@ def _weight_quant_matmul_fake(x, qweight, scale, offset, bias, group_size):
 def _fused_moe_w8a8_fake(hidden_states, *args):
     return torch.empty_like(hidden_states)
 
+
+# The int8 KV cache (quant_bits=8, dlinfer/ops/kv_quant.py): per-head float32 scales and zeros,
+# all four None for a cache in the activation dtype.
+KV_QUANT_ARGS = ", Tensor? k_scale=None, Tensor? k_zero=None, Tensor? v_scale=None, Tensor? v_zero=None"
+KV_QUANT_DOC = ("k_scale / k_zero / v_scale / v_zero [Hkv] float32 or None: int8 caches holding "
+                "clamp(round(x / scale + zero), -128, 127), read as (q - zero) * scale")
 
 _TABLE = (
     OpSpec(
@@ -133,12 +143,20 @@ _TABLE = (
         "query [T, Hq, D], key [T, Hkv, D], cos [T, R], sin [T, R] (R <= D, even) -> (q, k) new tensors",
     ),
     OpSpec(
+        "apply_rotary_pos_emb_interleaved",
+        "(Tensor x, Tensor cos, Tensor sin, bool return_native_layout) -> Tensor",
+        _like_first,
+        "x [T, H, D] (adjacent pairs), cos [T, D], sin [T, D] (half layout: entries i and i + D/2 hold angle i) -> "
+        "new [T, H, D]: pairs rotated, in the front/back-half layout (return_native_layout) or adjacent pairs",
+    ),
+    OpSpec(
         "fill_kv_cache",
         "(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor kv_indices, "
-        "str kv_layout) -> ()",
+        "str kv_layout"
+        + KV_QUANT_ARGS + ") -> ()",
         _none,
         "key [T, Hkv, D], value [T, Hkv, Dv], key_cache / value_cache in kv_layout (written), "
-        "kv_indices [T] slots (outside [0, NB*BS): skipped)",
+        "kv_indices [T] slots (outside [0, NB*BS): skipped); " + KV_QUANT_DOC,
     ),
     OpSpec(
         "prefill_attention",
@@ -152,19 +170,19 @@ _TABLE = (
         "paged_prefill_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
         "Tensor kv_seq_len, SymInt max_q_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
-        "Tensor(a!) out, str kv_layout) -> ()",
+        "Tensor(a!) out, str kv_layout" + KV_QUANT_ARGS + ") -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
-        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written)",
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC,
     ),
     OpSpec(
         "paged_decode_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
         "Tensor kv_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
-        "str kv_layout) -> ()",
+        "str kv_layout" + KV_QUANT_ARGS + ") -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
-        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written)",
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC,
     ),
     OpSpec(
         "moe_gating_topk_softmax",
@@ -206,6 +224,15 @@ _TABLE = (
         _linear_w8a8_fake,
         "a [N, K] int8, b [Nout, K] int8, rms_scale [N] float32, linear_scale [Nout] float32, bias [Nout]? float "
         "-> [N, Nout] out_dtype = (a @ b.T, exact int32) * rms_scale[:, None] * linear_scale (+ bias)",
+    ),
+    OpSpec(
+        "linear_w8a8_static",
+        "(Tensor x, Tensor weight, Tensor input_scale, Tensor input_offset, Tensor deq_scale, ScalarType out_dtype, "
+        "Tensor? quant_bias) -> Tensor",
+        _linear_w8a8_static_fake,
+        "x [N, K] float, weight [Nout, K] int8, input_scale [1] float32, input_offset [1] float32, deq_scale [Nout] "
+        "float32, quant_bias [Nout] int32? -> [N, Nout] out_dtype = (clamp(round(x / input_scale + input_offset)) @ "
+        "weight.T, exact, + quant_bias) * deq_scale (ModelSlim static W8A8)",
     ),
     OpSpec(
         "rms_norm_w8a8",

@@ -24,7 +24,8 @@ def test_cpu_accepts_its_dtypes(dtype):
     (dict(dtype="float16"), "cannot run dtype='float16'; choose one of 'auto', 'float32', 'bfloat16'"),
     (dict(tp=2), "tp must be 1"),
     (dict(ep=2), "ep must be 1"),
-    (dict(quant_policy=8), "quant_policy must be 0"),
+    (dict(quant_policy=4), "got quant_policy=4"),
+    (dict(quant_policy=8, eager_mode=False), "quant_policy=8 runs with eager_mode=True only"),
     (dict(enable_mp_engine=True, mp_engine_backend="ray"), "mp_engine_backend='mp' only"),
     (dict(distributed_executor_backend="ray"), "'uni' executor only"),
 ])

@@ -20,7 +20,7 @@ from dlinfer import __main__ as cli
 from dlinfer.tools import replayer
 from dlinfer.vendor import registry, selection
 from dlinfer.vendor.base import HEAD_MAJOR, TOKEN_MAJOR, Vendor
-from dlinfer.vendor.op_table import OP_NAMES
+from dlinfer.vendor.op_table import OP_NAMES, OPS
 
 DL = torch.ops.dlinfer
 CPU_VENDORS = [v for v in ("torch", "cpu") if registry.try_load(v) is not None]
@@ -41,7 +41,7 @@ def _perturbed(op: str, fn):
     def wrong(*args):
         result = fn(*args)
         if op in ("paged_decode_attention", "paged_prefill_attention", "prefill_attention"):
-            args[-2 if op != "prefill_attention" else -1].mul_(1.01)
+            args[OPS[op].arg_names.index("out")].mul_(1.01)
         if isinstance(result, tuple):
             return tuple(r * 1.01 if r.is_floating_point() else r for r in result)
         return None if result is None else result * 1.01
@@ -110,6 +110,10 @@ def run_every_op(seed: int = 0, nb: int = 32) -> None:
     i8 = lambda *shape: torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)  # noqa: E731
     DL.fused_moe_w8a8(randn(t, 16), i8(4, 24, 16), torch.rand(4, 24, generator=g) / 500, i8(4, 16, 12),
                       torch.rand(4, 16, generator=g) / 500, weights, ids, False)
+    ops.linear_w8a8_static(randn(t, 48), wq, torch.tensor([0.05]), torch.tensor([3], dtype=torch.int8),
+                           torch.rand(20, generator=g) / 1000, torch.float32, torch.int8,
+                           torch.randint(-100, 100, (20,), generator=g, dtype=torch.int32))
+    ops.apply_rotary_pos_emb_interleaved(randn(t, hq + hkv, 1, d), randn(t, 1, 1, d), randn(t, 1, 1, d), True)
 
 
 # -- off: no wrapper ---------------------------------------------------------------------------

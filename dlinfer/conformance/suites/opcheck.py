@@ -10,7 +10,7 @@ import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
 from dlinfer.conformance import reference as ref
 from dlinfer.conformance.checks import OPCHECK, Check, Skipped, suite
 from dlinfer.conformance.inputs import alloc_cache, device, dtype_name, gen, make_block_table, randn
-from dlinfer.vendor.base import FEATURE_ALIBI
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT
 from dlinfer.vendor.op_table import OPS
 
 F32, I32, I64 = torch.float32, torch.int32, torch.int64
@@ -41,6 +41,15 @@ def samples(name, layout, g):
         scales = lambda n: (torch.rand(n, generator=g) / 64).to(dev)  # noqa: E731
         return [((i8(5, 64), i8(48, 64), scales(5), scales(48), torch.float16, r(48, dtype=torch.float16)), {}),
                 ((i8(3, 19), i8(7, 19), scales(3), scales(7), torch.float32, None), {})]
+    if name == "linear_w8a8_static":
+        i8 = lambda *shape: torch.randint(-128, 128, shape, generator=g, dtype=I64).to(torch.int8).to(dev)  # noqa: E731
+        one = lambda v: torch.tensor([v], device=dev)  # noqa: E731
+        deq = (torch.rand(48, generator=g) / 1000).to(dev)
+        bias = torch.randint(-100, 100, (48,), generator=g).to(torch.int32).to(dev)
+        return [((r(5, 64), i8(48, 64), one(0.05), one(2.0), deq, torch.float32, bias), {}),
+                ((r(3, 64, dtype=torch.bfloat16), i8(48, 64), one(0.05), one(0.0), deq, torch.bfloat16, None), {})]
+    if name == "apply_rotary_pos_emb_interleaved":
+        return [((r(5, 6, 64), r(5, 64), r(5, 64), native), {}) for native in (True, False)]
     if name == "rms_norm_w8a8":
         return [((r(5, 64), r(64), 1e-6), {}), ((r(3, 80, dtype=torch.float16), r(80, dtype=torch.float16), 1e-5), {})]
     if name == "add_rms_norm_w8a8":
@@ -71,19 +80,28 @@ def samples(name, layout, g):
     vc = alloc_cache(paged.num_blocks, 8, 2, 64, layout, F32, g)
     kv = torch.tensor([9, 2], dtype=I32, device=dev)
     slopes = ref.alibi_slopes(4).to(dev)
+    # The int8 cache (quant_bits=8): int8 caches and per-head float32 scales / zeros.
+    i8 = lambda c: torch.randint(-128, 128, c.shape, generator=g, dtype=I64).to(torch.int8).to(dev)  # noqa: E731
+    kq, vq = i8(kc), i8(vc)
+    quant = tuple(torch.tensor(v, device=dev) for v in ([0.02, 0.03], [0.0, 1.5], [0.04, 0.05], [-2.0, 0.0]))
     if name == "fill_kv_cache":
         slots = torch.tensor([3, 4, 17, 30, 9], dtype=I64, device=dev)
-        return [((r(5, 2, 64), r(5, 2, 64), kc, vc, slots, layout), {})]
+        return [((r(5, 2, 64), r(5, 2, 64), kc, vc, slots, layout), {}),
+                ((r(5, 2, 64), r(5, 2, 64), kq, vq, slots, layout, *quant), {})]
     if name == "prefill_attention":
         return [((r(5, 4, 64), r(5, 2, 64), r(5, 2, 64), cu, 3, 0.125, a, torch.empty(5, 4, 64, device=dev)), {})
                 for a in (None, slopes)]
     if name == "paged_prefill_attention":
         return [((r(5, 4, 64), kc, vc, paged.block_table, cu, kv, 3, 9, 0.125, a, torch.empty(5, 4, 64, device=dev),
-                  layout), {}) for a in (None, slopes)]
+                  layout), {}) for a in (None, slopes)] + [
+                ((r(5, 4, 64), kq, vq, paged.block_table, cu, kv, 3, 9, 0.125, None, torch.empty(5, 4, 64, device=dev),
+                  layout, *quant), {})]
     if name == "paged_decode_attention":
         cu1 = torch.tensor([0, 1, 2], dtype=I32, device=dev)
         return [((r(2, 4, 64), kc, vc, paged.block_table, cu1, kv, 9, 0.125, a, torch.empty(2, 4, 64, device=dev),
-                  layout), {}) for a in (None, slopes)]
+                  layout), {}) for a in (None, slopes)] + [
+                ((r(2, 4, 64), kq, vq, paged.block_table, cu1, kv, 9, 0.125, None, torch.empty(2, 4, 64, device=dev),
+                  layout, *quant), {})]
     raise KeyError(name)
 
 
@@ -96,6 +114,9 @@ def _opcheck(vendor, layout, name):
     for args, kwargs in samples(name, layout or "token_major", gen(5)):
         if alibi_at is not None and args[alibi_at] is not None and not has_alibi:
             left_out.add(FEATURE_ALIBI)  # an ALiBi sample, for a vendor that declares no ALiBi
+            continue
+        if "k_scale" in arg_names and len(args) > arg_names.index("k_scale") and not vendor.supports(FEATURE_KV_QUANT):
+            left_out.add(FEATURE_KV_QUANT)  # an int8-cache sample, for a vendor without one
             continue
         dtype = args[0].dtype
         if dtype.is_floating_point and dtype not in vendor.capabilities.dtypes:

@@ -4,27 +4,31 @@ dlinfer's default on CPU tensors. Its kernels (`csrc/`, built on first use by `b
 the ops' signatures in `kernels.py`) cover what a decode step spends its time on: `linear` at few
 rows (a weight-streaming matrix-vector kernel; BLAS beyond 8 rows), `paged_decode_attention` read
 straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb`
-and `silu_and_mul`, each one call instead of several torch ops, and the W8A8 family
-(`dynamic_quant`, `linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation
-ops, `fused_moe_w8a8`) and W4A16 `weight_quant_matmul` (4-bit weights decoded in registers, on the
-column-tiled layout its load-time `repack_weight_quant` hook makes). Prefill attention and the float MoE ops are the torch vendor's
-implementations, named as such in the op table (no fallback warning: they are this vendor's
-choice). float32/bfloat16/float16, ALiBi, both KV-cache layouts (the kernels read the caches as
-`kv_layouts.canonical` views).
+and `silu_and_mul`, each one call instead of several torch ops, the W8A8 family (`dynamic_quant`,
+`linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation ops,
+`fused_moe_w8a8`), W4A16 `weight_quant_matmul` (4-bit weights decoded in registers, on the
+column-tiled layout its load-time `repack_weight_quant` hook makes) and the int8 KV cache (read
+in the decode kernel). Prefill attention, the float MoE ops, `linear_w8a8_static` and
+`apply_rotary_pos_emb_interleaved` are the torch vendor's implementations, named as such in the
+op table (no fallback warning: they are this vendor's choice). float32/bfloat16/float16, ALiBi,
+both KV-cache layouts (the kernels read the caches as `kv_layouts.canonical` views).
 
 When no C++ compiler can build the kernels, the vendor does not load (`python -m dlinfer env`
 says why) and CPU ops run on the torch vendor.
 """
 
-from dlinfer.vendor.base import FEATURE_ALIBI, Capabilities, Vendor
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, Capabilities, Vendor
 from dlinfer.vendor.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 NOTES = {
     "linear": "C++: float32 at <= 8 rows, a weight-streaming kernel (each W row read once for all rows); "
               "otherwise the torch vendor's path (oneDNN / F.linear)",
     "paged_decode_attention": "C++: reads the paged cache in place, (token, kv head[, split]) per thread, "
-                              "GQA heads share each K/V row, online softmax in fp32, split-KV when the batch is small",
-    "fill_kv_cache": "C++: one row copy per (token, head), slots outside the cache skipped",
+                              "GQA heads share each K/V row, online softmax in fp32, split-KV when the batch is small; "
+                              "int8 caches read in place, widened to fp32 in registers, scales applied per head "
+                              "outside the key loops",
+    "fill_kv_cache": "C++: one row copy per (token, head), slots outside the cache skipped; int8 caches: "
+                     "each element quantised (IEEE division, ties to even)",
     "rms_norm": "C++: one pass per row, fp32 statistics, HF Llama order",
     "add_rms_norm": "C++: residual add fused into the rms_norm pass",
     "apply_rotary_pos_emb": "C++: q and k in one call, fp32 rotate-half, partial rotary",
@@ -38,8 +42,12 @@ NOTES = {
                       "and per-token quantisation fused between them",
     "weight_quant_matmul": "C++: dequantised in registers per 128-column tile, 8 rows per decode, fp32 "
                            "accumulation per group (beyond 4096 rows: float32 blocks dequantised in C++, then BLAS)",
+    "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
+                          "dequant)",
+    "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",
     "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
-    "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention)",
+    "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention; "
+                               "an int8 cache dequantised per gathered sequence)",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
     "fused_moe": "the torch vendor's (tokens sorted by expert, GEMMs through the torch vendor's linear)",
 }
@@ -53,6 +61,8 @@ def load() -> Vendor:
     from dlinfer.vendor.cpu import kernels, weight_quant
     from dlinfer.vendor.torch import attention as torch_attention
     from dlinfer.vendor.torch import moe as torch_moe
+    from dlinfer.vendor.torch import quant as torch_quant
+    from dlinfer.vendor.torch import rotary as torch_rotary
 
     ops = {
         "rms_norm": kernels.rms_norm,
@@ -72,12 +82,14 @@ def load() -> Vendor:
         "add_rms_norm_w8a8": kernels.add_rms_norm_w8a8,
         "fused_moe_w8a8": kernels.fused_moe_w8a8,
         "weight_quant_matmul": weight_quant.weight_quant_matmul,
+        "linear_w8a8_static": torch_quant.linear_w8a8_static,
+        "apply_rotary_pos_emb_interleaved": torch_rotary.apply_rotary_pos_emb_interleaved,
     }
     return Vendor(
         name="cpu",
         device_types=("cpu",),
         kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR),
         ops=ops,
-        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI}), notes=dict(NOTES)),
+        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT}), notes=dict(NOTES)),
         repack_weight_quant=weight_quant.repack_weight_quant,
     )

@@ -53,27 +53,36 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
-                  kv_layout: str) -> None:
+                  kv_layout: str, k_scale: Optional[Tensor] = None, k_zero: Optional[Tensor] = None,
+                  v_scale: Optional[Tensor] = None, v_zero: Optional[Tensor] = None) -> None:
     """Write key [T, Hkv, D] / value [T, Hkv, Dv] into the caches (in `kv_layout`, written in place)
-    at slots kv_indices [T]; slots outside [0, NB*BS) are skipped."""
+    at slots kv_indices [T]; slots outside [0, NB*BS) are skipped. With k_scale etc. ([Hkv]
+    float32) the caches are int8 and each element is quantised on the way in (C++)."""
     try:
-        _fill(key, value, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), kv_indices.contiguous())
+        _fill(key, value, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), kv_indices.contiguous(),
+              k_scale, k_zero, v_scale, v_zero)
     except ValueError:  # a cache whose last dim is strided (checked before any write; no engine makes one)
-        torch_kv_cache.fill_kv_cache(key, value, key_cache, value_cache, kv_indices, kv_layout)
+        torch_kv_cache.fill_kv_cache(key, value, key_cache, value_cache, kv_indices, kv_layout, k_scale, k_zero,
+                                     v_scale, v_zero)
 
 
 def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                            cu_seqlens_q: Tensor, kv_seq_len: Tensor, max_kv_seq_len: int, softmax_scale: float,
-                           alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str) -> None:
+                           alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str, k_scale: Optional[Tensor] = None,
+                           k_zero: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+                           v_zero: Optional[Tensor] = None) -> None:
     """query [T, Hq, D], caches in `kv_layout`, block_table [B, M], cu_seqlens_q [B+1],
-    kv_seq_len [B], alibi_slopes [Hq]? -> out [T, Hq, Dv] (written in place)."""
+    kv_seq_len [B], alibi_slopes [Hq]? -> out [T, Hq, Dv] (written in place). With k_scale etc.
+    ([Hkv] float32) the caches are int8, read in place and dequantised in registers (C++; k_zero
+    drops out of the softmax, see csrc/attention.cpp)."""
     try:
         _decode(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), block_table.contiguous(),
                 cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), max_kv_seq_len, softmax_scale,
-                None if alibi_slopes is None else alibi_slopes.contiguous(), out)
+                None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
     except ValueError:  # a cache whose last dim is strided (checked before any work; no engine makes one)
         torch_attention.paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
-                                               max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout)
+                                               max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale,
+                                               k_zero, v_scale, v_zero)
 
 
 def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

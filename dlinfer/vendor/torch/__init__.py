@@ -5,7 +5,7 @@ throughout; where a loop remains it runs per sequence (prefill attention) or per
 (fused_moe), never per token, and reads lengths on the host (a device sync off the CPU).
 """
 
-from dlinfer.vendor.base import FEATURE_ALIBI, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
 
 
 def load() -> Vendor:
@@ -25,6 +25,8 @@ def load() -> Vendor:
         "linear": linear.linear,
         "dynamic_quant": quant.dynamic_quant,
         "linear_w8a8": quant.linear_w8a8,
+        "linear_w8a8_static": quant.linear_w8a8_static,
+        "apply_rotary_pos_emb_interleaved": rotary.apply_rotary_pos_emb_interleaved,
         "rms_norm_w8a8": quant.rms_norm_w8a8,
         "add_rms_norm_w8a8": quant.add_rms_norm_w8a8,
         "weight_quant_matmul": weight_quant.weight_quant_matmul,
@@ -46,5 +48,5 @@ def load() -> Vendor:
         device_types=("*",),
         kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR),
         ops=ops,
-        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI}), notes=notes),
+        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT}), notes=notes),
     )

@@ -64,6 +64,16 @@ def _gather(cache: Tensor, blocks: Tensor, kv_layout: str) -> Tensor:
     return g.reshape(-1, g.shape[-2], g.shape[-1]).transpose(0, 1)
 
 
+def dequantise(x: Tensor, scale: Optional[Tensor], zero: Optional[Tensor], head_dim: int) -> Tensor:
+    """An int8 tile whose dim `head_dim` is the KV head -> float32 (x - zero[h]) * scale[h];
+    x itself when scale is None (an unquantised cache)."""
+    if scale is None:
+        return x
+    shape = [1] * x.dim()
+    shape[head_dim] = -1
+    return (x.float() - zero.view(shape)) * scale.view(shape)
+
+
 def _sdpa_dtype(x: Tensor) -> Tensor:
     # CPU SDPA kernels accumulate fp16 poorly; run fp16 through fp32 there.
     return x.float() if x.dtype == torch.float16 and x.device.type == "cpu" else x
@@ -111,8 +121,11 @@ def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_sc
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
-                            max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout) -> None:
+                            max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None,
+                            v_scale=None, v_zero=None) -> None:
     """Each sequence's new tokens over its paged history + themselves; see the module docstring.
+    An int8 cache (k_scale etc. [Hkv] float32) is dequantised per gathered sequence, and the
+    attention then runs in float32.
 
     Bad metadata reads nothing outside the caches and leaves no row unwritten: block ids are
     clamped into [0, NB), a sequence's length into its block-table row (M * BS), and a query row
@@ -130,9 +143,10 @@ def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqle
         if n <= 0:
             continue
         blocks = block_table[b, : (kv_len + bs - 1) // bs].long().clamp(0, nb - 1)
-        k = _sdpa_dtype(_gather(key_cache, blocks, kv_layout)[:, :kv_len])
-        v = _sdpa_dtype(_gather(value_cache, blocks, kv_layout)[:, :kv_len])
+        k = _sdpa_dtype(dequantise(_gather(key_cache, blocks, kv_layout)[:, :kv_len], k_scale, k_zero, 0))
+        v = _sdpa_dtype(dequantise(_gather(value_cache, blocks, kv_layout)[:, :kv_len], v_scale, v_zero, 0))
         q = _sdpa_dtype(query[start:end].transpose(0, 1))
+        q = q if k_scale is None else q.float()
         pos = torch.arange(kv_len - n, kv_len, device=query.device)
         o = _sdpa(q, k, v, _mask(pos, kv_len, alibi_slopes, q.dtype), softmax_scale, causal=False)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
@@ -205,13 +219,16 @@ _decode_plan_memo = LastCallMemo(_decode_plan)
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
-                           softmax_scale, alibi_slopes, out, kv_layout) -> None:
+                           softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None, v_scale=None,
+                           v_zero=None) -> None:
     """All query tokens at once: each gathers the positions it may see (padded to the longest),
-    then one SDPA call for the batch, masked only where lengths differ."""
+    then one SDPA call for the batch, masked only where lengths differ. An int8 cache (k_scale
+    etc. [Hkv] float32) is dequantised after the gather, and the attention runs in float32."""
     q = _decode_dtype(query).unsqueeze(2)  # [T, Hq, 1, D]
+    q = q if k_scale is None else q.float()
     plan = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
                              blocks_and_size(key_cache, kv_layout)[1], key_cache.shape[0], alibi_slopes, q.dtype)
-    k = _decode_dtype(_gather_tokens(key_cache, plan, kv_layout, "decode_k"))  # [T, Hkv, L, D]
-    v = _decode_dtype(_gather_tokens(value_cache, plan, kv_layout, "decode_v"))
+    k = _decode_dtype(dequantise(_gather_tokens(key_cache, plan, kv_layout, "decode_k"), k_scale, k_zero, 1))
+    v = _decode_dtype(dequantise(_gather_tokens(value_cache, plan, kv_layout, "decode_v"), v_scale, v_zero, 1))
     o = _sdpa(q, k, v, plan.mask, softmax_scale, causal=False)  # [T, Hq, 1, Dv]
     out.copy_(o.squeeze(2))

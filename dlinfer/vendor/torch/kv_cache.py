@@ -23,13 +23,24 @@ def _slot_plan(kv_indices: Tensor, num_slots: int) -> Tuple[Tensor, Optional[Ten
 _slot_plan_memo = LastCallMemo(_slot_plan)
 
 
+def quantise(x: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+    """x [T, Hkv, D] float, scale / zero [Hkv] float32 -> int8 [T, Hkv, D]:
+    clamp(round_half_even(x_f32 / scale + zero), -128, 127), float32 division then addition."""
+    q = torch.round(x.float() / scale[:, None] + zero[:, None])
+    return q.nan_to_num_(0.0).clamp_(-128, 127).to(torch.int8)
+
+
 def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
-                  kv_layout: str) -> None:
+                  kv_layout: str, k_scale: Optional[Tensor] = None, k_zero: Optional[Tensor] = None,
+                  v_scale: Optional[Tensor] = None, v_zero: Optional[Tensor] = None) -> None:
     """Write key [T, Hkv, D] / value [T, Hkv, Dv] at slots kv_indices [T] of the caches (in place).
 
     Slots outside [0, NB*BS) are dropped, so bad metadata never writes outside the cache. A
-    contiguous token-major cache is one row per slot: one index_copy_ per cache.
+    contiguous token-major cache is one row per slot: one index_copy_ per cache. With k_scale
+    etc. ([Hkv] float32) the caches are int8 and get `quantise`d rows.
     """
+    if k_scale is not None:
+        key, value = quantise(key, k_scale, k_zero), quantise(value, v_scale, v_zero)
     key_cache, value_cache = canonical(key_cache, kv_layout), canonical(value_cache, kv_layout)
     nb, bs = key_cache.shape[:2]  # [NB, BS, Hkv, D] views, written through
     slots, keep = _slot_plan_memo(kv_indices, nb * bs)

@@ -91,3 +91,16 @@ def fused_moe_w8a8(hidden_states: Tensor, gate_up_weights: Tensor, gate_up_scale
         y = int8_matmul(aq, down_weights[expert]).float() * a_scale.unsqueeze(-1) * down_scales[expert]
         out.index_add_(0, tokens, (y * flat_weights[pairs].unsqueeze(1)).to(acc_dtype))
     return out.to(hidden_states.dtype)
+
+
+def linear_w8a8_static(x: Tensor, weight: Tensor, input_scale: Tensor, input_offset: Tensor, deq_scale: Tensor,
+                       out_dtype: torch.dtype, quant_bias=None) -> Tensor:
+    """x [N, K] float, weight [Nout, K] int8, input_scale / input_offset [1] float32, deq_scale [Nout]
+    float32, quant_bias [Nout] int32? -> [N, Nout] out_dtype: x quantised with the static scale
+    (float32 division then addition, ties to even, clamped), the int8 product exact (float64
+    matmul), plus quant_bias exactly (int64), then float32 * deq_scale, one cast."""
+    xq = torch.round(x.float() / input_scale + input_offset).nan_to_num_(0.0).clamp_(-128, 127).to(torch.int8)
+    acc = (xq.double() @ weight.double().T).to(torch.int64)
+    if quant_bias is not None:
+        acc = acc + quant_bias.to(torch.int64)
+    return (acc.float() * deq_scale).to(out_dtype)

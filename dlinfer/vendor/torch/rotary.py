@@ -36,3 +36,17 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor):
     c = cos.float().unsqueeze(1)  # [T, 1, R]
     s = _signed_sin_memo(sin)
     return _rotate(query, c, s), _rotate(key, c, s)
+
+
+def apply_rotary_pos_emb_interleaved(x: Tensor, cos: Tensor, sin: Tensor, return_native_layout: bool) -> Tensor:
+    """x [T, H, D] adjacent pairs, cos / sin [T, D] half layout -> new [T, H, D] in x's dtype:
+    a = x[..., 0::2], b = x[..., 1::2]; a' = a c - b s, b' = b c + a s (fp32); the output
+    cat(a', b') (return_native_layout) or a', b' interleaved back."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    a, b = xf[..., 0::2], xf[..., 1::2]
+    c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
+    a2, b2 = a * c - b * s, b * c + a * s
+    if return_native_layout:
+        return torch.cat((a2, b2), dim=-1).to(x.dtype)
+    return torch.stack((a2, b2), dim=-1).flatten(-2).to(x.dtype)

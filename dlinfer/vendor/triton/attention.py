@@ -25,14 +25,16 @@ def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_sc
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
-                            max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout) -> None:
+                            max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None,
+                            v_scale=None, v_zero=None) -> None:
     """New tokens [T, Hq, D] over their sequences' paged history and themselves -> out [T, Hq, Dv]."""
     paged_prefill(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
-                  max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout)
+                  max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, (k_scale, k_zero, v_scale, v_zero))
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
-                           softmax_scale, alibi_slopes, out, kv_layout) -> None:
+                           softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None, v_scale=None,
+                           v_zero=None) -> None:
     """Each sequence's newest token(s) [T, Hq, D] over the paged cache -> out [T, Hq, Dv]."""
     paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
-                 softmax_scale, alibi_slopes, out, kv_layout)
+                 softmax_scale, alibi_slopes, out, kv_layout, (k_scale, k_zero, v_scale, v_zero))

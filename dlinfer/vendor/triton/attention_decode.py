@@ -71,7 +71,7 @@ def split_plan(max_kv_len: int, num_splits: int, d_tile: int, fp32: bool = False
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr, opart_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr, opart_ptr, lse_ptr, kvq_ptr,
     B, M, NB, BS, seg_len, qk_scale,
     s_qt, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
@@ -80,7 +80,7 @@ def _decode_split_kernel(
     s_ot, s_oh, s_od,
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, F32: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, F32: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,6 +120,13 @@ def _decode_split_kernel(
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0) * 1.4426950408889634
 
+    if QUANT:  # int8 caches: per-kv-head scale / zero ([4, Hkv] float32: k_scale, k_zero, v_scale, v_zero)
+        n_kvh = tl.num_programs(1)
+        k_sc = tl.load(kvq_ptr + kvh)
+        k_zp = tl.load(kvq_ptr + n_kvh + kvh)
+        v_sc = tl.load(kvq_ptr + 2 * n_kvh + kvh)
+        v_zp = tl.load(kvq_ptr + 3 * n_kvh + kvh)
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -132,7 +139,10 @@ def _decode_split_kernel(
                     mask=valid[:, None] & (dk < D)[None, :], other=0.0)
         v = tl.load(v_ptr + (blk * s_vb + slot * s_vs + kvh * s_vh)[:, None] + dv[None, :] * s_vd,
                     mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
-        if F32:
+        if QUANT:  # dequantised in registers (F32 is set with QUANT)
+            k = (k.to(tl.float32) - k_zp) * k_sc
+            v = (v.to(tl.float32) - v_zp) * v_sc
+        elif F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
@@ -174,9 +184,11 @@ def _decode_reduce_kernel(
 
 
 def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
-                 softmax_scale, alibi_slopes, out, kv_layout, num_splits=None) -> None:
-    """Launcher. query [T, Hq, D] -> out [T, Hq, Dv] (may be strided). `num_splits` overrides the
-    split rule (tests)."""
+                 softmax_scale, alibi_slopes, out, kv_layout, quant=(None, None, None, None),
+                 num_splits=None) -> None:
+    """Launcher. query [T, Hq, D] -> out [T, Hq, Dv] (may be strided). quant: (k_scale, k_zero,
+    v_scale, v_zero) [Hkv] float32 for int8 caches (dequantised in registers, dots in fp32), or
+    Nones. `num_splits` overrides the split rule (tests)."""
     t, hq, d = query.shape
     dv = value_cache.shape[-1]
     b = cu_seqlens_q.shape[0] - 1
@@ -202,13 +214,15 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
         opart = lse = out  # unused
     ks, vs = key_cache.stride(), value_cache.stride()
     alibi = alibi_slopes if alibi_slopes is not None else query
+    is_quant = quant[0] is not None
+    kvq = torch.stack(quant) if is_quant else query
     _decode_split_kernel[(t, hkv, num_splits)](
-        query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, alibi, out, opart, lse,
+        query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, alibi, out, opart, lse, kvq,
         b, m, nb, bs, seg_len, softmax_scale * LOG2E,
         *query.stride(), *ks, *vs, *block_table.stride(), *out.stride(),
         G=g, D=d, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_ALIBI=alibi_slopes is not None,
-        F32=dots_in_fp32(query.dtype), SPLIT=split, num_warps=8 if fp32 or max(block_d, block_dv) > 128 else 4,
+        F32=dots_in_fp32(query.dtype) or is_quant, SPLIT=split, QUANT=is_quant, num_warps=8 if fp32 or max(block_d, block_dv) > 128 else 4,
     )
     if split:
         _decode_reduce_kernel[(t, hq)](

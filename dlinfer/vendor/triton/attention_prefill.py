@@ -30,8 +30,8 @@ from dlinfer.vendor.triton.attention_common import (
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr,
-    T, M, NB, BS, qk_scale,
+    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr, kvq_ptr,
+    T, M, NB, BS, HKV, qk_scale,
     s_qt, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,  # paged: (block, slot, head, dim); packed: (-, token, head, dim)
     s_vb, s_vs, s_vh, s_vd,
@@ -39,7 +39,7 @@ def _prefill_kernel(
     s_ot, s_oh, s_od,
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGED: tl.constexpr, HAS_ALIBI: tl.constexpr, F32: tl.constexpr,
+    PAGED: tl.constexpr, HAS_ALIBI: tl.constexpr, F32: tl.constexpr, QUANT: tl.constexpr,
 ):
     mt = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) causal tiles start first
     b = tl.program_id(1)
@@ -68,6 +68,12 @@ def _prefill_kernel(
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + h) * 1.4426950408889634
 
+    if QUANT:  # int8 caches: per-kv-head scale / zero ([4, Hkv] float32: k_scale, k_zero, v_scale, v_zero)
+        k_sc = tl.load(kvq_ptr + kvh)
+        k_zp = tl.load(kvq_ptr + HKV + kvh)
+        v_sc = tl.load(kvq_ptr + 2 * HKV + kvh)
+        v_zp = tl.load(kvq_ptr + 3 * HKV + kvh)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -89,7 +95,10 @@ def _prefill_kernel(
                     mask=valid[:, None] & (dk < D)[None, :], other=0.0)
         v = tl.load(v_ptr + (v_off + kvh * s_vh)[:, None] + dv[None, :] * s_vd,
                     mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
-        if F32:
+        if QUANT:  # dequantised in registers (F32 is set with QUANT)
+            k = (k.to(tl.float32) - k_zp) * k_sc
+            v = (v.to(tl.float32) - v_zp) * v_sc
+        elif F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
@@ -120,7 +129,7 @@ def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool):
 
 
 def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slopes, out, ks, vs, hkv,
-            m, nb, bs, paged):
+            m, nb, bs, paged, quant=(None, None, None, None)):
     t, hq, d = query.shape
     dv = out.shape[-1]
     b = cu.shape[0] - 1
@@ -133,25 +142,29 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
     # bad metadata): zero, not left unwritten. Device ops only: no host sync (CUDA-graph safe).
     rows = torch.arange(t, device=out.device)
     out.masked_fill_((rows >= cu.max()).view(t, 1, 1), 0)
-    block_m, block_n, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32)
+    is_quant = quant[0] is not None
+    f32 = dots_in_fp32(query.dtype) or is_quant
+    block_m, block_n, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32 or is_quant)
     _prefill_kernel[(triton.cdiv(max_q, block_m), b, hq)](
         query, k, v, bt, cu, kvlen, alibi_slopes if alibi_slopes is not None else query, out,
-        t, m, nb, bs, softmax_scale * LOG2E,
+        torch.stack(quant) if is_quant else query, t, m, nb, bs, hkv, softmax_scale * LOG2E,
         *query.stride(), *ks, *vs, *bt.stride(), *out.stride(),
         G=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(d),
         BLOCK_DV=block_dim(dv), PAGED=paged, HAS_ALIBI=alibi_slopes is not None,
-        F32=dots_in_fp32(query.dtype), num_warps=warps, num_stages=2,
+        F32=f32, QUANT=is_quant, num_warps=warps, num_stages=2,
     )
 
 
 def paged_prefill(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
-                  max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout) -> None:
-    """Launcher: new tokens [T, Hq, D] over history + themselves in the paged cache -> out."""
+                  max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout,
+                  quant=(None, None, None, None)) -> None:
+    """Launcher: new tokens [T, Hq, D] over history + themselves in the paged cache -> out.
+    quant: (k_scale, k_zero, v_scale, v_zero) [Hkv] float32 for int8 caches, or Nones."""
     key_cache, value_cache = canonical(key_cache, kv_layout), canonical(value_cache, kv_layout)  # [NB, BS, Hkv, D]
     nb, bs, hkv = key_cache.shape[:3]
     _launch(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len, max_kv_seq_len,
             softmax_scale, alibi_slopes, out, key_cache.stride(), value_cache.stride(), hkv, block_table.shape[1],
-            nb, bs, paged=True)
+            nb, bs, paged=True, quant=quant)
 
 
 def prefill(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out) -> None:

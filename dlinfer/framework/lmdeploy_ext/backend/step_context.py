@@ -12,7 +12,8 @@ read from it (B sequences, T packed new tokens, M max blocks per sequence):
                              prefill (positions kv-q .. kv-1), [B] for one-token decode
   is_prefill_no_cache        no sequence has history: plain varlen prefill attention
   max_q_seqlen, max_kv_seq_len, kv_flatten_size (sum of kv_seqlens), block_size (BS)
-  attention_mask, quant_meta, quant_policy   unused by dlinfer's CPU/CUDA vendors: (), None, 0
+  attention_mask             unused by dlinfer's vendors: ()
+  quant_policy, quant_meta   0 and None, or 8 and the int8 KV cache's per-layer scales (`kv_int8.py`)
 
 The model in Ascend's `update_step_context` (backends/dlinfer/ascend/op_backend.py) builds the
 prefill slots with a Python loop per sequence; here every field is a few vectorised tensor ops
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dlinfer.framework.lmdeploy_ext.backend.kv_int8 import quant_meta_of
 from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
 
 
@@ -91,5 +93,5 @@ def build_attention_metadata(step_context, block_size: int) -> DlinferAttentionM
         max_kv_seq_len=step_context.max_kv_seqlen,
         kv_flatten_size=step_context.sum_kv_seqlen,
         quant_policy=step_context.kv_quant_policy,
-        quant_meta=None,
+        quant_meta=quant_meta_of(step_context),
     )

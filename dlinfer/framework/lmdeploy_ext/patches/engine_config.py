@@ -14,8 +14,9 @@ How: for a dlinfer device type only (see `devices.py`), and only there,
 - `__init__` fills the device's defaults (`cache_max_entry_count`, `max_prefill_token_num`) when
   the caller gave none or passed None (LMDeploy's CLI always passes both: `serve.py` passes None
   to mean "the device's default");
-- `__post_init__` first checks what the device can run (dtype, tp=dp=ep=1, no KV-cache
-  quantization, the 'uni' executor, the 'mp' multi-process engine) and what LMDeploy's engine
+- `__post_init__` first checks what the device can run (dtype, tp=dp=ep=1, quant_policy 0 or 8
+  (8: the int8 KV cache, eager mode only; its scales file is checked when the engine is built,
+  `backend/kv_int8.py`), the 'uni' executor, the 'mp' multi-process engine) and what LMDeploy's engine
   checker would exit on (`max_batch_size` >= 1, `num_gpu_blocks` 0 or >= 16, no `thread_safe`,
   `block_size == kernel_block_size` outside the hybrid role) plus `max_prefill_token_num` >= 1,
   raising ValueError naming the setting; then runs LMDeploy's own checks with
@@ -58,9 +59,13 @@ def check_engine_config(config, spec: devices.DeviceSpec) -> None:
         if getattr(config, field) != 1:
             raise ValueError(f"device_type={name!r} runs one process on one device: {field} must be 1, "
                              f"got {getattr(config, field)}.")
-    if int(config.quant_policy) != 0:
-        raise ValueError(f"device_type={name!r} has no quantized KV cache: quant_policy must be 0, "
-                         f"got {int(config.quant_policy)}.")
+    if int(config.quant_policy) not in (0, 8):
+        raise ValueError(f"device_type={name!r} runs quant_policy=0 (KV cache in the model dtype) or 8 (the int8 "
+                         f"KV cache, with the model folder's kv_int8_scales.safetensors); got quant_policy="
+                         f"{int(config.quant_policy)} (4: the int4 KV cache is not implemented).")
+    if int(config.quant_policy) == 8 and not config.eager_mode:
+        raise ValueError(f"device_type={name!r}: quant_policy=8 runs with eager_mode=True only (the compiled "
+                         "decode step does not carry the int8 KV cache's per-layer scales yet).")
     if config.enable_mp_engine and config.mp_engine_backend != "mp":
         raise ValueError(f"device_type={name!r} runs the multi-process engine with mp_engine_backend='mp' only, "
                          f"got mp_engine_backend={config.mp_engine_backend!r}.")

@@ -8,7 +8,9 @@ asks CUDA for free memory, which sizes the KV cache. And the per-step input uplo
 
 How: for an agent whose device context names a dlinfer device type, and for no other:
 - `__init__` first refuses models and engine features the device cannot run
-  (`backend/model_support.py`: before any weight is loaded, so a bad model is one clear error),
+  (`backend/model_support.py`: before any weight is loaded, so a bad model is one clear error)
+  and, for quant_policy=8, reads the int8 KV cache's scales file (`backend/kv_int8.py`: a
+  missing one is refused there, naming the file and the command that writes it),
   then runs LMDeploy's `__init__` and sets `self.device` to the device's torch device, and gives
   this agent's inputs strategy a `make_dummy` that builds dummies there;
 - `get_free_mem` returns available host RAM when the device is the CPU;
@@ -24,6 +26,7 @@ import inspect
 import psutil
 
 from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.backend import kv_int8
 from dlinfer.framework.lmdeploy_ext.backend.model_support import check_engine_features, check_model
 from dlinfer.framework.lmdeploy_ext.patching import wrap
 
@@ -60,6 +63,7 @@ def _patch_init(original):
         check_engine_features(spec,
                               specdecode_config=given.get("specdecode_config"),
                               memdecode_config=getattr(given["misc_config"], "memdecode_config", None))
+        kv_int8.load_for_engine(given["model_path"], given["model_config"], given["cache_config"], spec.torch_device)
         original(self, *args, **kwargs)
         self.device = spec.torch_device
         strategy = self.inputs_strategy

@@ -13,6 +13,15 @@
 // 0 .. that position. Block ids are clamped into the cache and lengths into the block table (and
 // max_kv_seq_len), so bad metadata can never read outside the cache.
 //
+// The int8 cache (k_scale, k_zero, v_scale, v_zero [Hkv] float32; dlinfer/ops/kv_quant.py): K and
+// V rows are read as int8 in place and widened to float32 in registers (attention_block.h
+// load_row); the scales and zeros are applied outside the per-key loops, exactly:
+//   scores: q.((k - zk) sk) = sk (q.k) - sk zk sum(q). The first term is (q * sk).k, so sk is
+//     folded into the query with the softmax scale; the second is the same for every key of a
+//     (token, head), and softmax is invariant under such a shift, so k_zero drops out.
+//   values: sum_p w_p (v_p - zv) sv / l = sv (sum_p w_p v_p / l - zv), applied to the finished
+//     row (after the split merge), only where the token saw a key (l > 0).
+//
 // query [T, Hq, D], out [T, Hq, Dv]; the caches come as [NB, BS, Hkv, D] / [NB, BS, Hkv, Dv] views
 // (dlinfer/vendor/kv_layouts.py `canonical`: a permuted view for head_major), read through their
 // block, slot and head strides; block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B].
@@ -32,6 +41,9 @@ struct CacheView {
 
 struct DecodeArgs {
   int64_t T, Hq, Hkv, G, D, Dv, NB, BS, Mb, S;
+  const float* k_scale = nullptr;  // [Hkv] (int8 caches only)
+  const float* v_scale = nullptr;  // [Hkv]
+  const float* v_zero = nullptr;   // [Hkv]
   int64_t bytes;  // K/V bytes the call reads
   float scale;
   const float* alibi;  // [Hq] or nullptr
@@ -60,13 +72,22 @@ struct ItemScratch {
 // K/V bytes below which the whole call runs on the calling thread.
 constexpr int64_t kMinParallelAttentionBytes = 256 * 1024;
 
+// A finished output row of kv head hkv (sum_p w_p v_p / l): (row - zv) * sv for an int8 cache.
+inline void dequantise_row(const DecodeArgs& a, int64_t hkv, float* row) {
+  if (!a.v_scale) return;
+  const float s = a.v_scale[hkv], z = a.v_zero[hkv];
+  for (int64_t i = 0; i < a.Dv; ++i) row[i] = (row[i] - z) * s;
+}
+
 // Runs one (token, kv head, split) item; leaves m, l (per query head) and acc (G x Dv) in w.
-template <typename T>
+// T: the query's dtype; C: the cache's (T, or int8_t for the int8 cache).
+template <typename T, typename C>
 void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int64_t hkv, int64_t split,
               ItemScratch& w) {
   const int64_t G = a.G, D = a.D, Dv = a.Dv, BS = a.BS;
   for (int64_t g = 0; g < G; ++g) to_float(q_tok + (hkv * G + g) * sq_h, w.q.data() + g * D, D);
-  scale(a.scale, w.q.data(), G * D);  // (q * scale) . k: the softmax scale folded into the query
+  // (q * scale) . k: the softmax scale (and an int8 cache's k scale) folded into the query
+  scale(a.k_scale ? a.scale * a.k_scale[hkv] : a.scale, w.q.data(), G * D);
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.f);
@@ -75,8 +96,8 @@ void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int6
   const int64_t per_split = (blocks + a.S - 1) / a.S;
   const int64_t j0 = split * per_split, j1 = std::min(blocks, j0 + per_split);
   const int64_t seq = a.tok_seq[t], qpos = a.tok_pos[t];
-  const T* kc = static_cast<const T*>(a.k.data);
-  const T* vc = static_cast<const T*>(a.v.data);
+  const C* kc = static_cast<const C*>(a.k.data);
+  const C* vc = static_cast<const C*>(a.v.data);
   auto block_id = [&](int64_t j) { return std::min(std::max<int64_t>(a.table[seq * a.s_table + j], 0), a.NB - 1); };
   int64_t next = j0 < j1 ? block_id(j0) : 0;
   for (int64_t j = j0; j < j1; ++j) {
@@ -87,8 +108,8 @@ void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int6
       next = block_id(j + 1);
       ahead = Prefetch{reinterpret_cast<const char*>(kc + next * a.k.s_block + hkv * a.k.s_head),
                        reinterpret_cast<const char*>(vc + next * a.v.s_block + hkv * a.v.s_head),
-                       a.k.s_pos * static_cast<int64_t>(sizeof(T)), a.v.s_pos * static_cast<int64_t>(sizeof(T)),
-                       D * static_cast<int64_t>(sizeof(T)), Dv * static_cast<int64_t>(sizeof(T)),
+                       a.k.s_pos * static_cast<int64_t>(sizeof(C)), a.v.s_pos * static_cast<int64_t>(sizeof(C)),
+                       D * static_cast<int64_t>(sizeof(C)), Dv * static_cast<int64_t>(sizeof(C)),
                        std::min(BS, len - (j + 1) * BS)};
     }
     auto [k, ldk] = block_rows(kc + blk * a.k.s_block + hkv * a.k.s_head, a.k.s_pos, n, D, w.kbuf.data());
@@ -106,7 +127,7 @@ void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int6
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out) {
   const T* q = query.data_ptr<T>();
   T* o = out.data_ptr<T>();
@@ -127,7 +148,7 @@ void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out)
     const float* l = w.l.data();
     for (int64_t it = begin; it < end; ++it) {
       const int64_t split = it % S, hkv = (it / S) % a.Hkv, t = it / (S * a.Hkv);
-      run_item<T>(a, q + t * sq_t, sq_h, t, hkv, split, w);
+      run_item<T, C>(a, q + t * sq_t, sq_h, t, hkv, split, w);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = hkv * G + g;
         const float* acc = w.acc.data() + g * Dv;
@@ -135,6 +156,7 @@ void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out)
           const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // a token that sees no key gets zeros
           float* row = w.vbuf.data();  // free between items
           for (int64_t i = 0; i < Dv; ++i) row[i] = acc[i] * inv;
+          if (l[g] > 0.f) dequantise_row(a, hkv, row);
           from_float(row, o + t * so_t + h * so_h, Dv);
         } else {
           const int64_t pi = (t * a.Hq + h) * S + split;
@@ -167,6 +189,7 @@ void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out)
       const float inv = total > 0.f ? 1.f / total : 0.f;
       for (int64_t i = 0; i < Dv; ++i) row[i] *= inv;
       const int64_t t = th / a.Hq, h = th % a.Hq;
+      if (total > 0.f) dequantise_row(a, h / G, row.data());
       from_float(row.data(), o + t * so_t + h * so_h, Dv);
     }
   });
@@ -189,13 +212,17 @@ CacheView cache_view(const at::Tensor& cache) {
 void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                             const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
-                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in) {
+                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                            const std::optional<at::Tensor>& v_zero) {
   const at::Tensor query = dense_rows(query_in), out = dense_rows(out_in);
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
   // A ValueError (the Python wrapper hands such caches to the torch vendor; no engine makes them).
   TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
                     "paged_decode_attention: the last dim of the caches must be dense");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type() &&
+  const bool int8 = k_scale.has_value();
+  const auto cache_type = int8 ? at::kChar : query.scalar_type();
+  TORCH_CHECK(key_cache.scalar_type() == cache_type && value_cache.scalar_type() == cache_type &&
                   out.scalar_type() == query.scalar_type(), "paged_decode_attention: dtypes must match");
   TORCH_CHECK(cu_seqlens_q.is_contiguous() && kv_seq_len.is_contiguous(), "lengths must be contiguous");
   DecodeArgs a{};
@@ -217,6 +244,15 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
   if (alibi_slopes.has_value()) {
     TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous(), "alibi_slopes");
     a.alibi = alibi_slopes->data_ptr<float>();
+  }
+  if (int8) {
+    TORCH_CHECK(v_scale.has_value() && v_zero.has_value(), "paged_decode_attention: k_scale, v_scale, v_zero");
+    for (const at::Tensor* t : {&*k_scale, &*v_scale, &*v_zero})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == a.Hkv,
+                  "paged_decode_attention: scales and zeros must be float32 [Hkv]");
+    a.k_scale = k_scale->data_ptr<float>();
+    a.v_scale = v_scale->data_ptr<float>();
+    a.v_zero = v_zero->data_ptr<float>();
   }
   if (a.T == 0 || a.NB == 0) {
     if (a.T) out_in.zero_();
@@ -242,10 +278,15 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
   a.tok_seq = tok_seq.data();
   a.tok_len = tok_len.data();
   a.tok_pos = tok_pos.data();
-  a.bytes = keys * a.Hkv * (a.D + a.Dv) * static_cast<int64_t>(query.element_size());
+  a.bytes = keys * a.Hkv * (a.D + a.Dv) * static_cast<int64_t>(key_cache.element_size());
   a.S = num_splits(a.T, a.Hkv, longest, a.BS, at::get_num_threads());
-  AT_DISPATCH_V2(query.scalar_type(), "paged_decode_attention", AT_WRAP([&] { decode<scalar_t>(a, query, out); }),
-                 at::kFloat, at::kBFloat16, at::kHalf);
+  if (int8) {
+    AT_DISPATCH_V2(query.scalar_type(), "paged_decode_attention",
+                   AT_WRAP([&] { decode<scalar_t, int8_t>(a, query, out); }), at::kFloat, at::kBFloat16, at::kHalf);
+  } else {
+    AT_DISPATCH_V2(query.scalar_type(), "paged_decode_attention",
+                   AT_WRAP([&] { decode<scalar_t, scalar_t>(a, query, out); }), at::kFloat, at::kBFloat16, at::kHalf);
+  }
   if (!out.is_same(out_in)) out_in.copy_(out);  // an output whose last dim was strided
 }
 
@@ -255,7 +296,7 @@ TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
-      "Tensor(a!) out) -> ()");
+      "Tensor(a!) out, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? v_zero=None) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("decode_num_splits(int tokens, int kv_heads, int longest, int block_size, int threads) -> int",
         &num_splits);

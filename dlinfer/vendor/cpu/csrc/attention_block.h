@@ -1,6 +1,10 @@
 // The per-block math of paged decode attention (attention.cpp): one block of BS cached keys and
 // values against the G query heads that share a kv head, all float32, register-tiled so that
 // each piece of a K or V row is loaded once for up to four heads.
+//
+// Rows are read as `R`: float (a float32 cache, or a bf16 / fp16 block converted by block_rows)
+// or int8_t (the int8 cache, read in place: each 16-wide piece is widened to float32 in
+// registers by load_row, never copied; attention.cpp applies the scales and zeros around it).
 #pragma once
 
 #include "common.h"
@@ -10,11 +14,36 @@
 
 namespace dlinfer_cpu {
 
-// A block's n rows (keys or values) as float32: in place for a float32 cache, else converted
-// into `buf` (rows then `width` apart). Returns (rows, row stride).
+// kLanes values of a row as float32 (n < kLanes: the first n, the rest zero).
+inline Vec load_row(const float* p) { return Vec::loadu(p); }
+inline Vec load_row(const float* p, int64_t n) { return Vec::loadu(p, n); }
+inline Vec load_row(const int8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return Vec(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return Vec(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  float tmp[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+#endif
+}
+inline Vec load_row(const int8_t* p, int64_t n) {
+  float tmp[kLanes] = {};
+  for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+}
+
+// The type block_rows gives for a cache of T: T itself for float and int8, float otherwise.
 template <typename T>
-std::pair<const float*, int64_t> block_rows(const T* base, int64_t s_pos, int64_t n, int64_t width, float* buf) {
-  if constexpr (std::is_same_v<T, float>) {
+using RowType = std::conditional_t<std::is_same_v<T, float> || std::is_same_v<T, int8_t>, T, float>;
+
+// A block's n rows (keys or values): in place for a float32 or int8 cache, else converted to
+// float32 into `buf` (rows then `width` apart). Returns (rows, row stride).
+template <typename T>
+std::pair<const RowType<T>*, int64_t> block_rows(const T* base, int64_t s_pos, int64_t n, int64_t width,
+                                                 float* buf) {
+  if constexpr (std::is_same_v<T, RowType<T>>) {
     return {base, s_pos};
   } else {
     for (int64_t p = 0; p < n; ++p) to_float(base + p * s_pos, buf + p * width, width);
@@ -47,15 +76,15 @@ inline float reduce_sum(const Vec& v) {
 
 // scores[h][p..p+3] = q_h . k_{p..p+3} for HG (<= 4) heads: each 16-wide piece of a key row is
 // loaded once for all HG heads, and the 4 x HG accumulators (16 at most) stay in registers.
-template <int HG>
-inline void scores_tile(const float* q, int64_t D, const float* k0, int64_t ldk, float* scores, int64_t lds) {
+template <int HG, typename R>
+inline void scores_tile(const float* q, int64_t D, const R* k0, int64_t ldk, float* scores, int64_t lds) {
   Vec acc[HG][4];
   for (int h = 0; h < HG; ++h)
     for (int r = 0; r < 4; ++r) acc[h][r] = Vec(0.f);
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
     Vec kv[4];
-    for (int r = 0; r < 4; ++r) kv[r] = Vec::loadu(k0 + r * ldk + d);
+    for (int r = 0; r < 4; ++r) kv[r] = load_row(k0 + r * ldk + d);
     for (int h = 0; h < HG; ++h) {
       const Vec qv = Vec::loadu(q + h * D + d);
       for (int r = 0; r < 4; ++r) acc[h][r] = at::vec::fmadd(qv, kv[r], acc[h][r]);
@@ -65,20 +94,31 @@ inline void scores_tile(const float* q, int64_t D, const float* k0, int64_t ldk,
     const int64_t rem = D - d;
     for (int h = 0; h < HG; ++h) {
       const Vec qv = Vec::loadu(q + h * D + d, rem);
-      for (int r = 0; r < 4; ++r) acc[h][r] = at::vec::fmadd(qv, Vec::loadu(k0 + r * ldk + d, rem), acc[h][r]);
+      for (int r = 0; r < 4; ++r) acc[h][r] = at::vec::fmadd(qv, load_row(k0 + r * ldk + d, rem), acc[h][r]);
     }
   }
   for (int h = 0; h < HG; ++h)
     for (int r = 0; r < 4; ++r) scores[h * lds + r] = reduce_sum(acc[h][r]);
 }
 
+// sum(a[i] * b[i]) over n values, b read as float32 in registers.
+template <typename R>
+inline float dot_row(const float* a, const R* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = at::vec::fmadd(Vec::loadu(a + i), load_row(b + i), acc);
+  if (i < n) acc = at::vec::fmadd(Vec::loadu(a + i, n - i), load_row(b + i, n - i), acc);
+  return reduce_sum(acc);
+}
+
 // scores[g][p] = q_g . k_p for the G query heads of one kv head over a block's n keys.
-inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, int64_t n,
+template <typename R>
+inline void block_scores(const float* q, int64_t G, int64_t D, const R* k, int64_t ldk, int64_t n,
                          float* scores, int64_t lds, const Prefetch& ahead) {
   int64_t p = 0;
   for (; p + 4 <= n; p += 4) {
     ahead.rows(p, p + 4);
-    const float* k0 = k + p * ldk;
+    const R* k0 = k + p * ldk;
     int64_t g = 0;
     for (; g + 4 <= G; g += 4) scores_tile<4>(q + g * D, D, k0, ldk, scores + g * lds + p, lds);
     switch (G - g) {
@@ -89,20 +129,20 @@ inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, i
   }
   ahead.rows(p, ahead.n);
   for (; p < n; ++p)
-    for (int64_t g = 0; g < G; ++g) scores[g * lds + p] = dot(q + g * D, k + p * ldk, D);
+    for (int64_t g = 0; g < G; ++g) scores[g * lds + p] = dot_row(q + g * D, k + p * ldk, D);
 }
 
 // acc_h[0:NV*16] += sum_p w_h[p] v_p[0:NV*16] for HG (<= 4) heads: each piece of a value row is
 // loaded once for all HG heads; the HG x NV accumulators (16 at most) stay in registers.
-template <int HG, int NV>
-inline void values_tile(const float* w, int64_t ldw, const float* v, int64_t ldv, int64_t n, float* acc,
+template <int HG, int NV, typename R>
+inline void values_tile(const float* w, int64_t ldw, const R* v, int64_t ldv, int64_t n, float* acc,
                         int64_t ld_acc) {
   Vec a[HG][NV];
   for (int h = 0; h < HG; ++h)
     for (int i = 0; i < NV; ++i) a[h][i] = Vec::loadu(acc + h * ld_acc + i * kLanes);
   for (int64_t p = 0; p < n; ++p) {
     Vec vv[NV];
-    for (int i = 0; i < NV; ++i) vv[i] = Vec::loadu(v + p * ldv + i * kLanes);
+    for (int i = 0; i < NV; ++i) vv[i] = load_row(v + p * ldv + i * kLanes);
     for (int h = 0; h < HG; ++h) {
       const Vec wp(w[h * ldw + p]);
       for (int i = 0; i < NV; ++i) a[h][i] = at::vec::fmadd(wp, vv[i], a[h][i]);
@@ -112,31 +152,32 @@ inline void values_tile(const float* w, int64_t ldw, const float* v, int64_t ldv
     for (int i = 0; i < NV; ++i) a[h][i].store(acc + h * ld_acc + i * kLanes);
 }
 
-template <int HG>
-inline void values_heads(const float* w, int64_t ldw, const float* v, int64_t ldv, int64_t n, int64_t Dv,
+template <int HG, typename R>
+inline void values_heads(const float* w, int64_t ldw, const R* v, int64_t ldv, int64_t n, int64_t Dv,
                          float* acc) {
   int64_t d = 0;
-  for (; d + 4 * kLanes <= Dv; d += 4 * kLanes) values_tile<HG, 4>(w, ldw, v + d, ldv, n, acc + d, Dv);
+  for (; d + 4 * kLanes <= Dv; d += 4 * kLanes) values_tile<HG, 4, R>(w, ldw, v + d, ldv, n, acc + d, Dv);
   switch ((Dv - d) / kLanes) {
-    case 3: values_tile<HG, 3>(w, ldw, v + d, ldv, n, acc + d, Dv); break;
-    case 2: values_tile<HG, 2>(w, ldw, v + d, ldv, n, acc + d, Dv); break;
-    case 1: values_tile<HG, 1>(w, ldw, v + d, ldv, n, acc + d, Dv); break;
+    case 3: values_tile<HG, 3, R>(w, ldw, v + d, ldv, n, acc + d, Dv); break;
+    case 2: values_tile<HG, 2, R>(w, ldw, v + d, ldv, n, acc + d, Dv); break;
+    case 1: values_tile<HG, 1, R>(w, ldw, v + d, ldv, n, acc + d, Dv); break;
   }
   d += (Dv - d) / kLanes * kLanes;
   for (; d < Dv; ++d)  // Dv tail
     for (int h = 0; h < HG; ++h)
-      for (int64_t p = 0; p < n; ++p) acc[h * Dv + d] += w[h * ldw + p] * v[p * ldv + d];
+      for (int64_t p = 0; p < n; ++p) acc[h * Dv + d] += w[h * ldw + p] * static_cast<float>(v[p * ldv + d]);
 }
 
 // acc_g[0:Dv] += sum_p w_g[p] v_p[0:Dv] for the G query heads of one kv head (w rows ldw apart).
-inline void block_values(const float* w, int64_t ldw, int64_t G, const float* v, int64_t ldv, int64_t n,
+template <typename R>
+inline void block_values(const float* w, int64_t ldw, int64_t G, const R* v, int64_t ldv, int64_t n,
                          int64_t Dv, float* acc) {
   int64_t g = 0;
-  for (; g + 4 <= G; g += 4) values_heads<4>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv);
+  for (; g + 4 <= G; g += 4) values_heads<4, R>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv);
   switch (G - g) {
-    case 3: values_heads<3>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv); break;
-    case 2: values_heads<2>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv); break;
-    case 1: values_heads<1>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv); break;
+    case 3: values_heads<3, R>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv); break;
+    case 2: values_heads<2, R>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv); break;
+    case 1: values_heads<1, R>(w + g * ldw, ldw, v, ldv, n, Dv, acc + g * Dv); break;
   }
 }
 
