@@ -28,11 +28,14 @@ How, for dlinfer's device types only (`devices.py`; other device types get LMDep
 - `mp_executor`'s module-global `torch` gets host CUDA semantics where this process has no usable
   CUDA device (`cuda_calls.py`; `set_device` is a no-op there: 3).
 - `MPExecutor.__init__`, once the ranks are started, replaces LMDeploy's SIGUSR1 handler by one that
-  only logs (a rank that signals is about to exit), and starts `watch_ranks`: a daemon thread that
-  waits on the ranks' process sentinels and, when one ends while the executor is not releasing,
-  logs which rank ended and how, terminates the other ranks (SIGKILL after `JOIN_TIMEOUT_S`) and
-  ends this process with status 1, as LMDeploy's handler means to (5). `ExecutorProc.join` waits
-  at most `JOIN_TIMEOUT_S` for a terminated rank, then kills it.
+  only records the failure, and starts `watch_ranks`: a daemon thread that waits on the ranks'
+  process sentinels and, when one ends while the executor is not releasing, logs which rank ended
+  and how, terminates the other ranks (SIGKILL after `JOIN_TIMEOUT_S`) and ends this process with
+  status 1, as LMDeploy's handler means to (5). A failing rank's own clean-up wakes the parent's
+  wait for its reply with no reply (LMDeploy then fails later on a None); `collective_rpc` (every
+  call while the engine is built) raises `RankFailedError` instead, after ending the ranks, so a
+  rank that cannot load its weights makes `pipeline(...)` raise, naming the call.
+  `ExecutorProc.join` waits at most `JOIN_TIMEOUT_S` for a terminated rank, then kills it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from dlinfer.framework.lmdeploy_ext.patching import wrap
 THREADS_ENV = "DLINFER_THREADS_PER_RANK"
 # Seconds `ExecutorProc.join` waits for a terminated rank before it kills it.
 JOIN_TIMEOUT_S = 10.0
+# Seconds the rank watcher leaves a call that waits on a rank which signalled its failure to raise
+# `RankFailedError` in the caller before it ends the process instead.
+SIGNAL_GRACE_S = 5.0
 
 logger = logging.getLogger("dlinfer.lmdeploy")
 
@@ -143,15 +149,23 @@ def end_ranks(procs, timeout_s: float = JOIN_TIMEOUT_S) -> None:
             proc.join()
 
 
+class RankFailedError(RuntimeError):
+    """A tensor-parallel rank failed while the engine was being built; the engine's ranks are ended."""
+
+
 def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
     """Start a daemon thread that, when a rank process of `executor` (an MPExecutor) ends before
-    the executor releases its ranks, logs it, ends the other ranks and calls `exit_process(1)`."""
+    the executor releases its ranks, logs it, ends the other ranks and calls `exit_process(1)`.
+    A rank that signalled its failure first gives a call waiting on it (`_patch_collective_rpc`)
+    `SIGNAL_GRACE_S` to raise instead."""
     procs = [(p.proc_id, p._proc) for p in executor.procs]
 
     def watch():
         sentinels = {proc.sentinel: (rank, proc) for rank, proc in procs}
         ended = wait(list(sentinels))
-        if getattr(executor, "_dlinfer_releasing", False):
+        if executor._dlinfer_rank_signalled.is_set():
+            executor._dlinfer_releasing.wait(SIGNAL_GRACE_S)
+        if executor._dlinfer_releasing.is_set():
             return
         rank, proc = sentinels[ended[0]]
         proc.join(1.0)
@@ -167,26 +181,47 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
     return thread
 
 
-def _on_rank_signal(signum, frame):
-    logger.error("a tensor-parallel rank reported a failure (SIGUSR1); its exit ends the engine.")
-
-
 def _patch_init(original):
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if devices.spec_for(kwargs.get("device_type")) is not None:
-            self._dlinfer_releasing = False
-            signal.signal(signal.SIGUSR1, _on_rank_signal)
-            watch_ranks(self)
+        if devices.spec_for(kwargs.get("device_type")) is None:
+            return
+        self._dlinfer_releasing = threading.Event()
+        self._dlinfer_rank_signalled = threading.Event()
+
+        def on_rank_signal(signum, frame):  # a rank's `_main_loop` failed and is about to exit
+            self._dlinfer_rank_signalled.set()
+            logger.error("a tensor-parallel rank reported a failure (SIGUSR1; its traceback is logged as "
+                         "'Proc[rank] failed').")
+
+        signal.signal(signal.SIGUSR1, on_rank_signal)
+        watch_ranks(self)
 
     return __init__
+
+
+def _patch_collective_rpc(original):
+
+    def collective_rpc(self, method: str, *args, **kwargs):
+        outputs = original(self, method, *args, **kwargs)
+        signalled = getattr(self, "_dlinfer_rank_signalled", None)
+        if signalled is not None and signalled.is_set():  # the replies were cut short by the failure
+            self._dlinfer_releasing.set()
+            end_ranks([(p.proc_id, p._proc) for p in self.procs])
+            raise RankFailedError(f"a tensor-parallel rank failed in {method!r}: see the rank's traceback logged "
+                                  "above ('Proc[rank] failed'); the engine's ranks are ended.")
+        return outputs
+
+    return collective_rpc
 
 
 def _patch_release(original):
 
     def release(self):
-        self._dlinfer_releasing = True
+        releasing = getattr(self, "_dlinfer_releasing", None)
+        if releasing is not None:
+            releasing.set()
         return original(self)
 
     return release
@@ -199,3 +234,4 @@ def apply() -> None:
     wrap(ExecutorProc, "join", _patch_join)
     wrap(MPExecutor, "__init__", _patch_init)
     wrap(MPExecutor, "release", _patch_release)
+    wrap(MPExecutor, "collective_rpc", _patch_collective_rpc)
