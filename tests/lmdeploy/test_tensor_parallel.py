@@ -3,7 +3,7 @@
 - Greedy tokens at tp=2 equal tp=1's and HF transformers' (float32) for tiny Llama, Qwen2, Mixtral
   and Qwen2-MoE (heads, KV heads, intermediate and expert sizes all divisible by 2): one tp=2 and
   one tp=1 engine per model, the same batch of prompts through both; the tp=2 engine leaves no
-  rank process behind when closed.
+  rank process behind when closed. Graph mode (compiled decode steps) at tp=2 on Llama.
 - A rank that fails ends the engine with an error naming the rank, within a bounded time, and no
   process of it is left: a rank killed with SIGKILL while serving, and a checkpoint one of whose
   weights no rank can load (a subprocess each, `tp_child.py`: the engine's end is the process's).
@@ -83,6 +83,15 @@ def test_tp2_greedy_equals_tp1_and_hf(name, model_dir, hf_reference):
         tp1 = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     assert [r.token_ids for r in tp2] == [r.token_ids for r in tp1]
     assert_matches_hf(tp2, hf_reference(name), NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_tp2_graph_mode_matches_hf(model_dir, hf_reference):
+    """eager_mode=False (LMDeploy's default): each rank compiles its decode steps, all-reduces
+    inside the graph; same greedy tokens."""
+    with cpu_pipeline(model_dir("llama"), tp=2, eager_mode=False, max_batch_size=4) as pipe:
+        tp2 = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert_matches_hf(tp2, hf_reference("llama"), NEW_TOKENS)
 
 
 def _tagged_processes(tag: str) -> list[psutil.Process]:
