@@ -3,7 +3,7 @@
 Why: with `tp > 1` LMDeploy builds `MPExecutor` (engine/executor/mp_executor.py), which starts
 one process per rank with multiprocessing *spawn*; the target is the bound method
 `ExecutorProc._main_loop`, so the rank process imports LMDeploy but not dlinfer's adaptor (unless
-the parent's main module happens to). Five things go wrong for a dlinfer device type there:
+the parent's main module happens to). Six things go wrong for a dlinfer device type there:
 1. Without the adaptor's patches, the rank's `init_backend("cpu")` raises (unknown device type).
 2. The rank's `init_process_group` (dist_utils.py:44) asks `get_backend()` of LMDeploy's
    *current* device context, which in a fresh rank process is the default, "cuda": the process
@@ -18,6 +18,13 @@ the parent's main module happens to). Five things go wrong for a dlinfer device 
    (SIGKILL, the OOM killer) sends nothing at all: the parent waits for its reply for ever. A
    parent killed from outside leaves its ranks, which hold the weights, running.
 
+6. LMDeploy's shared-memory command channel (`Notifier`, mp_executor.py:40-88) makes its
+   senders and receivers meet at a multiprocessing barrier every 32 messages, and the async
+   paths wait at it *synchronously*, blocking the event loop. A rank that blocks there while
+   another rank's forward task sits in a collective waiting for it deadlocks: on a GPU the
+   collectives are asynchronous, on the CPU gloo's are not. Seen: SmolLM2-135M at tp=3 hung
+   after about 1000 collectives, rank 0 in gloo's `Work::wait`, rank 1 in the barrier.
+
 How, for dlinfer's device types only (`devices.py`; other device types get LMDeploy's code):
 - `ExecutorProc.start` starts the rank with `rank_process`, a function of this module, as target
   (spawn pickles it by module and name, so the rank imports this module, hence the adaptor and all
@@ -25,6 +32,11 @@ How, for dlinfer's device types only (`devices.py`; other device types get LMDep
   `threads_per_rank`), arranges that the rank exits with its parent (`mp_engine.exit_with_parent`),
   then runs LMDeploy's `_main_loop` unchanged inside LMDeploy's device context of its device type,
   which the rank process serves alone (2).
+- The async waits at the barrier (`Notifier.wait_async`, `Notifier.set_async`) of the notifiers
+  a dlinfer executor and its ranks hold run in the event loop's thread pool instead, so the
+  loop keeps running the forward task, whose collectives the other ranks wait for (6). Only
+  those notifier instances are changed; the synchronous `wait`/`set` (engine build, messages over
+  1 MiB) stay as they are.
 - `mp_executor`'s module-global `torch` gets host CUDA semantics where this process has no usable
   CUDA device (`cuda_calls.py`; `set_device` is a no-op there: 3).
 - `MPExecutor.__init__`, once the ranks are started, replaces LMDeploy's SIGUSR1 handler by one that
@@ -40,10 +52,13 @@ How, for dlinfer's device types only (`devices.py`; other device types get LMDep
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import threading
+import types
+from contextlib import asynccontextmanager
 from multiprocessing.connection import wait
 
 from dlinfer.framework.lmdeploy_ext import devices
@@ -85,6 +100,40 @@ def threads_per_rank(world_size: int, cores: int | None = None, env: dict | None
     return max(1, cores // max(1, world_size))
 
 
+@asynccontextmanager
+async def _wait_async(self):
+    """`Notifier.wait_async` with its barrier waits off the event loop's thread."""
+    from lmdeploy.pytorch.engine.executor.mp_executor import NUM_SHARED_BLOCK
+
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, self.events[self._event_id].wait)
+    yield
+    if self._event_id == NUM_SHARED_BLOCK - 1:
+        await loop.run_in_executor(None, self.bar.wait)
+        await loop.run_in_executor(None, self.bar.wait)
+    self._update_event_id()
+
+
+async def _set_async(self):
+    """`Notifier.set_async` with both of its barrier waits off the event loop's thread."""
+    from lmdeploy.pytorch.engine.executor.mp_executor import NUM_SHARED_BLOCK
+
+    loop = asyncio.get_running_loop()
+    self.events[self._event_id].set()
+    if self._event_id == NUM_SHARED_BLOCK - 1:
+        await loop.run_in_executor(None, self.bar.wait)
+        for event in self.events:
+            event.clear()
+        await loop.run_in_executor(None, self.bar.wait)
+    self._update_event_id()
+
+
+def unblock_notifier(notifier) -> None:
+    """Make one LMDeploy `Notifier`'s async barrier waits leave its event loop running."""
+    notifier.wait_async = types.MethodType(_wait_async, notifier)
+    notifier.set_async = types.MethodType(_set_async, notifier)
+
+
 def rank_process(executor_proc, threads: int | None, **kwargs):
     """A rank's entry point: sets its threads (None: leave torch's), exits with the parent, and runs
     LMDeploy's `ExecutorProc._main_loop` (this module's import applied the adaptor's patches)."""
@@ -98,6 +147,8 @@ def rank_process(executor_proc, threads: int | None, **kwargs):
     from lmdeploy.pytorch.devices import DeviceContext, get_device_manager
 
     exit_with_parent()
+    unblock_notifier(kwargs["comm_notifier"])
+    unblock_notifier(kwargs["ret_notifier"])
     with get_device_manager().context(DeviceContext(kwargs["device_type"])):
         return executor_proc._main_loop(**kwargs)
 
@@ -187,6 +238,9 @@ def _patch_init(original):
         original(self, *args, **kwargs)
         if devices.spec_for(kwargs.get("device_type")) is None:
             return
+        unblock_notifier(self.comm_notifier)
+        for ret_buf in self.ret_bufs:
+            unblock_notifier(ret_buf.notifier)
         self._dlinfer_releasing = threading.Event()
         self._dlinfer_rank_signalled = threading.Event()
 
