@@ -115,23 +115,27 @@ async def _wait_async(self):
 
 
 async def _set_async(self):
-    """`Notifier.set_async` with both of its barrier waits off the event loop's thread."""
+    """`Notifier.set_async` with both of its barrier waits off the event loop's thread, one sender
+    at a time: the engine's forward and output-prefetch tasks both send on the command channel,
+    and a second sender reaching the barrier during the first's wait would count as a party."""
     from lmdeploy.pytorch.engine.executor.mp_executor import NUM_SHARED_BLOCK
 
     loop = asyncio.get_running_loop()
-    self.events[self._event_id].set()
-    if self._event_id == NUM_SHARED_BLOCK - 1:
-        await loop.run_in_executor(None, self.bar.wait)
-        for event in self.events:
-            event.clear()
-        await loop.run_in_executor(None, self.bar.wait)
-    self._update_event_id()
+    async with self._dlinfer_send_lock:
+        self.events[self._event_id].set()
+        if self._event_id == NUM_SHARED_BLOCK - 1:
+            await loop.run_in_executor(None, self.bar.wait)
+            for event in self.events:
+                event.clear()
+            await loop.run_in_executor(None, self.bar.wait)
+        self._update_event_id()
 
 
 def unblock_notifier(notifier) -> None:
     """Make one LMDeploy `Notifier`'s async barrier waits leave its event loop running."""
     notifier.wait_async = types.MethodType(_wait_async, notifier)
     notifier.set_async = types.MethodType(_set_async, notifier)
+    notifier._dlinfer_send_lock = asyncio.Lock()  # binds to the loop that first uses it
 
 
 def rank_process(executor_proc, threads: int | None, **kwargs):
