@@ -22,16 +22,28 @@ def test_cpu_accepts_its_dtypes(dtype):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dtype="float16"), "cannot run dtype='float16'; choose one of 'auto', 'float32', 'bfloat16'"),
-    (dict(tp=2), "tp must be 1"),
-    (dict(ep=2), "ep must be 1"),
+    (dict(tp=0), "tp must be at least 1"),
+    (dict(ep=2), "has no expert parallel: ep must be 1, got 2"),
+    (dict(tp=2, ep=2), "has no expert parallel: ep must be 1, got 2"),
+    (dict(dp=2), "has no data parallel: dp must be 1, got 2"),
     (dict(quant_policy=4), "got quant_policy=4"),
     (dict(quant_policy=8, eager_mode=False), "quant_policy=8 runs with eager_mode=True only"),
+    (dict(quant_policy=8, tp=2, eager_mode=True), "quant_policy=8 runs with tp=1 only"),
     (dict(enable_mp_engine=True, mp_engine_backend="ray"), "mp_engine_backend='mp' only"),
-    (dict(distributed_executor_backend="ray"), "'uni' executor only"),
+    (dict(distributed_executor_backend="ray"), "does not run LMDeploy's Ray executor"),
+    (dict(tp=2, distributed_executor_backend="ray"), "does not run LMDeploy's Ray executor"),
+    (dict(tp=2, distributed_executor_backend="uni"), "with tp=2 runs LMDeploy's 'mp' executor, got"),
 ])
 def test_cpu_refuses_what_it_cannot_run(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         PytorchEngineConfig(device_type="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tp=2), dict(tp=4, distributed_executor_backend="mp"),
+                                    dict(tp=1, distributed_executor_backend="mp")])
+def test_cpu_accepts_tensor_parallel(kwargs):
+    config = PytorchEngineConfig(device_type="cpu", **kwargs)
+    assert config.tp == kwargs["tp"] and (config.dp, config.ep) == (1, 1)
 
 
 def test_lmdeploy_checks_still_apply_to_cpu():

@@ -226,6 +226,24 @@ def test_engine_process_exits_when_the_server_is_killed(model_dir, tmp_path):
         srv.stop()
 
 
+def test_tensor_parallel_server_answers_and_stops_with_its_ranks(model_dir, tmp_path, greedy_reference):
+    """`serve MODEL --tp 2`: the engine process runs LMDeploy's mp executor with two rank processes
+    (gloo); the server answers with the tp=1 pipeline's greedy tokens, and SIGTERM ends all of it."""
+    srv = Server(model_dir("llama"), tmp_path / "server.log", "--tp", "2")
+    try:
+        srv.wait_ready()
+        engine = [p for p in srv.descendants if p.name() == "ZMQMPEngine"]
+        assert len(engine) == 1 and len(engine[0].children()) >= 2, srv.descendants  # its rank processes
+        choice = srv.chat(MESSAGES, return_token_ids=True)["choices"][0]
+        assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), srv.log_tail()
+        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
+        assert alive == [], f"left running after SIGTERM: {alive}\n{srv.log_tail()}"
+    finally:
+        srv.stop()
+
+
 def test_pipeline_with_the_multi_process_engine(model_dir, greedy_reference):
     """`enable_mp_engine=True` outside the server: the engine's spawned process imports the adaptor
     by itself; same greedy tokens as the in-process engine."""
@@ -265,7 +283,8 @@ def test_cli_defaults_are_the_devices(model_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("options,message", [
-    (["--tp", "2"], "tp must be 1"),
+    (["--ep", "2"], "has no expert parallel: ep must be 1"),
+    (["--tp", "0"], "tp must be at least 1"),
     (["--dtype", "float16"], "cannot run dtype='float16'"),
     (["--num-gpu-blocks", "4"], "num_gpu_blocks must be 0"),
 ])

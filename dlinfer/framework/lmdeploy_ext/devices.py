@@ -39,6 +39,10 @@ class DeviceSpec:
     kv_cache_warn_share: a `cache_max_entry_count` at or above this share of free host RAM gets a
         `HostMemoryWarning` with the bytes it would commit (`patches/engine_config.py`), or None
         for no such warning (a device whose cache does not live in host RAM).
+    ccl_backend: the torch.distributed backend of the ranks' collectives when tp > 1 (what
+        LMDeploy's `init_process_group` and `DistContext.build` ask the ops backend for).
+    shares_host_cores: whether the ranks of one machine share its CPU cores for their compute
+        (so each rank gets a share of them: `patches/mp_executor.py`).
     """
 
     device_type: str
@@ -50,6 +54,8 @@ class DeviceSpec:
     cache_max_entry_count: float | None
     max_prefill_token_num: int | None
     kv_cache_warn_share: float | None
+    ccl_backend: str
+    shares_host_cores: bool
 
 
 CPU = DeviceSpec(
@@ -71,6 +77,8 @@ CPU = DeviceSpec(
     max_prefill_token_num=512,
     # Half or more of the free RAM in zero-filled KV pages is "most of the machine": warn.
     kv_cache_warn_share=0.5,
+    ccl_backend="gloo",
+    shares_host_cores=True,
 )
 
 DLINFER_CUDA = DeviceSpec(
@@ -83,6 +91,8 @@ DLINFER_CUDA = DeviceSpec(
     cache_max_entry_count=None,
     max_prefill_token_num=None,
     kv_cache_warn_share=None,
+    ccl_backend="nccl",
+    shares_host_cores=False,
 )
 
 DEVICES: dict[str, DeviceSpec] = {spec.device_type: spec for spec in (CPU, DLINFER_CUDA)}

@@ -96,6 +96,9 @@ class HostCuda:
     def empty_cache(self) -> None:
         pass
 
+    def set_device(self, device) -> None:
+        """A tensor-parallel rank's device choice (mp_executor.py:563): the host has one."""
+
     def is_available(self) -> bool:
         return False
 

@@ -16,7 +16,9 @@ The parsed options then go to LMDeploy's own `SubCliServe.api_server`, which bui
 `lmdeploy serve api_server` does: FastAPI + uvicorn in this process, the engine in a child
 process started with multiprocessing spawn (`enable_mp_engine=True`). That child imports the
 adaptor through its entry point (`patches/mp_engine.py`), and exits when this process is gone.
-A setting the device cannot run is one line on stderr and exit status 2, before anything starts.
+With `--tp N` that engine process runs LMDeploy's multi-process executor, one process per rank
+(`patches/mp_executor.py`). A setting the device cannot run is one line on stderr and exit
+status 2, before anything starts.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ layers, which call `dlinfer.ops` through `lmdeploy/pytorch/kernels/dlinfer`. Wha
 - the rotary layer where LMDeploy's dlinfer choice is wrong (Llama 3.x scaling: `rotary.py`);
 - non-causal attention without a cache (vision towers), which LMDeploy's dlinfer layer runs
   causally (`bidirectional_attention.py`);
-- for the CPU: cache allocation on the host (`cache.py`), "gloo" as collective backend, and
+- the collective backend of tp > 1 from the device type (`DeviceSpec.ccl_backend`: "gloo" on the
+  CPU, "nccl" for dlinfer_cuda);
+- for the CPU: cache allocation on the host (`cache.py`), and
   with `eager_mode=False` decode steps compiled by `graph_runner.py` (`eager_mode=True`: LMDeploy's
   base `GraphRunner`, every step eager).
 """
@@ -58,6 +60,11 @@ class DlinferDeviceOpsBackend(DlinferOpsBackend):
         return block_shape(active_kv_layout(cls.device_spec.torch_device), block_size, num_heads, head_size)
 
     @classmethod
+    def ccl_backend(cls) -> str:
+        """The torch.distributed backend of the tensor-parallel ranks (the device type's)."""
+        return cls.device_spec.ccl_backend
+
+    @classmethod
     def update_step_context(cls, step_context):
         """Attach `attn_metadata` for the dlinfer attention layers (single device: no MoE metadata)."""
         block_size = step_context.cache_config.kernel_block_size
@@ -77,10 +84,6 @@ class CpuOpsBackend(DlinferDeviceOpsBackend):
     @classmethod
     def get_cache_backend(cls):
         return HostCacheBackend
-
-    @staticmethod
-    def ccl_backend() -> str:
-        return "gloo"
 
     @classmethod
     def build_graph_runner(cls, model, model_config, cache_config, backend_config, device):

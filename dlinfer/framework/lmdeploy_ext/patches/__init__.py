@@ -18,6 +18,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     model_agent,
     model_dtype,
     mp_engine,
+    mp_executor,
     openmp_pool,
     vl_preprocess,
 )
@@ -33,6 +34,7 @@ PATCHES = (
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
     openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up
     mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
+    mp_executor,       # tp > 1: ranks import the adaptor, share the cores, end the engine when one dies
     vl_preprocess,     # VLM image preprocessors without torchvision; unsupported VLMs refused first
 )
 

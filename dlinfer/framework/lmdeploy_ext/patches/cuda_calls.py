@@ -5,13 +5,14 @@ Why: on the path a tp=1 engine takes, LMDeploy 0.18 calls CUDA directly:
   `torch.cuda.Stream()`, :479 `empty_cache`, :500/:515/:529/:559 warm-up `synchronize`/`stream`,
   :717 `Event()` per step, :1197 background loop, :1250-1256 input upload, :1368-1371 output
   download, :1997 close), `engine/cache_engine/engine.py` (:94 `current_stream`, :96 `Event()`),
-  `engine/logits_process.py` (:388, :414, guided decoding only);
+  `engine/logits_process.py` (:388, :414, guided decoding only); a tensor-parallel rank's
+  `torch.cuda.set_device(rank)` (`engine/executor/mp_executor.py:563`);
 - "cuda" as a device string: agent.py `_try_to_cuda` (:279-287, the per-step upload of inputs),
   `self.device = 'cuda'` (:363, weights and warm-up inputs) and the warm-up dummies (:492, :506,
   :550). The last two are per-engine and handled in `model_agent.py`.
 
 How, narrowest scope first:
-1. Only if this process has no usable CUDA device, the three modules above get a module-global
+1. Only if this process has no usable CUDA device, the four modules above get a module-global
    `torch` whose `.cuda` is `host_cuda.HOST_CUDA` (streams/events with host semantics); every
    other attribute is the real torch. The global `torch.cuda` is untouched, so transformers,
    xgrammar and Inductor still see the truth. With a usable CUDA device nothing is replaced:
@@ -37,6 +38,7 @@ MODULES_WITH_CUDA_CALLS: tuple[str, ...] = (
     "lmdeploy.pytorch.engine.model_agent.agent",
     "lmdeploy.pytorch.engine.cache_engine.engine",
     "lmdeploy.pytorch.engine.logits_process",
+    "lmdeploy.pytorch.engine.executor.mp_executor",
 )
 
 

@@ -14,9 +14,10 @@ How: for a dlinfer device type only (see `devices.py`), and only there,
 - `__init__` fills the device's defaults (`cache_max_entry_count`, `max_prefill_token_num`) when
   the caller gave none or passed None (LMDeploy's CLI always passes both: `serve.py` passes None
   to mean "the device's default");
-- `__post_init__` first checks what the device can run (dtype, tp=dp=ep=1, quant_policy 0 or 8
-  (8: the int8 KV cache, eager mode only; its scales file is checked when the engine is built,
-  `backend/kv_int8.py`), the 'uni' executor, the 'mp' multi-process engine) and what LMDeploy's engine
+- `__post_init__` first checks what the device can run (dtype; tp >= 1 with dp = ep = 1 and
+  the 'uni' (tp = 1) or 'mp' executor, never 'ray'; quant_policy 0 or 8 (8: the int8 KV cache,
+  eager mode and tp = 1 only; its scales file is checked when the engine is built,
+  `backend/kv_int8.py`); the 'mp' multi-process engine) and what LMDeploy's engine
   checker would exit on (`max_batch_size` >= 1, `num_gpu_blocks` 0 or >= 16, no `thread_safe`,
   `block_size == kernel_block_size` outside the hybrid role) plus `max_prefill_token_num` >= 1,
   raising ValueError naming the setting; then runs LMDeploy's own checks with
@@ -55,10 +56,7 @@ def check_engine_config(config, spec: devices.DeviceSpec) -> None:
     if config.dtype != "auto" and config.dtype not in spec.dtypes:
         allowed = ", ".join(repr(d) for d in ("auto",) + spec.dtypes)
         raise ValueError(f"device_type={name!r} cannot run dtype={config.dtype!r}; choose one of {allowed}.")
-    for field in ("tp", "dp", "ep"):
-        if getattr(config, field) != 1:
-            raise ValueError(f"device_type={name!r} runs one process on one device: {field} must be 1, "
-                             f"got {getattr(config, field)}.")
+    check_parallel(config, spec)
     if int(config.quant_policy) not in (0, 8):
         raise ValueError(f"device_type={name!r} runs quant_policy=0 (KV cache in the model dtype) or 8 (the int8 "
                          f"KV cache, with the model folder's kv_int8_scales.safetensors); got quant_policy="
@@ -66,13 +64,39 @@ def check_engine_config(config, spec: devices.DeviceSpec) -> None:
     if int(config.quant_policy) == 8 and not config.eager_mode:
         raise ValueError(f"device_type={name!r}: quant_policy=8 runs with eager_mode=True only (the compiled "
                          "decode step does not carry the int8 KV cache's per-layer scales yet).")
+    if int(config.quant_policy) == 8 and config.tp != 1:
+        raise ValueError(f"device_type={name!r}: quant_policy=8 runs with tp=1 only (the per-head KV scales are "
+                         f"not split across ranks yet); got tp={config.tp}.")
     if config.enable_mp_engine and config.mp_engine_backend != "mp":
         raise ValueError(f"device_type={name!r} runs the multi-process engine with mp_engine_backend='mp' only, "
                          f"got mp_engine_backend={config.mp_engine_backend!r}.")
-    if config.distributed_executor_backend not in (None, "uni"):
-        raise ValueError(f"device_type={name!r} runs LMDeploy's 'uni' executor only, "
-                         f"got distributed_executor_backend={config.distributed_executor_backend!r}.")
     check_engine_limits(config, spec)
+
+
+def check_parallel(config, spec: devices.DeviceSpec) -> None:
+    """Raise ValueError for a parallel layout `spec`'s device type cannot run: tensor parallel
+    (tp >= 1) runs through LMDeploy's 'mp' executor (tp == 1 also through 'uni'); data and expert
+    parallel and LMDeploy's Ray executor are refused by name (docs/lmdeploy.md, "Tensor parallel")."""
+    name = spec.device_type
+    if config.tp < 1:
+        raise ValueError(f"device_type={name!r}: tp must be at least 1, got {config.tp}.")
+    if config.dp != 1:
+        raise ValueError(f"device_type={name!r} has no data parallel: dp must be 1, got {config.dp} (LMDeploy "
+                         "runs dp > 1 only through its Ray executor, which dlinfer's device types do not run).")
+    if config.ep != 1:
+        raise ValueError(f"device_type={name!r} has no expert parallel: ep must be 1, got {config.ep} (dlinfer's "
+                         "fused_moe has no all-to-all dispatch over moe_metadata; use tp, which splits every "
+                         "expert's MLP over the ranks).")
+    backend = config.distributed_executor_backend
+    allowed = ("uni", "mp") if config.tp == 1 else ("mp",)
+    if backend == "ray":
+        raise ValueError(f"device_type={name!r} does not run LMDeploy's Ray executor (no 'ray' placement for a CPU "
+                         "device type in LMDeploy 0.18, and Ray is not one of dlinfer's dependencies); "
+                         f"use distributed_executor_backend='mp' or None.")
+    if backend is not None and backend not in allowed:
+        raise ValueError(f"device_type={name!r} with tp={config.tp} runs LMDeploy's "
+                         f"{' or '.join(repr(a) for a in allowed)} executor, "
+                         f"got distributed_executor_backend={backend!r}.")
 
 
 def check_engine_limits(config, spec: devices.DeviceSpec) -> None:

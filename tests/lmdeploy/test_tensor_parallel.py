@@ -1,0 +1,197 @@
+"""tp=2 on device_type="cpu": LMDeploy's own multi-process executor, a gloo process group.
+
+- Greedy tokens at tp=2 equal tp=1's and HF transformers' (float32) for tiny Llama, Qwen2, Mixtral
+  and Qwen2-MoE (heads, KV heads, intermediate and expert sizes all divisible by 2): one tp=2 and
+  one tp=1 engine per model, the same batch of prompts through both; the tp=2 engine leaves no
+  rank process behind when closed. Graph mode (compiled decode steps) at tp=2 on Llama.
+- A rank that fails ends the engine with an error naming the rank, within a bounded time, and no
+  process of it is left: a rank killed with SIGKILL while serving, and a checkpoint one of whose
+  weights no rank can load (a subprocess each, `tp_child.py`: the engine's end is the process's).
+- What the ranks are given: the collective backend from the device type, cores // tp threads
+  unless DLINFER_THREADS_PER_RANK says otherwise, LMDeploy's choice of the 'mp' executor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+
+from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.backend.op_backend import backend_for
+from dlinfer.framework.lmdeploy_ext.patches.mp_executor import THREADS_ENV, threads_per_rank
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD = Path(__file__).with_name("tp_child.py")
+MODELS = ("llama", "qwen2", "mixtral", "qwen2_moe")
+NEW_TOKENS = 16
+PROMPTS = (
+    "Quick red river",
+    "The model reads a prompt token by token and the engine keeps every key and value in the cache",
+    "One two three four five six seven eight nine ten hundred thousand the first expert routes the "
+    "second token to the last layer while a small blue window in the dark forest opens",
+)
+BUILD_TIMEOUT_S = 300   # a subprocess importing torch + LMDeploy and spawning two ranks, busy 2-core machine
+END_TIMEOUT_S = 60      # from a rank's death to the end of the engine's process
+ORPHAN_GRACE_S = 20     # mp_engine.ORPHAN_GRACE_S plus slack
+
+
+def test_collective_backend_comes_from_the_device_type():
+    assert backend_for(devices.CPU).ccl_backend() == "gloo"
+    assert backend_for(devices.DLINFER_CUDA).ccl_backend() == "nccl"
+
+
+def test_lmdeploy_picks_its_mp_executor_for_cpu_tp():
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    from lmdeploy.pytorch.engine.executor import get_distributed_executor_backend
+
+    assert get_distributed_executor_backend(2, 1, "cpu") == "mp"
+
+
+@pytest.mark.parametrize("world_size,cores,env,expected", [
+    (2, 2, {}, 1), (1, 2, {}, 2), (4, 2, {}, 1), (2, 16, {}, 8), (3, 16, {}, 5),
+    (2, 2, {THREADS_ENV: "2"}, 2), (2, 16, {THREADS_ENV: " 3 "}, 3), (2, 2, {THREADS_ENV: ""}, 1),
+])
+def test_threads_per_rank(world_size, cores, env, expected):
+    assert threads_per_rank(world_size, cores=cores, env=env) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two", "1.5"])
+def test_threads_per_rank_refuses_a_bad_override(value):
+    with pytest.raises(ValueError, match=f"{THREADS_ENV} must be an integer >= 1, got '{value}'"):
+        threads_per_rank(2, cores=2, env={THREADS_ENV: value})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_greedy_equals_tp1_and_hf(name, model_dir, hf_reference):
+    with cpu_pipeline(model_dir(name), tp=2) as pipe:
+        ranks = [psutil.Process(proc._proc.pid) for proc in pipe.async_engine.engine.executor.procs]
+        assert len(ranks) == 2
+        tp2 = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, f"rank processes left after close: {alive}"
+    with cpu_pipeline(model_dir(name), tp=1) as pipe:
+        tp1 = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert [r.token_ids for r in tp2] == [r.token_ids for r in tp1]
+    assert_matches_hf(tp2, hf_reference(name), NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_tp2_graph_mode_matches_hf(model_dir, hf_reference):
+    """eager_mode=False (LMDeploy's default): each rank compiles its decode steps, all-reduces
+    inside the graph; same greedy tokens."""
+    with cpu_pipeline(model_dir("llama"), tp=2, eager_mode=False, max_batch_size=4) as pipe:
+        tp2 = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert_matches_hf(tp2, hf_reference("llama"), NEW_TOKENS)
+
+
+def _tagged_processes(tag: str) -> list[psutil.Process]:
+    """Live processes whose environment carries DLINFER_TP_TEST_TAG=tag (a child and its ranks)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("DLINFER_TP_TEST_TAG") == tag and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+class Child:
+    """tp_child.py in a subprocess, its output in a file, every process of it tagged."""
+
+    def __init__(self, model: Path, log: Path):
+        self.tag = uuid.uuid4().hex
+        self.log = log
+        env = dict(os.environ, DLINFER_TP_TEST_TAG=self.tag, PYTHONPATH=str(REPO))
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, str(CHILD), str(model)], cwd=REPO, env=env,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ranks(self) -> list[int]:
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for line in self.text().splitlines():
+                if line.startswith('{"ranks"'):
+                    return json.loads(line)["ranks"]
+            if self.proc.poll() is not None:
+                pytest.fail(f"the tp=2 engine ended before it was built:\n{self.text()[-4000:]}")
+            time.sleep(0.5)
+        pytest.fail(f"the tp=2 engine was not built within {BUILD_TIMEOUT_S} s:\n{self.text()[-4000:]}")
+
+    def wait_end(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the engine did not end within {timeout_s} s:\n{self.text()[-4000:]}")
+
+    def assert_nothing_left(self) -> None:
+        deadline = time.monotonic() + ORPHAN_GRACE_S
+        while (left := _tagged_processes(self.tag)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for proc in left:
+            proc.kill()
+        assert not left, f"processes left behind: {[(p.pid, p.cmdline()[:3]) for p in left]}"
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+        for proc in _tagged_processes(self.tag):
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_engine(model_dir, tmp_path):
+    child = Child(model_dir("llama"), tmp_path / "child.log")
+    try:
+        ranks = child.wait_ranks()
+        time.sleep(1.0)  # let it decode a little
+        os.kill(ranks[1], 9)
+        code = child.wait_end(END_TIMEOUT_S)
+        assert code != 0
+        assert f"tensor-parallel rank 1 (pid {ranks[1]}) was killed by signal 9" in child.text()
+        child.assert_nothing_left()
+    finally:
+        child.cleanup()
+
+
+def _with_bad_weight(model: Path, folder: Path) -> Path:
+    """A copy of `model` whose first layer's o_proj weight has the wrong shape (no rank can load it)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, folder)
+    weights = load_file(folder / "model.safetensors")
+    key = "model.layers.0.self_attn.o_proj.weight"
+    weights[key] = torch.zeros(weights[key].shape[0] + 2, weights[key].shape[1] - 2)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_load_its_weights_ends_the_engine(model_dir, tmp_path):
+    child = Child(_with_bad_weight(model_dir("llama"), tmp_path / "bad"), tmp_path / "child.log")
+    try:
+        code = child.wait_end(BUILD_TIMEOUT_S)
+        text = child.text()
+        assert code != 0 and '{"ranks"' not in text
+        assert "RankFailedError: a tensor-parallel rank failed in 'build_model'" in text, text[-4000:]
+        assert "Attempted to load weight (torch.Size([130, 63]))" in text, text[-4000:]  # the rank's traceback
+        child.assert_nothing_left()
+    finally:
+        child.cleanup()
