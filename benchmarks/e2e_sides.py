@@ -42,11 +42,13 @@ SIDES = all_sides()
 
 def quantized_folder(folder: Path, method: str, log=print) -> Path:
     """The `python -m dlinfer quantize` checkpoint of `folder` (method awq or smooth_quant), made
-    once and cached beside it."""
-    out = folder.parent / f"{folder.name}-{method}"
+    once and cached beside it. AWQ uses group 64 (SmolLM2's K = 576 is no multiple of 128), the
+    folder scripts/main_job.py --w4a16 makes and uses too."""
+    out = folder.parent / (f"{folder.name}-awq-g64" if method == "awq" else f"{folder.name}-{method}")
     if not (out / "config.json").is_file():
         log(f"[e2e] quantizing {folder.name} with {method} (once)")
-        subprocess.run([sys.executable, "-m", "dlinfer", "quantize", str(folder), str(out), "--method", method],
+        extra = ["--group-size", "64"] if method == "awq" else []
+        subprocess.run([sys.executable, "-m", "dlinfer", "quantize", str(folder), str(out), "--method", method, *extra],
                        check=True, stdout=sys.stderr)
     return out
 
