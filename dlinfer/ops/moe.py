@@ -45,6 +45,23 @@ def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata=None)
     return kernel(router_logits, topk)
 
 
+def _check_routing(op: str, topk, topk_weights: Tensor, topk_ids: Tensor, t: int, dev) -> None:
+    """topk_weights [T, K] float and topk_ids [T, K] int32/int64 on `dev`, K == topk >= 1."""
+    topk = C.integer(op, "topk", topk, 1)
+    C.tensor(op, "topk_weights", topk_weights, (t, "K"), C.FLOAT_DTYPES, dev)
+    if topk_weights.shape[1] != topk:
+        raise InvalidArgumentError(op, "topk", f"topk_weights' K = {topk_weights.shape[1]}", str(topk))
+    C.tensor(op, "topk_ids", topk_ids, (t, topk), C.INDEX_DTYPES, dev)
+
+
+def _check_expert_ids(op: str, topk_ids: Tensor, e: int) -> None:
+    """With value checks on: every expert id in [0, E) (a device sync)."""
+    if C.check_values_enabled() and topk_ids.numel():
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= e:
+            raise InvalidArgumentError(op, "topk_ids", f"ids in [0, {e})", f"ids in [{lo}, {hi}]")
+
+
 def fused_moe(
     hidden_states: Tensor,
     gate_up_weights: Tensor,
@@ -78,20 +95,13 @@ def fused_moe(
     C.tensor(op, "down_weights", down_weights, (e, h, two_i // 2), C.FLOAT_DTYPES, dev)
     C.same_dtype(op, "gate_up_weights", gate_up_weights, hidden_states, "hidden_states")
     C.same_dtype(op, "down_weights", down_weights, hidden_states, "hidden_states")
-    topk = C.integer(op, "topk", topk, 1)
-    C.tensor(op, "topk_weights", topk_weights, (t, "K"), C.FLOAT_DTYPES, dev)
-    if topk_weights.shape[1] != topk:
-        raise InvalidArgumentError(op, "topk", f"topk_weights' K = {topk_weights.shape[1]}", str(topk))
-    C.tensor(op, "topk_ids", topk_ids, (t, topk), C.INDEX_DTYPES, dev)
+    _check_routing(op, topk, topk_weights, topk_ids, t, dev)
     kernel, vendor = kernel_for(op, dev)
     _metadata(op, vendor, moe_metadata)
     if chunked_moe_layout is not None:
         require(vendor, op, "chunked MoE weight layout")
     check_dtype(vendor, op, hidden_states.dtype)
-    if C.check_values_enabled() and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= e:
-            raise InvalidArgumentError(op, "topk_ids", f"ids in [0, {e})", f"ids in [{lo}, {hi}]")
+    _check_expert_ids(op, topk_ids, e)
     if t == 0:
         return hidden_states.new_empty((0, h))
     return kernel(hidden_states, gate_up_weights, down_weights, topk_weights, topk_ids, bool(renormalize))
@@ -144,18 +154,11 @@ def fused_moe_w8a8(
     gate_up_scales = _expert_scales(op, "gate_up_scales", gate_up_scales, e, two_i, dev)
     C.tensor(op, "down_weights", down_weights, (e, h, two_i // 2), (torch.int8,), dev)
     down_scales = _expert_scales(op, "down_scales", down_scales, e, h, dev)
-    topk = C.integer(op, "topk", topk, 1)
-    C.tensor(op, "topk_weights", topk_weights, (t, "K"), C.FLOAT_DTYPES, dev)
-    if topk_weights.shape[1] != topk:
-        raise InvalidArgumentError(op, "topk", f"topk_weights' K = {topk_weights.shape[1]}", str(topk))
-    C.tensor(op, "topk_ids", topk_ids, (t, topk), C.INDEX_DTYPES, dev)
+    _check_routing(op, topk, topk_weights, topk_ids, t, dev)
     kernel, vendor = kernel_for(op, dev)
     _metadata(op, vendor, moe_metadata)
     check_dtype(vendor, op, hidden_states.dtype)
-    if C.check_values_enabled() and topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= e:
-            raise InvalidArgumentError(op, "topk_ids", f"ids in [0, {e})", f"ids in [{lo}, {hi}]")
+    _check_expert_ids(op, topk_ids, e)
     if t == 0:
         return hidden_states.new_empty((0, h))
     return kernel(hidden_states, gate_up_weights, gate_up_scales, down_weights, down_scales, topk_weights, topk_ids,
