@@ -10,6 +10,7 @@ from __future__ import annotations
 
 FORMAT = "dlinfer-kv-int8-v1"
 FILE_NAME = "kv_int8_scales.safetensors"
+NAMES = ("k_scale", "k_zero", "v_scale", "v_zero")  # the file's tensors (the adaptor reads these)
 
 
 def rotate(k, cos, sin):

@@ -55,6 +55,18 @@ def canonical(qweight: Tensor, n: int) -> Tensor:
     return qweight.permute(1, 0, 2).reshape(k, tiles * TILE_WORDS)[:, : n // WORD_COLS].contiguous()
 
 
+def pack(values: Tensor) -> Tensor:
+    """The 4-bit values `[R, N]` (integers 0..15, N % 8 == 0) -> canonical-packed int32 `[R, N/8]`
+    (the inverse of `unpack`; what a checkpoint writer stores as qweight / qzeros)."""
+    r, n = values.shape
+    v = values.to(torch.int64).reshape(r, n // WORD_COLS, WORD_COLS)
+    packed = torch.zeros(r, n // WORD_COLS, dtype=torch.int64, device=values.device)
+    for i, col in enumerate(ORDER):
+        packed |= v[:, :, col] << (4 * i)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed)  # the same 32 bits, as signed int32
+    return packed.to(torch.int32)
+
+
 def unpack(packed: Tensor) -> Tensor:
     """canonical-packed int32 [R, N/8] -> the 4-bit values int32 [R, N] in column order."""
     shifts = torch.tensor([4 * ORDER.index(c) for c in range(WORD_COLS)], dtype=torch.int32, device=packed.device)

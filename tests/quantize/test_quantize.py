@@ -18,6 +18,7 @@ from tiny_models import tiny_model  # noqa: E402
 
 from dlinfer.__main__ import main  # noqa: E402
 from dlinfer.quantize import awq, kv_scales, pack, smooth_quant  # noqa: E402
+from dlinfer.vendor import w4_layouts  # noqa: E402
 
 
 def _expected_awq(w: torch.Tensor, g: int, scale16: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -48,9 +49,9 @@ def test_awq_packing_is_lmdeploys_gemm_layout_and_exact(n, k, g):
 def test_awq_nibble_order():
     """Column 8j + ORDER[i] sits in bits 4i..4i+3 of int32 j (ORDER = 0 2 4 6 1 3 5 7)."""
     values = torch.arange(8).view(1, 8)  # column c holds the value c
-    word = pack.pack_columns(values)[0, 0].item() & 0xFFFFFFFF
+    word = w4_layouts.pack(values)[0, 0].item() & 0xFFFFFFFF
     assert [(word >> (4 * i)) & 0xF for i in range(8)] == [0, 2, 4, 6, 1, 3, 5, 7]
-    assert pack.pack_columns(torch.full((1, 8), 15))[0, 0].item() == -1  # all ones, as signed int32
+    assert w4_layouts.pack(torch.full((1, 8), 15))[0, 0].item() == -1  # all ones, as signed int32
 
 
 def test_smooth_quant_int8_is_exact():

@@ -28,9 +28,9 @@ from typing import Dict, List
 
 import torch
 
-SCALES_FILE = "kv_int8_scales.safetensors"
-FORMAT = "dlinfer-kv-int8-v1"
-NAMES = ("k_scale", "k_zero", "v_scale", "v_zero")
+from dlinfer.quantize.kv_scales import FILE_NAME as SCALES_FILE  # the writer's definitions of the file
+from dlinfer.quantize.kv_scales import FORMAT, NAMES
+
 QUANTIZE_COMMAND = "python -m dlinfer quantize SRC DST --method ... --kv-int8"
 _ATTR = "_dlinfer_kv_int8_scales"  # on the engine's ModelConfig
 
