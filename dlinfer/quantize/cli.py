@@ -12,7 +12,7 @@ METHODS = ("awq", "rtn", "smooth_quant")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", type=Path, help="a HF checkpoint folder (Llama or Qwen2 family)")
+    parser.add_argument("src", type=Path, help="a HF checkpoint folder (Llama or Qwen2 family; Mixtral with smooth_quant)")
     parser.add_argument("dst", type=Path, help="the folder to write (must not exist, or be empty)")
     parser.add_argument("--method", choices=METHODS, required=True,
                         help="awq: 4-bit with the activation-aware scale search; rtn: the same format, plain "
@@ -44,6 +44,7 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
         raise source.QuantizeInputError(f"quantize: --method must be one of {', '.join(METHODS)}, got {method!r}.")
     config = source.read_config(src)
     if method != "smooth_quant":
+        source.check_dense(config, method)
         source.check_group_size(config, group_size)
     writer.check_destination(dst)
     log(f"quantize: loading {src} ({config['architectures'][0]}, {config['num_hidden_layers']} layers)")
@@ -59,7 +60,7 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     layers = model.model.layers
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
-        record = walk.LINEARS if (method != "rtn" or kv_int8) else ()
+        record = walk.recorded(layer) if (method != "rtn" or kv_int8) else ()
         out, seen = walk.run_layer(layer, hidden, kwargs, record)
         if kv_int8:
             ranges.append(kv_scales.head_ranges(seen["self_attn.k_proj:out"], seen["self_attn.v_proj:out"],
@@ -77,7 +78,7 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
         del seen
         if method != "rtn":
             out, _ = walk.run_layer(layer, hidden, kwargs)  # the next layer sees this layer as modified
-        for name in walk.LINEARS:
+        for name in walk.linears(layer):
             linear = layer.get_submodule(name)
             packed = (smooth_quant.int8_tensors(linear.weight) if method == "smooth_quant"
                       else pack.awq_tensors(linear.weight, group_size, scale_dtype))
@@ -89,7 +90,7 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
         line = f"quantize: layer {i + 1}/{len(layers)} {method} {time.perf_counter() - t0:.1f} s: {detail}"
         report.append(line)
         log(line)
-    quantized = {f"model.layers.{i}.{name}." for i in range(len(layers)) for name in walk.LINEARS}
+    quantized = {f"model.layers.{i}.{name}." for i, layer in enumerate(layers) for name in walk.linears(layer)}
     for name, value in model.state_dict().items():
         if name.rsplit(".", 1)[0] + "." in quantized:
             continue

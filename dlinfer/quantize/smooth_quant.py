@@ -29,17 +29,37 @@ def smooth_scales(x, weights, alpha: float = ALPHA):
     return s / (s.max() * s.min()).sqrt()
 
 
+def moe_groups(layer) -> list:
+    """The smoothing pairs of a Mixtral decoder layer, as awq.groups gives them for a dense one:
+    norm -> q/k/v, v -> o (same widths only), the post-attention norm -> the router and every
+    expert's w1/w3 (one scale for all: they read the same normed hidden states; the router stays
+    float, so folding into it is exact), and each expert's w3 -> w2."""
+    attn, moe = layer.self_attn, layer.block_sparse_moe
+    out = [(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj")]
+    if attn.v_proj.weight.shape[0] == attn.o_proj.weight.shape[1]:
+        out.append((attn.v_proj, [attn.o_proj], "self_attn.o_proj"))
+    experts = list(moe.experts)
+    out.append((layer.post_attention_layernorm, [moe.gate] + [e.w1 for e in experts] + [e.w3 for e in experts],
+                "block_sparse_moe.gate"))
+    out += [(e.w3, [e.w2], f"block_sparse_moe.experts.{i}.w2") for i, e in enumerate(experts)]
+    return out
+
+
 def smooth_layer(layer, inputs: dict, alpha: float = ALPHA) -> list:
     """Fold SmoothQuant scales into `layer` in place (the same pairs as AWQ: norm -> q/k/v,
-    v -> o without grouped-query attention, norm -> gate/up, up -> down). Returns, per pair,
-    (linear names, max|x| over channels before, after)."""
+    v -> o without grouped-query attention, norm -> gate/up, up -> down; for a Mixtral layer the
+    pairs of `moe_groups`). A pair whose input was never seen (an expert no calibration token
+    reached) is left unsmoothed. Returns, per pair, (linear names, max|x| over channels before,
+    after)."""
     import torch
 
     from dlinfer.quantize.awq import fold_into_linear, fold_into_norm, groups
 
     report = []
-    for prev, linears, name in groups(layer):
-        x = inputs[name]
+    for prev, linears, name in (moe_groups(layer) if hasattr(layer, "block_sparse_moe") else groups(layer)):
+        x = inputs.get(name)
+        if x is None or x.shape[0] == 0:
+            continue
         s = smooth_scales(x, [lin.weight for lin in linears], alpha)
         if isinstance(prev, torch.nn.Linear):
             fold_into_linear(prev, linears, s)

@@ -7,7 +7,10 @@ from pathlib import Path
 
 # Architectures whose decoder layer this package knows (names of the norms and linears, below)
 # and whose quantised checkpoints were compared with HF on LMDeploy's CPU device type.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM")
+# Mixture-of-experts architectures among them: smooth_quant only (LMDeploy 0.18 builds its
+# quantised fused MoE for smooth_quant and fp8, not for AWQ).
+MOE_ARCHITECTURES = ("MixtralForCausalLM",)
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 
@@ -40,9 +43,18 @@ def read_config(src: Path) -> dict:
                                "float checkpoint.")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedCheckpointError(f"quantize: architecture {arch!r} is not supported (supported: "
-                               f"{', '.join(SUPPORTED_ARCHITECTURES)}); MoE and other families are not quantised "
+                               f"{', '.join(SUPPORTED_ARCHITECTURES)}); other families are not quantised "
                                "by this command.")
     return config
+
+
+def check_dense(config: dict, method: str) -> None:
+    """AWQ/RTN 4-bit checkpoints of a MoE model would not load: LMDeploy 0.18 has no 4-bit fused MoE."""
+    arch = config["architectures"][0]
+    if arch in MOE_ARCHITECTURES:
+        raise UnsupportedCheckpointError(f"quantize: --method {method} is not supported for the MoE architecture "
+                                         f"{arch!r}: LMDeploy 0.18 builds no 4-bit fused MoE (its quantised MoE "
+                                         "layers are smooth_quant and fp8); use --method smooth_quant.")
 
 
 def check_group_size(config: dict, group_size: int) -> None:

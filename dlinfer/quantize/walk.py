@@ -7,8 +7,28 @@ AWQ-scaled), as in the AWQ paper's sequential calibration; every layer sees all 
 from __future__ import annotations
 
 # The linears of a Llama / Qwen2 decoder layer, by attribute path.
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LINEARS = ATTENTION + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+# A Mixtral layer's sparse MoE block: the router (kept in float: LMDeploy builds it unquantised)
+# and each expert's gate (w1), up (w3) and down (w2) projections.
+MOE_BLOCK = "block_sparse_moe"
+ROUTER = MOE_BLOCK + ".gate"
+EXPERT_LINEARS = ("w1", "w3", "w2")
+
+
+def linears(layer) -> tuple:
+    """The attribute paths of the linears quantised in `layer`: LINEARS for a dense layer; for a
+    Mixtral layer the attention's and every expert's (`block_sparse_moe.experts.{e}.w1/w3/w2`)."""
+    moe = getattr(layer, MOE_BLOCK, None)
+    if moe is None:
+        return LINEARS
+    return ATTENTION + tuple(f"{MOE_BLOCK}.experts.{e}.{w}" for e in range(len(moe.experts)) for w in EXPERT_LINEARS)
+
+
+def recorded(layer) -> tuple:
+    """The modules whose inputs a calibration pass of `layer` records: its quantised linears, and
+    a MoE layer's router (its input is what the smoothing of the experts' w1/w3 reads)."""
+    return linears(layer) + ((ROUTER,) if hasattr(layer, MOE_BLOCK) else ())
 
 
 class _Stop(Exception):
@@ -44,7 +64,8 @@ def first_layer_inputs(model, ids):
 
 def run_layer(layer, hidden, kwargs, record=()):
     """(output [S, T, H], {name: input [S*T, K]} for the linears named in `record`,
-    {name: output [S, T, N]} likewise under the key name + ':out')."""
+    {name: output [S, T, N]} likewise under the key name + ':out'). A module the layer never calls
+    (an expert no calibration token was routed to) has no entry."""
     import torch
 
     seen, handles = {}, []

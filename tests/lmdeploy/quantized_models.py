@@ -24,6 +24,16 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 _NIBBLE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
+def layer_linears(config) -> tuple:
+    """The quantised linears of one decoder layer: a Mixtral layer's attention and each expert's
+    w1/w3/w2 (its router stays float), or the seven of a dense layer."""
+    experts = (config.get("num_local_experts") if isinstance(config, dict)
+               else getattr(config, "num_local_experts", None))
+    if not experts:
+        return LINEARS
+    return LINEARS[:4] + tuple(f"block_sparse_moe.experts.{e}.{w}" for e in range(experts) for w in ("w1", "w2", "w3"))
+
+
 def quantized_model(name: str, method: str, **options) -> Path:
     """Tiny model `name` quantised by the command (cached, keyed by dlinfer/quantize's sources)."""
     from dlinfer.quantize.cli import quantize
@@ -67,7 +77,7 @@ def dequantized_state(folder: Path) -> tuple[dict, dict]:
         state[key] = value.float()
     layers = config["num_hidden_layers"]
     for i in range(layers):
-        for linear in LINEARS:
+        for linear in layer_linears(config):
             p = f"model.layers.{i}.{linear}"
             if quant["quant_method"] == "awq":
                 g = quant["group_size"]
@@ -105,7 +115,7 @@ class FakeQuantReference(HFReference):
             model.tie_weights()
         if method == "smooth_quant":
             for layer in model.model.layers:
-                for linear in LINEARS:
+                for linear in layer_linears(config):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
         model.generation_config.eos_token_id = None
         self.model = model.eval()

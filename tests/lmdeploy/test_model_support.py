@@ -138,7 +138,7 @@ def test_every_refused_rope_type_has_a_reason():
 
 
 # Quantised checkpoints (docs/quantize.md): exactly what tests/lmdeploy/test_quantized.py runs.
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"])
 def test_smooth_quant_int8_passes(arch):
     check_model(_model_config(arch, quantization_config={"quant_method": "smooth_quant", "quant_dtype": "int8"}),
                 devices.CPU)
@@ -157,8 +157,13 @@ def test_quantization_methods_refused_by_name(quant, message):
 
 
 def test_smooth_quant_refused_for_untested_architectures():
-    _refused(_model_config("MixtralForCausalLM", quantization_config={"quant_method": "smooth_quant"}),
-             "cannot run quant_method='smooth_quant' (MixtralForCausalLM): not compared with HF")
+    _refused(_model_config("Qwen3MoeForCausalLM", quantization_config={"quant_method": "smooth_quant"}),
+             "cannot run quant_method='smooth_quant' (Qwen3MoeForCausalLM): not compared with HF")
+
+
+def test_awq_refused_for_moe():
+    _refused(_model_config("MixtralForCausalLM", quantization_config={"quant_method": "awq", "bits": 4}),
+             "cannot run quant_method='awq' (MixtralForCausalLM): not compared with HF")
 
 
 @pytest.mark.parametrize("quant,message", [

@@ -5,6 +5,7 @@ from the written files by the test's own code (quantized_models.py), eager and g
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
 from quantized_models import FakeQuantReference, quantized_model
 
@@ -20,6 +21,7 @@ PROMPTS = (
     "One two three four five six seven eight nine ten hundred thousand the first expert routes the second token",
 )
 _CASES = [(name, method) for method in ("smooth_quant", "awq", "rtn") for name in ("llama", "qwen2")]
+_CASES.append(("mixtral", "smooth_quant"))  # the experts through fused_moe_w8a8
 _references: dict = {}
 # The tiny models' k/v projections have 64 output features: LMDeploy's AWQ loader needs N % g == 0.
 GROUP_SIZE = 64
@@ -37,6 +39,7 @@ def _reference(folder):
 
 # The dlinfer op each method's quantised linears call (LMDeploy looks it up on every call).
 _LINEAR_OP = {"smooth_quant": "linear_w8a8", "awq": "weight_quant_matmul", "rtn": "weight_quant_matmul"}
+_MOE_OP = "fused_moe_w8a8"
 
 
 @pytest.mark.parametrize("name,method", _CASES)
@@ -46,15 +49,20 @@ def test_quantized_greedy_matches_fake_quant_hf(name, method, monkeypatch):
     op, repack = getattr(dlinfer.ops, _LINEAR_OP[method]), dlinfer.ops.repack_weight_quant
     monkeypatch.setattr(dlinfer.ops, _LINEAR_OP[method], lambda *a, **k: calls.append(a[1].dim()) or op(*a, **k))
     monkeypatch.setattr(dlinfer.ops, "repack_weight_quant", lambda *a, **k: repacked.append(1) or repack(*a, **k))
+    moe_calls = []
+    moe_op = getattr(dlinfer.ops, _MOE_OP)
+    monkeypatch.setattr(dlinfer.ops, _MOE_OP, lambda *a, **k: moe_calls.append(a[1].dtype) or moe_op(*a, **k))
     with cpu_pipeline(folder, enable_prefix_caching=False) as pipe:
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     assert_matches_hf(results, _reference(folder), NEW_TOKENS)
     assert calls, f"{_LINEAR_OP[method]} never ran"
+    if name == "mixtral":  # the experts' int8 weights reached the W8A8 MoE op
+        assert moe_calls and set(moe_calls) == {torch.int8}, set(moe_calls)
     if method != "smooth_quant":  # the cpu vendor's load-time repack (column_tiled, rank 3) reached every call
         assert repacked and set(calls) == {3}, (len(repacked), set(calls))
 
 
-@pytest.mark.parametrize("name,method", [("llama", "smooth_quant"), ("qwen2", "awq")])
+@pytest.mark.parametrize("name,method", [("llama", "smooth_quant"), ("qwen2", "awq"), ("mixtral", "smooth_quant")])
 def test_quantized_graph_mode_matches_fake_quant_hf(name, method):
     """eager_mode=False: decode steps compiled by dlinfer's backend with the quantised ops in them."""
     folder = _quantized(name, method)

@@ -138,8 +138,10 @@ def _fake_src(tmp_path: Path, **config) -> Path:
 @pytest.mark.parametrize("setup,argv,message", [
     (lambda t: t / "missing", [], "is not a folder"),
     (lambda t: (t / "empty").mkdir() or t / "empty", [], "has no config.json"),
-    (lambda t: _fake_src(t, architectures=["MixtralForCausalLM"]), [], "architecture 'MixtralForCausalLM' is not "
-                                                                       "supported"),
+    (lambda t: _fake_src(t, architectures=["DeepseekV2ForCausalLM"]), [], "architecture 'DeepseekV2ForCausalLM' is "
+                                                                          "not supported"),
+    (lambda t: _fake_src(t, architectures=["MixtralForCausalLM"]), [], "--method awq is not supported for the MoE "
+                                                                       "architecture 'MixtralForCausalLM'"),
     (lambda t: _fake_src(t, quantization_config={"quant_method": "gptq"}), [], "already quantised"),
     (lambda t: _fake_src(t), [], "q_proj has K=576 input features, not divisible by --group-size 128; try "
                                  "--group-size 64"),

@@ -206,7 +206,7 @@ def check_model(model_config, spec: DeviceSpec) -> None:
 # Quantised checkpoints (docs/quantize.md): `quant_method` -> architectures whose greedy tokens
 # equal HF transformers' running the dequantised (fake-quant) model, tests/lmdeploy/test_quantized.py.
 QUANTIZED_ARCHITECTURES: dict[str, frozenset[str]] = {
-    "smooth_quant": frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}),
+    "smooth_quant": frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM"}),
     "awq": frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"}),
 }
 # Methods refused by name, and why.

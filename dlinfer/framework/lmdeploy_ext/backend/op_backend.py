@@ -3,7 +3,7 @@
 Each subclasses LMDeploy's own `DlinferOpsBackend` (backends/dlinfer/op_backend.py), so
 `build_op` hands out LMDeploy's dlinfer attention, norm, rotary, activation, linear and MoE
 layers, which call `dlinfer.ops` through `lmdeploy/pytorch/kernels/dlinfer`. What this adds:
-- `update_step_context`: the attention metadata those layers read (`step_context.py`);
+- `update_step_context`: the attention and MoE metadata those layers read (`step_context.py`);
 - KV block shapes in the active vendor's layout (`kv_layout.py`);
 - the rotary layer where LMDeploy's dlinfer choice is wrong (Llama 3.x scaling: `rotary.py`);
 - non-causal attention without a cache (vision towers), which LMDeploy's dlinfer layer runs
@@ -26,7 +26,7 @@ from dlinfer.framework.lmdeploy_ext.backend.bidirectional_attention import build
 from dlinfer.framework.lmdeploy_ext.backend.cache import HostCacheBackend
 from dlinfer.framework.lmdeploy_ext.backend.kv_layout import active_kv_layout, block_shape
 from dlinfer.framework.lmdeploy_ext.backend.rotary import build_rotary_embedding
-from dlinfer.framework.lmdeploy_ext.backend.step_context import build_attention_metadata
+from dlinfer.framework.lmdeploy_ext.backend.step_context import build_attention_metadata, build_moe_metadata
 from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
 from lmdeploy.pytorch.backends.flash_attention import FlashAttentionBuildSpec
 from lmdeploy.pytorch.backends.rotary_embedding import RotaryEmbeddingBuildSpec
@@ -66,9 +66,10 @@ class DlinferDeviceOpsBackend(DlinferOpsBackend):
 
     @classmethod
     def update_step_context(cls, step_context):
-        """Attach `attn_metadata` for the dlinfer attention layers (single device: no MoE metadata)."""
+        """Attach `attn_metadata` for the dlinfer attention layers and `moe_metadata` for the MoE ones."""
         block_size = step_context.cache_config.kernel_block_size
         step_context.attn_metadata = build_attention_metadata(step_context, block_size)
+        step_context.moe_metadata = build_moe_metadata()
         return step_context
 
 

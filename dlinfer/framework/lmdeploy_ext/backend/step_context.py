@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from dlinfer.framework.lmdeploy_ext.backend.kv_int8 import quant_meta_of
+from dlinfer.utils.type_annotation import MoeMetadata
 from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
+from lmdeploy.pytorch.distributed import get_tp_world_rank
 
 
 def new_token_slots(q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -95,3 +97,15 @@ def build_attention_metadata(step_context, block_size: int) -> DlinferAttentionM
         quant_policy=step_context.kv_quant_policy,
         quant_meta=quant_meta_of(step_context),
     )
+
+
+def build_moe_metadata() -> MoeMetadata:
+    """The MoE context of one step on a dlinfer device type: no expert or data parallelism
+    (refused when the engine is built), tensor parallelism as LMDeploy's MoE layers split it.
+
+    LMDeploy's plain fused-MoE layer takes None here, but its W8A8 one (backends/dlinfer/moe.py,
+    DlinferFusedMoEW8A8Impl) raises without it; the layers write `expert_ids_per_ep_rank` and
+    `router_n_groups` into it, which dlinfer.ops checks (a grouped router is refused by name).
+    """
+    tp_size, tp_rank = get_tp_world_rank("moe")
+    return MoeMetadata(tp_size=tp_size, tp_rank=tp_rank)
