@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -108,7 +109,8 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
         tensors[name] = value.detach().to(store_dtype)
     out_config = dict(config)
     out_config["quantization_config"] = writer.quantization_config(method, group_size)
-    extra = {}
+    extra = {writer.STAMP_FILE: lambda path: path.write_text(
+        json.dumps(writer.stamp(method, group_size, clip, tuple(ids.shape)), sort_keys=True) + "\n")}
     if kv_int8:
         extra[kv_scales.FILE_NAME] = lambda path: kv_scales.save(path, ranges)
     writer.write(src, dst, out_config, tensors, extra)
