@@ -43,8 +43,11 @@ SIDES = all_sides()
 def quantized_folder(folder: Path, method: str, log=print) -> Path:
     """The `python -m dlinfer quantize` checkpoint of `folder` (method awq or smooth_quant), made
     once and cached beside it. AWQ uses group 64 (SmolLM2's K = 576 is no multiple of 128), the
-    folder scripts/main_job.py --w4a16 makes and uses too."""
-    out = folder.parent / (f"{folder.name}-awq-g64" if method == "awq" else f"{folder.name}-{method}")
+    folder scripts/main_job.py --w4a16 makes and uses too (named by `writer.cache_name`, which
+    carries the method's recipe tag: a folder written before the method changed is not reused)."""
+    from dlinfer.quantize.writer import cache_name
+
+    out = folder.parent / cache_name(folder.name, method, 64)
     if not (out / "config.json").is_file():
         log(f"[e2e] quantizing {folder.name} with {method} (once)")
         extra = ["--group-size", "64"] if method == "awq" else []

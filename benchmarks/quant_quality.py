@@ -1,7 +1,8 @@
 """Perplexity of SmolLM2-135M-Instruct on a held-out local text: float32, RTN 4-bit, AWQ 4-bit and
 SmoothQuant W8A8, the checkpoints written by `python -m dlinfer quantize` (docs/quantize.md).
 
-    .venv/bin/python benchmarks/quant_quality.py [--model DIR] [--group-size 64] [--text FILE]
+    .venv/bin/python benchmarks/quant_quality.py [--model DIR] [--runs rtn:64,awq:64,awq:32,smooth_quant]
+        [--text FILE] [--work DIR]
 
 The quantised models are evaluated as HF transformers running exactly what LMDeploy's CPU engine
 computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): the weights
@@ -50,7 +51,9 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="float HF folder (default: SmolLM2, built once)")
-    parser.add_argument("--group-size", type=int, default=64, help="AWQ group size (SmolLM2: K=576 needs 64)")
+    parser.add_argument("--runs", default="rtn:64,awq:64,awq:32,smooth_quant",
+                        help="comma-separated METHOD[:GROUP] (4-bit methods need a group dividing SmolLM2's "
+                             "K = 576: 64 or 32); awq-noclip is awq without the clipping search")
     parser.add_argument("--text", type=Path, default=ROOT / "benchmarks" / "data" / "heldout.txt")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--work", type=Path, default=None, help="where the quantised folders go (default: a temp dir)")
@@ -68,16 +71,21 @@ def main(argv=None) -> int:
     rows = [("float32", "-", perplexity(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval(),
                                         ids, args.window), 0.0)]
     work = args.work or Path(tempfile.mkdtemp(prefix="dlinfer-quality-"))
-    for method in ("rtn", "awq", "smooth_quant"):
-        dst = work / f"{args.model.name}-{method}"
+    labels = {"rtn": "RTN 4-bit (W4A16)", "awq": "AWQ 4-bit (W4A16)", "awq-noclip": "AWQ 4-bit, no clipping",
+              "smooth_quant": "SmoothQuant W8A8"}
+    for run in args.runs.split(","):
+        method, _, group = run.partition(":")
+        group_size = int(group or 64)
+        dst = work / (f"{args.model.name}-{method}" + (f"-g{group_size}" if method != "smooth_quant" else ""))
         start = time.perf_counter()
         if not dst.exists():
-            quantize(args.model, dst, method, group_size=args.group_size, log=lambda line: None)
+            quantize(args.model, dst, method.replace("-noclip", ""), group_size=group_size, log=lambda line: None,
+                     clip=not method.endswith("-noclip"))
         seconds = time.perf_counter() - start
         ppl = perplexity(FakeQuantReference(dst).model, ids, args.window)
-        label = {"rtn": "RTN 4-bit (W4A16)", "awq": "AWQ 4-bit (W4A16)", "smooth_quant": "SmoothQuant W8A8"}[method]
-        rows.append((label, f"g{args.group_size}" if method != "smooth_quant" else "per channel / per token",
+        rows.append((labels[method], f"g{group_size}" if method != "smooth_quant" else "per channel / per token",
                      ppl, seconds))
+        print(f"{labels[method]} {rows[-1][1]}: perplexity {ppl:.3f}, quantised in {seconds:.0f} s", flush=True)
     base = rows[0][2]
     print("\n| model | grouping | perplexity | vs float32 | quantise time (s) |\n|---|---|---|---|---|")
     for label, grouping, ppl, seconds in rows:

@@ -99,10 +99,13 @@ def _run(folder: Path, label: str, args) -> tuple[float, float]:
 
 def _awq_folder(folder: Path) -> Path:
     """SmolLM2 quantised to AWQ 4-bit (group 64: its K=576 is not a multiple of 128) by
-    `python -m dlinfer quantize`, once, next to the float folder (delete it to quantise again)."""
+    `python -m dlinfer quantize`, once, next to the float folder (delete it to quantise again).
+    The folder's name carries the method's recipe tag (`SmolLM2-135M-Instruct-awq-g64-clip`), so a
+    folder written before the method changed is not reused."""
     from dlinfer.quantize.cli import quantize
+    from dlinfer.quantize.writer import cache_name
 
-    dst = folder.parent / f"{folder.name}-awq-g64"
+    dst = folder.parent / cache_name(folder.name, "awq", 64)
     if (dst / "config.json").exists():
         print(f"[main] 4-bit model: {dst} (cached)", flush=True)
         return dst

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="calibration text file (default: the small corpus shipped in dlinfer/quantize/data)")
     parser.add_argument("--calib-seqlen", type=int, default=128, help="tokens per calibration sample (default 128)")
     parser.add_argument("--calib-samples", type=int, default=64, help="at most this many samples (default 64)")
+    parser.add_argument("--no-clip", action="store_true",
+                        help="awq: skip the weight-clipping search that follows the scale search")
     parser.add_argument("--kv-int8", action="store_true",
                         help="also write static per-layer per-head int8 KV-cache scales (kv_int8_scales.safetensors)")
 
@@ -31,11 +34,12 @@ def _tensor_name(layer_index: int, linear: str, key: str) -> str:
 
 
 def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Path | None = None,
-             kv_int8: bool = False, calib_seqlen: int = 128, calib_samples: int = 64, log=None) -> dict:
+             kv_int8: bool = False, calib_seqlen: int = 128, calib_samples: int = 64, log=None,
+             clip: bool = True) -> dict:
     """Quantise SRC into DST; returns {"layers": [per-layer report lines], "seconds": ...}."""
     import torch
 
-    from dlinfer.quantize import awq, calib as calibration, kv_scales, pack, smooth_quant, source, walk, writer
+    from dlinfer.quantize import awq, awq_clip, calib as calibration, kv_scales, pack, smooth_quant, source, walk, writer
 
     log = log or (lambda text: print(text, flush=True))
     start = time.perf_counter()
@@ -77,7 +81,14 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
             detail = "round to nearest"
         del seen
         if method != "rtn":
-            out, _ = walk.run_layer(layer, hidden, kwargs)  # the next layer sees this layer as modified
+            # the next layer sees this layer as scaled; the clipping search sees the scaled inputs
+            clipping = method == "awq" and clip
+            out, seen = walk.run_layer(layer, hidden, kwargs, walk.LINEARS if clipping else ())
+            if clipping:
+                clipped = awq_clip.clip_layer(layer, seen, group_size, scale_dtype)
+                detail += "; clip " + ", ".join(f"{n.split('.')[-1]} {b:.2e}->{a:.2e} (r {r:.2f})"
+                                                for n, b, a, r in clipped)
+            del seen
         for name in walk.linears(layer):
             linear = layer.get_submodule(name)
             packed = (smooth_quant.int8_tensors(linear.weight) if method == "smooth_quant"
@@ -99,7 +110,8 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
         tensors[name] = value.detach().to(store_dtype)
     out_config = dict(config)
     out_config["quantization_config"] = writer.quantization_config(method, group_size)
-    extra = {}
+    extra = {writer.STAMP_FILE: lambda path: path.write_text(
+        json.dumps(writer.stamp(method, group_size, clip, tuple(ids.shape)), sort_keys=True) + "\n")}
     if kv_int8:
         extra[kv_scales.FILE_NAME] = lambda path: kv_scales.save(path, ranges)
     writer.write(src, dst, out_config, tensors, extra)
@@ -113,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         quantize(args.src, args.dst, args.method, args.group_size, args.calib, args.kv_int8,
-                 args.calib_seqlen, args.calib_samples)
+                 args.calib_seqlen, args.calib_samples, clip=not args.no_clip)
     except QuantizeInputError as exc:
         print(f"error: {exc}")
         return 2

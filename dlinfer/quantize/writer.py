@@ -11,6 +11,12 @@ from pathlib import Path
 
 from dlinfer.quantize.source import QuantizeInputError
 
+STAMP_FILE = "dlinfer_quantize.json"
+# A tag per method, changed whenever what the method writes changes (awq: "clip" since the
+# weight-clipping search), so that callers caching a checkpoint under `cache_name` (scripts/
+# main_job.py --w4a16, benchmarks/e2e_sides.py) never reuse a folder the older code wrote.
+RECIPE_TAGS = {"awq": "clip", "rtn": "", "smooth_quant": ""}
+
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SKIPPED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 
@@ -19,6 +25,25 @@ def check_destination(dst: Path) -> None:
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise QuantizeInputError(f"quantize: DST {str(dst)!r} exists and is not an empty folder; choose a new "
                                  "path or remove it.")
+
+
+def cache_name(src_name: str, method: str, group_size: int = 64) -> str:
+    """The folder name a cached checkpoint of SRC gets: `SRC-awq-g64-clip`, `SRC-rtn-g64`,
+    `SRC-smooth_quant`."""
+    parts = [src_name, method] + ([f"g{group_size}"] if method in ("awq", "rtn") else [])
+    return "-".join(parts + ([RECIPE_TAGS[method]] if RECIPE_TAGS[method] else []))
+
+
+def stamp(method: str, group_size: int, clip: bool, calib_shape: tuple) -> dict:
+    """What DST/dlinfer_quantize.json records: how the checkpoint was made."""
+    out = {"method": method, "recipe": RECIPE_TAGS[method], "calib_samples": list(calib_shape)}
+    if method in ("awq", "rtn"):
+        out["group_size"] = group_size
+    if method == "awq":
+        out["clip"] = clip
+        if not clip:
+            out["recipe"] = "noclip"
+    return out
 
 
 def quantization_config(method: str, group_size: int) -> dict:

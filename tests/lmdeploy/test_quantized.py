@@ -69,3 +69,12 @@ def test_quantized_graph_mode_matches_fake_quant_hf(name, method):
     with cpu_pipeline(folder, eager_mode=False, max_batch_size=2, enable_prefix_caching=False) as pipe:
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     assert_matches_hf(results, _reference(folder), NEW_TOKENS)
+
+
+def test_awq_group_32_matches_fake_quant_hf():
+    """Group 32, which SmolLM2 (K = 576) also allows beside 64: LMDeploy loads it and dlinfer's
+    weight_quant_matmul runs it."""
+    folder = quantized_model("llama", "awq", group_size=32)
+    with cpu_pipeline(folder, enable_prefix_caching=False) as pipe:
+        results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert_matches_hf(results, _reference(folder), NEW_TOKENS)

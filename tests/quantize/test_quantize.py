@@ -17,7 +17,7 @@ from quantized_models import unpack_awq  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 from dlinfer.__main__ import main  # noqa: E402
-from dlinfer.quantize import awq, kv_scales, pack, smooth_quant  # noqa: E402
+from dlinfer.quantize import awq, kv_scales, pack, smooth_quant, writer  # noqa: E402
 from dlinfer.vendor import w4_layouts  # noqa: E402
 
 
@@ -106,6 +106,9 @@ def test_written_awq_folder(written, capsys):
     assert config["quantization_config"] == {"quant_method": "awq", "bits": 4, "group_size": 64,
                                              "zero_point": True, "version": "gemm"}
     assert (written / "tokenizer.json").is_file() and not list(written.parent.glob(".*partial*"))
+    stamp = json.loads((written / writer.STAMP_FILE).read_text())
+    assert stamp["method"] == "awq" and stamp["clip"] is True and stamp["group_size"] == 64
+    assert stamp["recipe"] == writer.RECIPE_TAGS["awq"] != "" and stamp["calib_samples"][0] == 8
     from safetensors import safe_open
 
     with safe_open(str(written / kv_scales.FILE_NAME), "pt") as f:
@@ -116,6 +119,24 @@ def test_written_awq_folder(written, capsys):
             assert t.dtype == torch.float32 and t.shape == (config["num_hidden_layers"],
                                                            config["num_key_value_heads"])
         assert (f.get_tensor("k_scale") > 0).all() and (f.get_tensor("v_scale") > 0).all()
+
+
+def test_cache_names_carry_the_recipe_tag():
+    """Callers cache checkpoints under these names; awq's changed with the clipping search, so a
+    folder the older code wrote (`...-awq-g64`) is never taken for a current one."""
+    assert writer.cache_name("M", "awq", 64) == "M-awq-g64-clip"
+    assert writer.cache_name("M", "rtn", 32) == "M-rtn-g32"
+    assert writer.cache_name("M", "smooth_quant") == "M-smooth_quant"
+
+
+def test_awq_progress_reports_the_clipping(tmp_path, capsys):
+    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "a"), "--method", "awq", "--group-size", "64",
+                 "--calib-samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1/2 awq" in out and "; clip v_proj" in out and "q_proj " not in out.split("; clip", 1)[1]
+    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "b"), "--method", "awq", "--group-size", "64",
+                 "--calib-samples", "2", "--no-clip"]) == 0
+    assert "; clip" not in capsys.readouterr().out
 
 
 def test_progress_is_printed_per_layer(tmp_path, capsys):
