@@ -27,7 +27,6 @@ def test_cpu_accepts_its_dtypes(dtype):
     (dict(tp=2, ep=2), "has no expert parallel: ep must be 1, got 2"),
     (dict(dp=2), "has no data parallel: dp must be 1, got 2"),
     (dict(quant_policy=4), "got quant_policy=4"),
-    (dict(quant_policy=8, eager_mode=False), "quant_policy=8 runs with eager_mode=True only"),
     (dict(quant_policy=8, tp=2, eager_mode=True), "quant_policy=8 runs with tp=1 only"),
     (dict(enable_mp_engine=True, mp_engine_backend="ray"), "mp_engine_backend='mp' only"),
     (dict(distributed_executor_backend="ray"), "does not run LMDeploy's Ray executor"),

@@ -109,12 +109,19 @@ class _FakeQuantReference(HFReference):
         self._memo = {}
 
 
-@pytest.mark.parametrize("name", ("llama", "qwen2"))
-def test_quant_policy_8_matches_hf_with_fake_quantised_kv(name, model_dir, tmp_path):
+@pytest.mark.parametrize("name,eager", [("llama", True), ("qwen2", True), ("llama", False)])
+def test_quant_policy_8_matches_hf_with_fake_quantised_kv(name, eager, model_dir, tmp_path):
+    """eager_mode=False too: the compiled decode steps read the per-layer scales (graph inputs)."""
     folder, scales = _quantised_folder(tmp_path, model_dir(name))
-    with cpu_pipeline(folder, quant_policy=8) as pipe:
+    graph = {} if eager else dict(eager_mode=False, max_batch_size=4)
+    with cpu_pipeline(folder, quant_policy=8, **graph) as pipe:
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
-        caches = pipe.async_engine.engine.executor.model_agent.cache_engine.gpu_cache
+        agent = pipe.async_engine.engine.executor.model_agent
+        if not eager:  # every decode step ran a compiled graph, one compile per bucket (1, 2, 4)
+            runner = agent.patched_model
+            assert runner.graph_steps >= NEW_TOKENS - 1 and 0 < runner.compiles <= 3, (runner.graph_steps,
+                                                                                      runner.compiles)
+        caches = agent.cache_engine.gpu_cache
         assert caches[0][0].element_size() == 1 and caches[0][1].element_size() == 1, caches[0][0].dtype
         print(f"{name}: quant_policy=8 KV cache tensors per layer: "
               f"{[(str(t.dtype), list(t.shape)) for t in caches[0]]}")
@@ -135,8 +142,6 @@ def test_quant_policy_4_is_refused_by_name():
 
     with pytest.raises(ValueError, match="quant_policy=4 \\(4: the int4 KV cache is not implemented\\)"):
         PytorchEngineConfig(device_type="cpu", quant_policy=4)
-    with pytest.raises(ValueError, match="quant_policy=8 runs with eager_mode=True only"):
-        PytorchEngineConfig(device_type="cpu", quant_policy=8, eager_mode=False)
 
 
 def test_scales_file_checks(tmp_path):

@@ -109,7 +109,7 @@ class DlinferGraphRunner(GraphRunner):
         meta = kwargs.get("attn_metadata")
         if not isinstance(meta, DlinferAttentionMetadata) or not meta.is_decoding or meta.max_q_seqlen != 1:
             return None
-        if kwargs.get("inputs_embeds") is not None or meta.quant_meta is not None:
+        if kwargs.get("inputs_embeds") is not None:
             return None
         batch = meta.q_seqlens.numel()
         if kwargs["input_ids"].numel() != batch or self.bucket_for(batch) is None:

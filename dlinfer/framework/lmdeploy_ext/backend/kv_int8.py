@@ -39,6 +39,26 @@ class KVScalesError(ValueError):
     """The scales file of quant_policy=8 is missing or does not fit the model."""
 
 
+class LayerIterator:
+    """An iterator over per-layer tensors, layer 0 first, that torch.compile can trace: Dynamo 2.13
+    cannot call next() on a list iterator handed to a compiled function ("Missing tp_iternext"),
+    but it follows a Python __next__. Graph mode's decode steps read the scales through it."""
+
+    def __init__(self, items: List[torch.Tensor]):
+        self.items = items
+        self.index = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.index >= len(self.items):
+            raise StopIteration
+        item = self.items[self.index]
+        self.index += 1
+        return item
+
+
 @dataclass(frozen=True)
 class KVInt8Scales:
     """Per layer, float32 on the engine's device: k/v scale and zero [Hkv] and the [2, Hkv] pairs."""
@@ -52,8 +72,9 @@ class KVInt8Scales:
 
     def quant_meta(self) -> Dict[str, object]:
         """One step's `attn_metadata.quant_meta`: a fresh iterator per key, layer 0 first."""
-        return {"k_scales": iter(self.k_scales), "k_zeros": iter(self.k_zeros), "v_scales": iter(self.v_scales),
-                "v_zeros": iter(self.v_zeros), "kv_scales": iter(self.kv_scales), "kv_zeros": iter(self.kv_zeros)}
+        it = LayerIterator
+        return {"k_scales": it(self.k_scales), "k_zeros": it(self.k_zeros), "v_scales": it(self.v_scales),
+                "v_zeros": it(self.v_zeros), "kv_scales": it(self.kv_scales), "kv_zeros": it(self.kv_zeros)}
 
 
 def read_scales(model_path: str, num_layers: int, num_kv_heads: int) -> Dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ How: for a dlinfer device type only (see `devices.py`), and only there,
   to mean "the device's default");
 - `__post_init__` first checks what the device can run (dtype; tp >= 1 with dp = ep = 1 and
   the 'uni' (tp = 1) or 'mp' executor, never 'ray'; quant_policy 0 or 8 (8: the int8 KV cache,
-  eager mode and tp = 1 only; its scales file is checked when the engine is built,
+  tp = 1 only; its scales file is checked when the engine is built,
   `backend/kv_int8.py`); the 'mp' multi-process engine) and what LMDeploy's engine
   checker would exit on (`max_batch_size` >= 1, `num_gpu_blocks` 0 or >= 16, no `thread_safe`,
   `block_size == kernel_block_size` outside the hybrid role) plus `max_prefill_token_num` >= 1,
@@ -61,9 +61,6 @@ def check_engine_config(config, spec: devices.DeviceSpec) -> None:
         raise ValueError(f"device_type={name!r} runs quant_policy=0 (KV cache in the model dtype) or 8 (the int8 "
                          f"KV cache, with the model folder's kv_int8_scales.safetensors); got quant_policy="
                          f"{int(config.quant_policy)} (4: the int4 KV cache is not implemented).")
-    if int(config.quant_policy) == 8 and not config.eager_mode:
-        raise ValueError(f"device_type={name!r}: quant_policy=8 runs with eager_mode=True only (the compiled "
-                         "decode step does not carry the int8 KV cache's per-layer scales yet).")
     if int(config.quant_policy) == 8 and config.tp != 1:
         raise ValueError(f"device_type={name!r}: quant_policy=8 runs with tp=1 only (the per-head KV scales are "
                          f"not split across ranks yet); got tp={config.tp}.")
