@@ -45,9 +45,11 @@ NOTES = {
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
                           "dequant)",
     "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",
-    "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
-    "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention; "
-                               "an int8 cache dequantised per gathered sequence)",
+    "prefill_attention": "C++: flash-style, (sequence, kv head, query tile) per item, GQA heads in one tile, "
+                         "keys in chunks of 64, online softmax in fp32",
+    "paged_prefill_attention": "C++: flash-style over the paged cache read in place (a block per chunk), "
+                               "(sequence, kv head, query tile) per item, online softmax in fp32; int8 caches "
+                               "widened per chunk, V dequantised there, K's scale folded into the query",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
     "fused_moe": "the torch vendor's (tokens sorted by expert, GEMMs through the torch vendor's linear)",
 }
@@ -59,7 +61,6 @@ def load() -> Vendor:
     build.build()  # raises when the kernels cannot be built: the registry records why
 
     from dlinfer.vendor.cpu import kernels, weight_quant
-    from dlinfer.vendor.torch import attention as torch_attention
     from dlinfer.vendor.torch import moe as torch_moe
     from dlinfer.vendor.torch import quant as torch_quant
     from dlinfer.vendor.torch import rotary as torch_rotary
@@ -69,8 +70,8 @@ def load() -> Vendor:
         "add_rms_norm": kernels.add_rms_norm,
         "apply_rotary_pos_emb": kernels.apply_rotary_pos_emb,
         "fill_kv_cache": kernels.fill_kv_cache,
-        "prefill_attention": torch_attention.prefill_attention,
-        "paged_prefill_attention": torch_attention.paged_prefill_attention,
+        "prefill_attention": kernels.prefill_attention,
+        "paged_prefill_attention": kernels.paged_prefill_attention,
         "paged_decode_attention": kernels.paged_decode_attention,
         "moe_gating_topk_softmax": torch_moe.moe_gating_topk_softmax,
         "fused_moe": torch_moe.fused_moe,
