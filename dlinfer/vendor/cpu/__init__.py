@@ -7,8 +7,9 @@ straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `app
 and `silu_and_mul`, each one call instead of several torch ops, the W8A8 family (`dynamic_quant`,
 `linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation ops,
 `fused_moe_w8a8`), W4A16 `weight_quant_matmul` (4-bit weights decoded in registers, on the
-column-tiled layout its load-time `repack_weight_quant` hook makes) and the int8 KV cache (read
-in the decode kernel). Prefill attention, the float MoE ops, `linear_w8a8_static` and
+column-tiled layout its load-time `repack_weight_quant` hook makes), flash-style
+`prefill_attention` and `paged_prefill_attention` (the paged cache read in place) and the int8 KV
+cache (read in the decode and paged prefill kernels). The float MoE ops, `linear_w8a8_static` and
 `apply_rotary_pos_emb_interleaved` are the torch vendor's implementations, named as such in the
 op table (no fallback warning: they are this vendor's choice). float32/bfloat16/float16, ALiBi,
 both KV-cache layouts (the kernels read the caches as `kv_layouts.canonical` views).
