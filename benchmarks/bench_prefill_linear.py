@@ -8,7 +8,7 @@ down 1536 x 576) at M rows, float32 and bfloat16, through:
   beyond 8 rows in float32, via the torch vendor's linear);
 - `aten`: `F.linear` (MKL sgemm in float32; oneDNN in bf16: the bf16 path today);
 - `onednn-packed`: the same oneDNN op on a weight reordered once into oneDNN's blocked layout
-  (`torch._C._nn.mkldnn_reorder_linear_weight`, what Inductor's CPU backend does at compile time);
+  (`torch.ops.mkldnn._reorder_linear_weight`, what Inductor's CPU backend does at compile time);
 - `mkl-packed` (float32): `torch.ops.mkl._mkl_linear` on an MKL-packed weight
   (`torch.ops.mkl._mkl_reorder_linear_weight`).
 The candidates alternate within each repeat (paired); a cell is the best of the repeats' medians,
@@ -41,7 +41,7 @@ def candidates(w: torch.Tensor, m: int) -> dict:
     out = {"onednn": lambda x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
            "aten": lambda x: F.linear(x, w)}
     try:
-        packed = torch._C._nn.mkldnn_reorder_linear_weight(w, m)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
         out["onednn-packed"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     except (RuntimeError, AttributeError) as exc:
         print(f"onednn-packed unavailable for {w.dtype}: {exc}")

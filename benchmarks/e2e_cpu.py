@@ -129,7 +129,8 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int, work=None) 
     per_step["engine"] = wall * 1e3 / steps - per_step["model call"] - per_step["LM head"]
     per_step["step"] = wall * 1e3 / steps
     per_call = {k: totals[k] * 1e6 / calls[k] for k in totals}
-    return {"ms_per_step": per_step, "us_per_call": per_call, "calls_per_step": {k: calls[k] / steps for k in calls}}
+    return {"ms_per_step": per_step, "us_per_call": per_call, "calls_per_step": {k: calls[k] / steps for k in calls},
+            "steps": steps}
 
 
 def prompt_of_length(folder: Path, n: int) -> list[int]:
@@ -466,8 +467,11 @@ def main(argv=None) -> int:
             print(ttft_text, flush=True)
             if args.ttft_only:
                 budget = eager.ask(ttft_budget=1024)
-                print(render_budget({1: budget}).replace("part of a decode step", "part of a 1024-token prefill")
-                      .replace("batch 1: ms/step", "ms"), flush=True)
+                print(f"Where the eager float32 side's time to first token of the 1024-token prompt goes "
+                      f"({budget['steps']} model calls: LMDeploy's prefill chunks and one decode step; ms per "
+                      "model call, us per op call):\n", flush=True)
+                print(render_budget({1: budget}).replace("part of a decode step", "part of a TTFT model call")
+                      .replace("batch 1: ms/step", "ms per model call"), flush=True)
                 return 0
         eager_ids = eager.tokens(8, 48)
         same_tokens = {w.name: _tokens_verdict(w.tokens(8, 48), eager_ids) for w in workers
