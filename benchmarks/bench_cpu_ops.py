@@ -13,6 +13,7 @@ whose weights stream from memory at every call like a real decode step's, and it
 (`linear_w8a8`, int8 weights, at K = 576 and N = 1536 / 576 / 49152, against float32 `linear`).
 
     .venv/bin/python benchmarks/bench_cpu_ops.py [--quick] [--vendors torch,cpu] [--w4-only] [--threads N]
+    .venv/bin/python benchmarks/bench_cpu_ops.py --prefill-only   # prefill attention, SmolLM2 heads
 
 The W4A16 table (`weight_quant_matmul`, cpu vendor, SmolLM2-135M shapes at 1 and 8 rows): GB/s of
 packed weight streamed against the read bandwidth, and the float32 `linear` of the same shape.
@@ -123,6 +124,55 @@ def paged_setup(batch, ctx, new, dtype):
     kv_lens = torch.full((batch,), ctx, dtype=torch.int32)
     cu = torch.arange(0, batch * new + 1, new, dtype=torch.int32)
     return q, kc, vc, table, cu, kv_lens
+
+
+def prefill_cases(vendors, repeats=3):
+    """Prefill attention at SmolLM2-135M's heads (Hq 9, Hkv 3, D 64), one sequence of T tokens:
+    `prefill_attention` (no history) and `paged_prefill_attention` (T new tokens after T of
+    history, LMDeploy's second chunk), float32 and bfloat16. Vendors and the naive loop alternate
+    `repeats` times (paired); each cell is the best of its rounds' medians."""
+    hq, hkv, d, bs = 9, 3, 64, 64
+    scale = d ** -0.5
+    print(f"prefill attention, SmolLM2-135M heads (Hq {hq}, Hkv {hkv}, D {d}), one sequence, block size {bs}; "
+          f"{torch.get_num_threads()} threads; vendors and naive alternated {repeats}x, best of the medians")
+    print("| op | dtype | T | naive ms | " + " | ".join(f"{v} ms" for v in vendors) +
+          (" | torch / cpu |" if {"torch", "cpu"} <= set(vendors) else " |"))
+    print("|---" * (4 + len(vendors) + ({"torch", "cpu"} <= set(vendors))) + "|", flush=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        for t in (32, 512, 1024, 2048):
+            g = torch.Generator().manual_seed(t)
+            q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+            lens = torch.tensor([t], dtype=torch.int32)
+            nb = 2 * t // bs + 2
+            kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype) for _ in range(2))
+            table = torch.randperm(nb, generator=g)[: (2 * t + bs - 1) // bs].view(1, -1).int()
+            kv_lens = torch.tensor([2 * t], dtype=torch.int32)
+
+            def naive_paged_one():
+                blocks = table[0]
+                kk = kc[blocks].reshape(-1, hkv, d)[: 2 * t]
+                vv = vc[blocks].reshape(-1, hkv, d)[: 2 * t]
+                return naive_attention_one(q, kk, vv, scale)
+
+            cases = {
+                "prefill_attention": (lambda: naive_attention_one(q, k, v, scale),
+                                      lambda: ops.prefill_attention(q, k, v, None, None, lens, lens, t, hq, hkv, [])),
+                "paged_prefill_attention (history T)": (
+                    naive_paged_one,
+                    lambda: ops.paged_prefill_attention(q, None, None, kc, vc, table, bs, lens, kv_lens, t, 2 * t,
+                                                        hq, hkv, [])),
+            }
+            for name, (naive, call) in cases.items():
+                best = {}
+                for _ in range(repeats):
+                    best["naive"] = min(best.get("naive", 1e9), timeit(naive, min_time=0.1))
+                    for ven in vendors:
+                        with dlinfer.vendor.using(ven):
+                            best[ven] = min(best.get(ven, 1e9), timeit(call, min_time=0.1))
+                cells = [f"{best[x] * 1e3:.2f}" for x in ("naive", *vendors)]
+                if {"torch", "cpu"} <= set(vendors):
+                    cells.append(f"{best['torch'] / best['cpu']:.1f}x")
+                print(f"| {name} | {str(dtype)[6:]} | {t} | " + " | ".join(cells) + " |", flush=True)
 
 
 # ---------------------------------------------------------------- the run
@@ -314,11 +364,15 @@ if __name__ == "__main__":
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--vendors", default=None, help="comma-separated (default: the CPU vendors that load)")
     parser.add_argument("--w4-only", action="store_true", help="only the W4A16 table (cpu vendor)")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="only the prefill attention table (SmolLM2 heads, T = 32 .. 2048)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.vendors.split(",") if args.vendors else [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
-    if args.w4_only:
+    if args.prefill_only:
+        prefill_cases(names)
+    elif args.w4_only:
         read_bw = read_bandwidth()
         print(f"W4A16, cpu vendor; CPU, {torch.get_num_threads()} threads; read bandwidth {read_bw / 1e9:.1f} GB/s "
               "(this machine, same run)")

@@ -97,7 +97,7 @@ def _timed(owner, name: str, totals: Counter, calls: Counter, label: str | None 
         setattr(owner, name, original)
 
 
-def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int) -> dict:
+def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int, work=None) -> dict:
     """Where an eager decode step's time goes: per-op totals of one generation of `batch` prompts.
 
     Every `dlinfer.ops` function LMDeploy's wrappers call is timed (they look it up on each call),
@@ -118,19 +118,34 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int) -> dict:
         stack.enter_context(_timed(agent, "model_forward", totals, calls, "model call"))
         stack.enter_context(_timed(agent.BaseModelAgent, "get_logits", totals, calls, "LM head"))
         start = time.perf_counter()
-        pipe.infer(prompts[:batch], gen_config=GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
-                                                                ignore_eos=True), do_preprocess=False)
+        if work is not None:  # what to time instead of a generation of the chat prompts
+            work()
+        else:
+            pipe.infer(prompts[:batch], gen_config=GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
+                                                                    ignore_eos=True), do_preprocess=False)
         wall = time.perf_counter() - start
     steps = calls["model call"]
     per_step = {k: v * 1e3 / steps for k, v in totals.items()}
     per_step["engine"] = wall * 1e3 / steps - per_step["model call"] - per_step["LM head"]
     per_step["step"] = wall * 1e3 / steps
     per_call = {k: totals[k] * 1e6 / calls[k] for k in totals}
-    return {"ms_per_step": per_step, "us_per_call": per_call, "calls_per_step": {k: calls[k] / steps for k in calls}}
+    return {"ms_per_step": per_step, "us_per_call": per_call, "calls_per_step": {k: calls[k] / steps for k in calls},
+            "steps": steps}
+
+
+def prompt_of_length(folder: Path, n: int) -> list[int]:
+    """n token ids, the same on every side: the chat prompts' tokens one after another, repeated."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pool = [i for p in chat_prompts(folder) for i in tokenizer(p, add_special_tokens=False).input_ids]
+    return (pool * (n // len(pool) + 1))[:n]
 
 
 def worker_main(side: str) -> int:
     """Serve requests on stdin/stdout, one JSON object per line: {"run": [b, n]} -> {"seconds": t};
+    {"ttft": n} -> {"seconds": t} of one greedy token for an n-token prompt (prompt_of_length);
+    {"ttft_budget": n} -> op_budget(...) of that (LMDeploy sides);
     {"tokens": [b, n]} -> the greedy token ids; {"budget": [b, n]} -> op_budget(...);
     {"info": 1} -> threads, vendor, start-up seconds, graphs compiled (LMDeploy sides)."""
     out = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel; anything else printed, by
@@ -150,6 +165,14 @@ def worker_main(side: str) -> int:
                 start = time.perf_counter()
                 run(*request["run"])
                 reply = {"seconds": time.perf_counter() - start}
+            elif "ttft" in request:
+                ids = prompt_of_length(folder, request["ttft"])
+                start = time.perf_counter()
+                run(1, 1, ids=ids)
+                reply = {"seconds": time.perf_counter() - start}
+            elif "ttft_budget" in request:
+                ids = prompt_of_length(folder, request["ttft_budget"])
+                reply = op_budget(pipe, prompts, 1, 1, work=lambda: run(1, 1, ids=ids))
             elif "tokens" in request:  # every side
                 reply = {"tokens": run(*request["tokens"])}
             elif "budget" in request:
@@ -218,6 +241,41 @@ def decode_rates(workers: list[Worker], new_tokens: int, repeats: int) -> dict[s
                     best[key] = min(best.get(key, float("inf")), worker.run_batch(batch, n))
     return {w.name: {b: b * (new_tokens - 1) / (best[(w.name, b, new_tokens)] - best[(w.name, b, 1)])
                      for b in (1, 8)} for w in workers}
+
+
+def first_token_times(workers: list[Worker], lengths, repeats: int) -> dict[str, dict[int, float]]:
+    """Time to first token (one greedy token for one prompt of n tokens, the same ids everywhere)
+    per side and prompt length: the best of `repeats`, round-robin across the sides."""
+    best: dict[tuple, float] = {}
+    for worker in workers:  # warm-up
+        for n in lengths:
+            worker.ask(ttft=n)
+    for _ in range(repeats):
+        for n in lengths:
+            for worker in workers:
+                key = (worker.name, n)
+                best[key] = min(best.get(key, float("inf")), worker.ask(ttft=n)["seconds"])
+    return {w.name: {n: best[(w.name, n)] for n in lengths} for w in workers}
+
+
+def render_ttft(times: dict[str, dict[int, float]], foreign_share: float) -> str:
+    names = list(times)
+    lengths = list(next(iter(times.values())))
+    base = names[0]
+    head = " | ".join(f"{n} tokens ms | vs {base}" for n in lengths)
+    rows = [f"| side | {head} |", "|---" * (1 + 2 * len(lengths)) + "|"]
+    for name in names:
+        cells = []
+        for n in lengths:
+            cells += [f"{times[name][n] * 1e3:.0f}", f"{times[base][n] / times[name][n]:.2f}x"]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join([
+        "Time to first token (one prompt of n token ids, the same on every side; prefill plus one greedy token; "
+        f"best of the repeats; other processes used {100 * foreign_share:.0f}% of the CPU time):",
+        "",
+        *rows,
+        "",
+    ])
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -373,6 +431,10 @@ def main(argv=None) -> int:
                         help="also run llama.cpp at f32, bf16, q8_0 and q4_1 (needs llama-cpp-python)")
     parser.add_argument("--max-wait-idle", type=float, default=600,
                         help="seconds to wait for other processes to leave the CPUs before measuring")
+    parser.add_argument("--ttft", action="store_true",
+                        help="also measure time to first token for 32- and 1024-token prompts")
+    parser.add_argument("--ttft-only", action="store_true",
+                        help="only time to first token (and the eager side's op budget of the 1024-token prefill)")
     parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOC.relative_to(REPO_ROOT)}")
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -397,6 +459,20 @@ def main(argv=None) -> int:
         lmdeploy_workers = [w for w in workers if not w.side.startswith(("hf", "llama.cpp"))]
         infos = {w.name: w.ask(info=1) for w in lmdeploy_workers}
         info = infos[eager.name]
+        if args.ttft or args.ttft_only:
+            wait_until_idle(args.max_wait_idle, pids)
+            with ForeignLoad(pids) as ttft_load:
+                ttft = first_token_times(workers, (32, 1024), args.repeats)
+            ttft_text = render_ttft(ttft, ttft_load.share)
+            print(ttft_text, flush=True)
+            if args.ttft_only:
+                budget = eager.ask(ttft_budget=1024)
+                print(f"Where the eager float32 side's time to first token of the 1024-token prompt goes "
+                      f"({budget['steps']} model calls: LMDeploy's prefill chunks and one decode step; ms per "
+                      "model call, us per op call):\n", flush=True)
+                print(render_budget({1: budget}).replace("part of a decode step", "part of a TTFT model call")
+                      .replace("batch 1: ms/step", "ms per model call"), flush=True)
+                return 0
         eager_ids = eager.tokens(8, 48)
         same_tokens = {w.name: _tokens_verdict(w.tokens(8, 48), eager_ids) for w in workers
                        if w.side in ("hf", "graph", "inductor", "llama.cpp-f32")}

@@ -9,7 +9,8 @@ A side is named `engine[-variant]`:
   (`benchmarks/gguf_from_hf.py`); `llama.cpp-q4_1`: the shipped GGUF the folder was made from.
 
 Every side's `run(b, n)` decodes exactly n greedy new tokens for the first b prompts (the end of
-sequence banned) and returns the token ids.
+sequence banned) and returns the token ids; `run(1, n, ids=[...])` does the same for one prompt
+given as token ids (the time-to-first-token measurement: the same ids on every side).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,14 +65,17 @@ def hf_side(folder: Path, prompts: list[str]) -> Callable[[int, int], list]:
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
-    def run(batch: int, n: int) -> list:
-        enc = tokenizer(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False,
-                        return_token_type_ids=False)
+    def run(batch: int, n: int, ids: list | None = None) -> list:
+        if ids is not None:
+            enc = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        else:
+            enc = tokenizer(prompts[:batch], return_tensors="pt", padding=True, add_special_tokens=False,
+                            return_token_type_ids=False)
         with torch.inference_mode():
             out = model.generate(**enc, do_sample=False, max_new_tokens=n, min_new_tokens=n,
                                  pad_token_id=tokenizer.pad_token_id)
-        assert out.shape[1] == enc.input_ids.shape[1] + n
-        return out[:, enc.input_ids.shape[1]:].tolist()
+        assert out.shape[1] == enc["input_ids"].shape[1] + n
+        return out[:, enc["input_ids"].shape[1]:].tolist()
 
     return run
 
@@ -90,8 +95,18 @@ def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str):
                                  dtype=dtype)
     pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
 
-    def run(batch: int, n: int) -> list:
+    def run(batch: int, n: int, ids: list | None = None) -> list:
         gen = GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True)
+        if ids is not None:  # token ids in: the pipeline's request path with input_ids instead of messages
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Pipeline._infer is marked deprecated in 0.18
+                request = dict(session_id=pipe.session_mgr.get(), messages=None, input_ids=list(ids), gen_config=gen,
+                               stream_response=False)
+                out = None
+                for piece in next(iter(pipe._infer(iter([request]), multiplex=False))):
+                    out = out.extend(piece) if out else piece
+            assert len(out.token_ids) == n, (out.finish_reason, len(out.token_ids))
+            return [list(out.token_ids)]
         outs = pipe.infer(prompts[:batch], gen_config=gen, do_preprocess=False)
         assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
         return [list(o.token_ids) for o in outs]
@@ -107,9 +122,24 @@ def llamacpp_side(folder: Path, prompts: list[str], kind: str):
     from llamacpp_side import LlamaCppGreedy
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    runner = LlamaCppGreedy(gguf_for(kind, folder, log=lambda msg: print(msg, file=sys.stderr)))
-    return (lambda batch, n: runner.run(ids[:batch], n)), runner
+    prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+    gguf = gguf_for(kind, folder, log=lambda msg: print(msg, file=sys.stderr))
+    runner = LlamaCppGreedy(gguf)
+    single = []  # a one-sequence context for long prompts (the batch context gives each sequence 512)
+
+    def run(batch: int, n: int, ids: list | None = None) -> list:
+        if ids is None:
+            return runner.run(prompt_ids[:batch], n)
+        if not single:
+            single.append(LlamaCppGreedy(gguf, max_batch=1, ctx_per_seq=4096))
+        return single[0].run([ids], n)
+
+    class Closer:
+        def close(self):
+            for r in (runner, *single):
+                r.close()
+
+    return run, Closer()
 
 
 def make_side(side: str, folder: Path, prompts: list[str]):

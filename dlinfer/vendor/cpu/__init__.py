@@ -7,8 +7,9 @@ straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `app
 and `silu_and_mul`, each one call instead of several torch ops, the W8A8 family (`dynamic_quant`,
 `linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation ops,
 `fused_moe_w8a8`), W4A16 `weight_quant_matmul` (4-bit weights decoded in registers, on the
-column-tiled layout its load-time `repack_weight_quant` hook makes) and the int8 KV cache (read
-in the decode kernel). Prefill attention, the float MoE ops, `linear_w8a8_static` and
+column-tiled layout its load-time `repack_weight_quant` hook makes), flash-style
+`prefill_attention` and `paged_prefill_attention` (the paged cache read in place) and the int8 KV
+cache (read in the decode and paged prefill kernels). The float MoE ops, `linear_w8a8_static` and
 `apply_rotary_pos_emb_interleaved` are the torch vendor's implementations, named as such in the
 op table (no fallback warning: they are this vendor's choice). float32/bfloat16/float16, ALiBi,
 both KV-cache layouts (the kernels read the caches as `kv_layouts.canonical` views).
@@ -45,9 +46,11 @@ NOTES = {
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
                           "dequant)",
     "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",
-    "prefill_attention": "the torch vendor's (scaled_dot_product_attention per sequence)",
-    "paged_prefill_attention": "the torch vendor's (per-sequence block gather + scaled_dot_product_attention; "
-                               "an int8 cache dequantised per gathered sequence)",
+    "prefill_attention": "C++: flash-style, (sequence, kv head, query tile) per item, GQA heads in one tile, "
+                         "keys in chunks of 64, online softmax in fp32",
+    "paged_prefill_attention": "C++: flash-style over the paged cache read in place (a block per chunk), "
+                               "(sequence, kv head, query tile) per item, online softmax in fp32; int8 caches "
+                               "widened per chunk, V dequantised there, K's scale folded into the query",
     "moe_gating_topk_softmax": "the torch vendor's (fp32 softmax + stable sort)",
     "fused_moe": "the torch vendor's (tokens sorted by expert, GEMMs through the torch vendor's linear)",
 }
@@ -59,7 +62,6 @@ def load() -> Vendor:
     build.build()  # raises when the kernels cannot be built: the registry records why
 
     from dlinfer.vendor.cpu import kernels, weight_quant
-    from dlinfer.vendor.torch import attention as torch_attention
     from dlinfer.vendor.torch import moe as torch_moe
     from dlinfer.vendor.torch import quant as torch_quant
     from dlinfer.vendor.torch import rotary as torch_rotary
@@ -69,8 +71,8 @@ def load() -> Vendor:
         "add_rms_norm": kernels.add_rms_norm,
         "apply_rotary_pos_emb": kernels.apply_rotary_pos_emb,
         "fill_kv_cache": kernels.fill_kv_cache,
-        "prefill_attention": torch_attention.prefill_attention,
-        "paged_prefill_attention": torch_attention.paged_prefill_attention,
+        "prefill_attention": kernels.prefill_attention,
+        "paged_prefill_attention": kernels.paged_prefill_attention,
         "paged_decode_attention": kernels.paged_decode_attention,
         "moe_gating_topk_softmax": torch_moe.moe_gating_topk_softmax,
         "fused_moe": torch_moe.fused_moe,

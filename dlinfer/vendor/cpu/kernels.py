@@ -28,6 +28,8 @@ _rotary = torch.ops.dlinfer_cpu.apply_rotary_pos_emb.default
 _silu_and_mul = torch.ops.dlinfer_cpu.silu_and_mul.default
 _fill = torch.ops.dlinfer_cpu.fill_kv_cache.default
 _decode = torch.ops.dlinfer_cpu.paged_decode_attention.default
+_prefill = torch.ops.dlinfer_cpu.prefill_attention.default
+_paged_prefill = torch.ops.dlinfer_cpu.paged_prefill_attention.default
 _few_rows = torch.ops.dlinfer_cpu.linear_few_rows.default
 MAX_ROWS = torch.ops.dlinfer_cpu.max_few_rows()  # linear's C++ kernel up to this many rows
 
@@ -83,6 +85,34 @@ def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor
         torch_attention.paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
                                                max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale,
                                                k_zero, v_scale, v_zero)
+
+
+def prefill_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, max_q_seq_len: int,
+                      softmax_scale: float, alibi_slopes: Optional[Tensor], out: Tensor) -> None:
+    """query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1], alibi_slopes [Hq]?
+    -> out [T, Hq, Dv] (written in place): causal attention within each sequence, flash-style
+    (C++, csrc/prefill_attention.cpp)."""
+    _prefill(query, key, value, cu_seqlens_q.contiguous(), softmax_scale,
+             None if alibi_slopes is None else alibi_slopes.contiguous(), out)
+
+
+def paged_prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
+                            cu_seqlens_q: Tensor, kv_seq_len: Tensor, max_q_seq_len: int, max_kv_seq_len: int,
+                            softmax_scale: float, alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str,
+                            k_scale: Optional[Tensor] = None, k_zero: Optional[Tensor] = None,
+                            v_scale: Optional[Tensor] = None, v_zero: Optional[Tensor] = None) -> None:
+    """query [T, Hq, D] (each sequence's new tokens), caches in `kv_layout`, block_table [B, M],
+    cu_seqlens_q [B+1], kv_seq_len [B] (history + new), alibi_slopes [Hq]? -> out [T, Hq, Dv]
+    (written in place): the new tokens over the paged history and themselves, read from the cache
+    in place, flash-style (C++). int8 caches (k_scale etc. [Hkv] float32) are widened per chunk."""
+    try:
+        _paged_prefill(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout),
+                       block_table.contiguous(), cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), softmax_scale,
+                       None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
+    except ValueError:  # a cache whose last dim is strided (checked before any work; no engine makes one)
+        torch_attention.paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
+                                                max_q_seq_len, max_kv_seq_len, softmax_scale, alibi_slopes, out,
+                                                kv_layout, k_scale, k_zero, v_scale, v_zero)
 
 
 def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
