@@ -1,0 +1,104 @@
+"""Where a decode step's wall time goes, eager and graph mode alike: the model forward (the graph
+replay in graph mode), the LM head, and LMDeploy's engine around them, per step, as the minimum
+and the median over every decode step of a generation.
+
+    .venv/bin/python benchmarks/step_parts.py                       # eager, graph; batch 1 and 8
+    .venv/bin/python benchmarks/step_parts.py --sides graph,graph-bf16 --batches 1 --tokens 256
+
+`benchmarks/e2e_cpu.py`'s op budget times each `dlinfer.ops` call, which only exist in eager mode
+(a compiled graph calls the vendor kernels directly); this times what both modes share, at
+LMDeploy's own seams: `model_forward` (agent.py: context, inputs, the model or its graph) and
+`BaseModelAgent.get_logits` (the LM head), the rest of the interval between two forwards being the
+engine (scheduling, inputs, sampling, outputs). The minimum over steps is what a step costs when
+nothing else runs on the machine; the median shows the machine's noise. Each side runs in a
+process of its own (sides in one process share OpenMP pools, docs/lmdeploy.md "Threads").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "scripts"))
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+PARTS = ("step", "forward", "LM head", "engine")
+
+
+def measure(side: str, batch: int, tokens: int, repeats: int) -> dict:
+    """{part: [ms of every decode step]} over `repeats` generations of `tokens` new tokens."""
+    import lmdeploy.pytorch.engine.model_agent.agent as agent
+    from e2e_cpu import chat_prompts
+    from e2e_sides import make_side
+    from smollm2 import build_smollm2
+
+    folder = build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
+    run, owner = make_side(side, folder, chat_prompts(folder))
+    run(batch, 4)  # warm
+    events = []
+    forward, logits = agent.model_forward, agent.BaseModelAgent.get_logits
+
+    def timed_forward(*args, **kwargs):
+        start = time.perf_counter()
+        out = forward(*args, **kwargs)
+        events.append(("forward", start, time.perf_counter()))
+        return out
+
+    def timed_logits(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = logits(self, *args, **kwargs)
+        events.append(("LM head", start, time.perf_counter()))
+        return out
+
+    agent.model_forward, agent.BaseModelAgent.get_logits = timed_forward, timed_logits
+    parts = {p: [] for p in PARTS}
+    try:
+        for _ in range(repeats):
+            events.clear()
+            run(batch, tokens)
+            fwd = [e for e in events if e[0] == "forward"][1:]  # the first is the prefill
+            head = [e for e in events if e[0] == "LM head"][1:]
+            for i in range(len(fwd) - 1):
+                step = fwd[i + 1][1] - fwd[i][1]
+                parts["step"].append(step * 1e3)
+                parts["forward"].append((fwd[i][2] - fwd[i][1]) * 1e3)
+                parts["LM head"].append((head[i][2] - head[i][1]) * 1e3)
+                parts["engine"].append((step - (fwd[i][2] - fwd[i][1]) - (head[i][2] - head[i][1])) * 1e3)
+    finally:
+        agent.model_forward, agent.BaseModelAgent.get_logits = forward, logits
+        owner.close()
+    return parts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sides", default="eager,graph", help="sides of benchmarks/e2e_sides.py (LMDeploy ones)")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--worker", nargs=3, metavar=("SIDE", "BATCH", "TOKENS"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        side, batch, tokens = args.worker[0], int(args.worker[1]), int(args.worker[2])
+        print(json.dumps(measure(side, batch, tokens, args.repeats)), flush=True)
+        return 0
+    print("| side | batch | " + " | ".join(f"{p}: min / median ms" for p in PARTS) + " |")
+    print("|---|---|" + "---|" * len(PARTS))
+    for side in args.sides.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            done = subprocess.run([sys.executable, __file__, "--worker", side, str(batch), str(args.tokens),
+                                   "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
+            parts = json.loads(done.stdout.strip().splitlines()[-1])
+            cells = [f"{min(parts[p]):.2f} / {statistics.median(parts[p]):.2f}" for p in PARTS]
+            print(f"| {side} | {batch} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
