@@ -297,6 +297,18 @@ def test_cli_refuses_what_the_device_cannot_run_in_one_line(options, message, mo
     assert err.startswith("python -m dlinfer serve: error: ") and message in err and "\n" not in err, err
 
 
+def test_cli_refuses_a_model_the_device_cannot_run_in_one_line(model_dir, monkeypatch, capsys):
+    """The model check runs in the CLI's process, before LMDeploy's server starts its engine
+    process (where it would end in a traceback there and another here)."""
+    from lmdeploy.serve.openai import api_server
+
+    monkeypatch.setattr(api_server, "serve", lambda *a, **k: pytest.fail("server started"))
+    assert serve.main([str(model_dir("gemma2"))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m dlinfer serve: error: device_type='cpu' cannot run architecture "
+                          "'Gemma2ForCausalLM'") and "\n" not in err, err
+
+
 def test_cli_device_choices_are_dlinfers():
     from dlinfer.framework.lmdeploy_ext import devices
 

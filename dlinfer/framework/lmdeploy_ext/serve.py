@@ -79,6 +79,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def check_model_here(args: argparse.Namespace) -> None:
+    """The device's model check (backend/model_support.py) in this process, before LMDeploy's
+    server starts: the engine runs in a child process, where a refused model would end in a
+    traceback there and another here (the engine process died); this way it is one line."""
+    from lmdeploy.pytorch.config import ModelConfig
+
+    from dlinfer.framework.lmdeploy_ext.backend.model_support import check_model
+
+    spec = devices.spec_for(args.device)
+    if spec is not None:
+        check_model(ModelConfig.from_pretrained(args.model_path, trust_remote_code=True), spec)
+
+
 def main(argv=None) -> int:
     """Run the server until it is stopped (SIGINT/SIGTERM); 2 for a setting the device cannot run."""
     from lmdeploy.cli.serve import SubCliServe
@@ -89,6 +102,7 @@ def main(argv=None) -> int:
 
         args.model_path = get_model(args.model_path, download_dir=args.download_dir, revision=args.revision)
     try:
+        check_model_here(args)
         SubCliServe.api_server(args)
     except ValueError as exc:  # the config checks (patches/engine_config.py), the model check
         if args.log_level.upper() == "DEBUG":
