@@ -45,14 +45,6 @@ struct Bias {
   }
 };
 
-// n (< kLanes) values of p widened to float32, the missing lanes zero.
-template <typename T>
-inline Vec load_part(const T* p, int64_t n) {
-  T tmp[kLanes] = {};
-  std::memcpy(tmp, p, n * sizeof(T));
-  return load_vec(tmp);
-}
-
 template <typename T, int M, int R>
 void band_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K,
                    int64_t N) {
