@@ -102,7 +102,8 @@ def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor
 def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether `linear(x, weight, bias)` runs a C++ few-row kernel: x and weight both float32
     (csrc/linear.cpp) or both bfloat16 / float16 (csrc/linear_16bit.cpp), at most MAX_ROWS rows,
-    dense rows and weight, bias absent or dense in x's dtype; inference only (a call autograd would record keeps the torch path)."""
+    dense rows and weight, bias absent or dense in x's dtype; inference only (a call autograd
+    would record keeps the torch path)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
     if x.dtype != weight.dtype or x.dtype not in _FLOATS:
