@@ -12,11 +12,14 @@ context scaled for a 2-core CPU, plus the decode-time `linear` of SmolLM2-135M (
 whose weights stream from memory at every call like a real decode step's, and its W8A8 form
 (`linear_w8a8`, int8 weights, at K = 576 and N = 1536 / 576 / 49152, against float32 `linear`).
 
-    .venv/bin/python benchmarks/bench_cpu_ops.py [--quick] [--vendors torch,cpu] [--w4-only] [--threads N]
+    .venv/bin/python benchmarks/bench_cpu_ops.py [--quick] [--vendors torch,cpu] [--w4-only] [--bf16-only]
+        [--threads N]
     .venv/bin/python benchmarks/bench_cpu_ops.py --prefill-only   # prefill attention, SmolLM2 heads
 
 The W4A16 table (`weight_quant_matmul`, cpu vendor, SmolLM2-135M shapes at 1 and 8 rows): GB/s of
 packed weight streamed against the read bandwidth, and the float32 `linear` of the same shape.
+The bfloat16 table (`linear_16bit_cases`, cpu vendor, same shapes): the few-row bf16 kernel on each
+of its paths against oneDNN's bf16 `F.linear` and the float32 kernel.
 """
 
 from __future__ import annotations
@@ -211,6 +214,45 @@ def linear_cases(tab, dtype):
                  lambda: [ops.linear(xs[w.shape[1]], w) for layer in layers for w in layer], nbytes)
 
 
+def linear_16bit_cases(bw, rounds=3):
+    """bfloat16 `linear` at decode on the cpu vendor, SmolLM2-135M's shapes (K 576: N 960 qkv, 576 o,
+    3072 gate_up, 49152 the tied LM head; K 1536: N 576 down) at M = 1 and 8: the few-row kernel
+    (csrc/linear_16bit.cpp) on its AVX512_BF16 path (where the CPU has it) and on its portable
+    path, oneDNN (F.linear in bf16, what bf16 ran on before) and the float32 few-row kernel of the
+    same shape. Weights cycled over copies (>= 64 MB of bf16 per shape) so every call streams them
+    from memory; the four timed interleaved, `rounds` rounds, best median kept. GB/s: weight bytes
+    per second (bf16: 2 per weight, float32: 4) against the read bandwidth of this run."""
+    kernel = torch.ops.dlinfer_cpu.linear_few_rows_16bit
+    f32 = torch.ops.dlinfer_cpu.linear_few_rows
+    paths = {"bf16 dot": 1, "bf16 portable": 0} if torch.ops.dlinfer_cpu.linear_16bit_best_path() == 1 else \
+        {"bf16 portable": 0}
+    names = [*paths, "oneDNN bf16", "f32 kernel"]
+    print("\n| N x K | M | " + " | ".join(f"{n} us (GB/s, of read bw)" for n in names) +
+          " | oneDNN / best bf16 | f32 / best bf16 |")
+    print("|---" * (4 + len(names)) + "|", flush=True)
+    for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
+        copies = max(2, (64 << 20) // (2 * n * k))
+        wb = [torch.randn(n, k).bfloat16() for _ in range(copies)]
+        wf = [w.float() for w in wb]
+        for m in (1, 8):
+            xb = torch.randn(m, k).bfloat16()
+            xf = xb.float()
+            calls = {name: (lambda p=p: [kernel(xb, w, None, p) for w in wb]) for name, p in paths.items()}
+            calls["oneDNN bf16"] = lambda: [F.linear(xb, w) for w in wb]
+            calls["f32 kernel"] = lambda: [f32(xf, w, None) for w in wf]
+            best = {name: float("inf") for name in calls}
+            for _ in range(rounds):
+                for name, fn in calls.items():
+                    best[name] = min(best[name], timeit(fn, min_time=0.2) / copies)
+            cells = []
+            for name in names:
+                gbs = n * k * (4 if name == "f32 kernel" else 2) / best[name]
+                cells.append(f"{best[name] * 1e6:.1f} ({gbs / 1e9:.1f}, {gbs / bw:.2f})")
+            top = min(best[name] for name in paths)
+            print(f"| {n} x {k} | {m} | " + " | ".join(cells) + f" | {best['oneDNN bf16'] / top:.2f}x | "
+                  f"{best['f32 kernel'] / top:.2f}x |", flush=True)
+
+
 def w4_cases(bw):
     """W4A16 `weight_quant_matmul` on the cpu vendor at SmolLM2-135M's shapes (K 576: group 64, as
     576 is no multiple of 128; K 1536: group 128), canonical AWQ layout and column_tiled (what the
@@ -291,6 +333,7 @@ def run(quick: bool, vendors):
     if "cpu" in vendors:
         with dlinfer.vendor.using("cpu"):
             w4_cases(bw)
+            linear_16bit_cases(bw)
         print()
     w8a8_cases(vendors, bw, quick)
     tab = Table(vendors, bw, copy_bw)
@@ -366,12 +409,19 @@ if __name__ == "__main__":
     parser.add_argument("--w4-only", action="store_true", help="only the W4A16 table (cpu vendor)")
     parser.add_argument("--prefill-only", action="store_true",
                         help="only the prefill attention table (SmolLM2 heads, T = 32 .. 2048)")
+    parser.add_argument("--bf16-only", action="store_true", help="only the bfloat16 few-row linear table (cpu vendor)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.vendors.split(",") if args.vendors else [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
     if args.prefill_only:
         prefill_cases(names)
+    elif args.bf16_only:
+        read_bw = read_bandwidth()
+        print(f"bfloat16 linear, cpu vendor; CPU, {torch.get_num_threads()} threads; read bandwidth "
+              f"{read_bw / 1e9:.1f} GB/s (this machine, same run)")
+        dlinfer.vendor.load("cpu")
+        linear_16bit_cases(read_bw)
     elif args.w4_only:
         read_bw = read_bandwidth()
         print(f"W4A16, cpu vendor; CPU, {torch.get_num_threads()} threads; read bandwidth {read_bw / 1e9:.1f} GB/s "

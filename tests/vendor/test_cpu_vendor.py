@@ -74,7 +74,12 @@ def test_linear_path_choice():
         assert kernels.uses_few_rows(torch.randn(rows, 7), w, None)
     assert kernels.MAX_ROWS == 8
     assert not kernels.uses_few_rows(torch.randn(kernels.MAX_ROWS + 1, 7), w, None)  # BLAS beyond
-    assert not kernels.uses_few_rows(torch.randn(1, 7, dtype=torch.bfloat16), w.bfloat16(), None)
+    for dtype in (torch.bfloat16, torch.float16):  # 16-bit: csrc/linear_16bit.cpp
+        assert kernels.uses_few_rows(torch.randn(8, 7, dtype=dtype), w.to(dtype), torch.randn(5, dtype=dtype))
+        assert not kernels.uses_few_rows(torch.randn(9, 7, dtype=dtype), w.to(dtype), None)
+        assert not kernels.uses_few_rows(torch.randn(1, 7, dtype=dtype), w, None)  # mixed dtypes: torch's rules
+        assert not kernels.uses_few_rows(torch.randn(1, 7, dtype=dtype), w.to(dtype), torch.randn(5))
+    assert not kernels.uses_few_rows(torch.randn(1, 7, dtype=torch.float64), w.double(), None)
     assert not kernels.uses_few_rows(torch.randn(1, 7), torch.randn(7, 5).t(), None)  # strided weight
     assert not kernels.uses_few_rows(torch.randn(1, 7, requires_grad=True), w, None)  # autograd records it
     with torch.inference_mode():
@@ -82,6 +87,32 @@ def test_linear_path_choice():
     x = torch.randn(3, 20)[:, 2:9]  # row stride 20: rows need only be dense
     assert kernels.uses_few_rows(x, w, torch.randn(5))
     torch.testing.assert_close(kernels.linear(x, w, None), x.double().matmul(w.double().t()).float())
+
+
+@needs_cpu_vendor
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_norm_weights_and_rotary_tables_are_read_as_stored(dtype):
+    """The norm weight and cos / sin reach the kernels in the activation dtype, no float32 copy
+    per call; widening them is exact, so the results equal those from float32 copies bit for bit."""
+    from dlinfer.vendor.cpu import kernels
+
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(3, 72, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(72, generator=g).to(dtype)
+    assert torch.equal(torch.ops.dlinfer_cpu.rms_norm(x, w, 1e-6), torch.ops.dlinfer_cpu.rms_norm(x, w.float(), 1e-6))
+    for a, b in zip(torch.ops.dlinfer_cpu.add_rms_norm(x, r, w, 1e-6),
+                    torch.ops.dlinfer_cpu.add_rms_norm(x, r, w.float(), 1e-6)):
+        assert torch.equal(a, b)
+    q, k = torch.randn(3, 4, 40, generator=g).to(dtype), torch.randn(3, 2, 40, generator=g).to(dtype)
+    cos, sin = torch.randn(3, 36, generator=g).to(dtype), torch.randn(3, 36, generator=g).to(dtype)
+    for a, b in zip(torch.ops.dlinfer_cpu.apply_rotary_pos_emb(q, k, cos, sin),
+                    torch.ops.dlinfer_cpu.apply_rotary_pos_emb(q, k, cos.float(), sin.float())):
+        assert torch.equal(a, b)
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), torch.ops.dlinfer_cpu.rms_norm(x, w.float(), 1e-6))
+    with pytest.raises(RuntimeError, match=r"rms_norm: weight must be \[72\] float32 or"):
+        torch.ops.dlinfer_cpu.rms_norm(x, w.double(), 1e-6)
+    with pytest.raises(RuntimeError, match=r"rotary: cos/sin must be dense \[T, R\], float32 or"):
+        torch.ops.dlinfer_cpu.apply_rotary_pos_emb(q, k, cos.double(), sin.double())
 
 
 @needs_cpu_vendor

@@ -81,6 +81,10 @@ LINEAR_CASES = [
     LinearCase("t8_k1000_n257", (8,), 1000, 257, False, False),
     LinearCase("t5_k100_n70_bias", (5,), 100, 70, True, True),
     LinearCase("t9_k333_n65", (9,), 333, 65, False, True),
+    # 16-bit few-row kernels: K one past the 32 bf16 pairs of a dot-product instruction; a K as in
+    # an MLP down projection with an odd N split between threads
+    LinearCase("t3_k33_n9_bias", (3,), 33, 9, True, True),
+    LinearCase("t6_k1536_n577", (6,), 1536, 577, False, False),
 ]
 
 

@@ -2,7 +2,7 @@
 
 dlinfer's default on CPU tensors. Its kernels (`csrc/`, built on first use by `build.py`, bound to
 the ops' signatures in `kernels.py`) cover what a decode step spends its time on: `linear` at few
-rows (a weight-streaming matrix-vector kernel; BLAS beyond 8 rows), `paged_decode_attention` read
+rows (a weight-streaming matrix-vector kernel, float32 and bf16 / fp16; BLAS beyond 8 rows), `paged_decode_attention` read
 straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb`
 and `silu_and_mul`, each one call instead of several torch ops, the W8A8 family (`dynamic_quant`,
 `linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation ops,
@@ -22,8 +22,9 @@ from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, Capabilities, V
 from dlinfer.vendor.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 NOTES = {
-    "linear": "C++: float32 at <= 8 rows, a weight-streaming kernel (each W row read once for all rows); "
-              "otherwise the torch vendor's path (oneDNN / F.linear)",
+    "linear": "C++ at <= 8 rows, a weight-streaming kernel (each W row read once for all rows): float32, and "
+              "bf16 / fp16 with the weights read as stored, fp32 sums, one rounding (bf16 on AVX512_BF16 "
+              "vdpbf16ps where the CPU has it); otherwise the torch vendor's path (oneDNN / F.linear)",
     "paged_decode_attention": "C++: reads the paged cache in place, (token, kv head[, split]) per thread, "
                               "GQA heads share each K/V row, online softmax in fp32, split-KV when the batch is small; "
                               "int8 caches read in place, widened to fp32 in registers, scales applied per head "

@@ -31,22 +31,36 @@ _decode = torch.ops.dlinfer_cpu.paged_decode_attention.default
 _prefill = torch.ops.dlinfer_cpu.prefill_attention.default
 _paged_prefill = torch.ops.dlinfer_cpu.paged_prefill_attention.default
 _few_rows = torch.ops.dlinfer_cpu.linear_few_rows.default
-MAX_ROWS = torch.ops.dlinfer_cpu.max_few_rows()  # linear's C++ kernel up to this many rows
+_few_rows_16bit = torch.ops.dlinfer_cpu.linear_few_rows_16bit.default
+MAX_ROWS = torch.ops.dlinfer_cpu.max_few_rows()  # linear's C++ kernels up to this many rows
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _as_read(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t as the kernels read it: as stored when float32 or `dtype` (the activations') and dense,
+    else converted (a float64 or other-dtype weight: not what an engine passes)."""
+    if t.dtype != torch.float32 and t.dtype != dtype:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float) -> Tensor:
-    """hidden_states [N, H], weight [H] -> [N, H] in hidden_states' dtype."""
-    return _rms_norm(hidden_states, weight.float().contiguous(), epsilon)
+    """hidden_states [N, H], weight [H] -> [N, H] in hidden_states' dtype. The weight is read as
+    stored (float32 or hidden_states' dtype), widened in registers."""
+    return _rms_norm(hidden_states, _as_read(weight, hidden_states.dtype), epsilon)
 
 
 def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float):
     """([N, H], [N, H], [H]) -> (rms_norm(h + r) [N, H], h + r [N, H]); the sum in the activation dtype."""
-    return _add_rms_norm(hidden_states, residual, weight.float().contiguous(), epsilon)
+    return _add_rms_norm(hidden_states, residual, _as_read(weight, hidden_states.dtype), epsilon)
 
 
 def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor):
-    """query [T, Hq, D], key [T, Hkv, D], cos/sin [T, R] -> new (q [T, Hq, D], k [T, Hkv, D])."""
-    return _rotary(query, key, cos.float().contiguous(), sin.float().contiguous())
+    """query [T, Hq, D], key [T, Hkv, D], cos/sin [T, R] -> new (q [T, Hq, D], k [T, Hkv, D]).
+    cos / sin are read as stored (float32 or the query's dtype)."""
+    if cos.dtype != sin.dtype:
+        cos, sin = cos.float(), sin.float()
+    return _rotary(query, key, _as_read(cos, query.dtype), _as_read(sin, query.dtype))
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
@@ -116,20 +130,26 @@ def paged_prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tenso
 
 
 def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    """Whether `linear(x, weight, bias)` runs the C++ kernel: float32, at most MAX_ROWS rows, dense
-    rows and weight; inference only (a call autograd would record keeps the torch path)."""
+    """Whether `linear(x, weight, bias)` runs a C++ few-row kernel: x and weight both float32
+    (csrc/linear.cpp) or both bfloat16 / float16 (csrc/linear_16bit.cpp), at most MAX_ROWS rows,
+    dense rows and weight, bias absent or dense in x's dtype; inference only (a call autograd
+    would record keeps the torch path)."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    return (x.shape[0] <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.stride(-1) == 1 and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+    if x.dtype != weight.dtype or x.dtype not in _FLOATS:
+        return False
+    return (x.shape[0] <= MAX_ROWS and x.stride(-1) == 1 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """x [N, K], weight [Nout, K], bias [Nout]? -> [N, Nout]: the few-rows C++ kernel (a
-    weight-streaming matrix-vector product) where `uses_few_rows`, else the torch vendor's path."""
+    """x [N, K], weight [Nout, K], bias [Nout]? -> [N, Nout]: the few-rows C++ kernels (a
+    weight-streaming matrix-vector product; 16-bit weights read as stored, float32 sums) where
+    `uses_few_rows`, else the torch vendor's path."""
     if uses_few_rows(x, weight, bias):
-        return _few_rows(x, weight, bias)
+        if x.dtype == torch.float32:
+            return _few_rows(x, weight, bias)
+        return _few_rows_16bit(x, weight, bias)
     return torch_linear.linear(x, weight, bias)
 
 

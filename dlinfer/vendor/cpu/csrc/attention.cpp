@@ -57,13 +57,12 @@ struct DecodeArgs {
 
 // Scratch of one work item, reused across the items a thread runs.
 struct ItemScratch {
-  std::vector<float> q, scores, acc, kbuf, vbuf, m, l;
+  std::vector<float> q, scores, acc, row, m, l;
   void size(const DecodeArgs& a) {
     q.resize(a.G * a.D);
     scores.resize(a.G * a.BS);
     acc.resize(a.G * a.Dv);
-    kbuf.resize(a.BS * a.D);  // a block's keys / values as float32 (bf16 / fp16 caches only)
-    vbuf.resize(a.BS * a.Dv);
+    row.resize(a.Dv);  // an output row before its rounding to the query's dtype
     m.resize(a.G);
     l.resize(a.G);
   }
@@ -112,8 +111,8 @@ void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int6
                        D * static_cast<int64_t>(sizeof(C)), Dv * static_cast<int64_t>(sizeof(C)),
                        std::min(BS, len - (j + 1) * BS)};
     }
-    auto [k, ldk] = block_rows(kc + blk * a.k.s_block + hkv * a.k.s_head, a.k.s_pos, n, D, w.kbuf.data());
-    block_scores(w.q.data(), G, D, k, ldk, n, w.scores.data(), BS, ahead);
+    block_scores(w.q.data(), G, D, kc + blk * a.k.s_block + hkv * a.k.s_head, a.k.s_pos, n, w.scores.data(), BS,
+                 ahead);
     for (int64_t g = 0; g < G; ++g) {
       float* s = w.scores.data() + g * BS;
       if (a.alibi) {
@@ -122,8 +121,7 @@ void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int6
       }
       online_softmax(s, n, w.m[g], w.l[g], w.acc.data() + g * Dv, Dv);
     }
-    auto [v, ldv] = block_rows(vc + blk * a.v.s_block + hkv * a.v.s_head, a.v.s_pos, n, Dv, w.vbuf.data());
-    block_values(w.scores.data(), BS, G, v, ldv, n, Dv, w.acc.data());
+    block_values(w.scores.data(), BS, G, vc + blk * a.v.s_block + hkv * a.v.s_head, a.v.s_pos, n, Dv, w.acc.data());
   }
 }
 
@@ -154,7 +152,7 @@ void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out)
         const float* acc = w.acc.data() + g * Dv;
         if (S == 1) {
           const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // a token that sees no key gets zeros
-          float* row = w.vbuf.data();  // free between items
+          float* row = w.row.data();
           for (int64_t i = 0; i < Dv; ++i) row[i] = acc[i] * inv;
           if (l[g] > 0.f) dequantise_row(a, hkv, row);
           from_float(row, o + t * so_t + h * so_h, Dv);

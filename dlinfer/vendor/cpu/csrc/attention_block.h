@@ -2,9 +2,9 @@
 // values against the G query heads that share a kv head, all float32, register-tiled so that
 // each piece of a K or V row is loaded once for up to four heads.
 //
-// Rows are read as `R`: float (a float32 cache, or a bf16 / fp16 block converted by block_rows)
-// or int8_t (the int8 cache, read in place: each 16-wide piece is widened to float32 in
-// registers by load_row, never copied; attention.cpp applies the scales and zeros around it).
+// Rows are read in place as `R`, the cache's dtype: float, bf16 / fp16 or int8_t (the int8 cache:
+// attention.cpp applies the scales and zeros around it); each 16-wide piece is widened to float32
+// in registers by load_row, never copied.
 #pragma once
 
 #include "common.h"
@@ -28,27 +28,14 @@ inline Vec load_row(const int8_t* p) {
   return Vec::loadu(tmp);
 #endif
 }
+inline Vec load_row(const c10::BFloat16* p) { return load_vec(p); }
+inline Vec load_row(const c10::BFloat16* p, int64_t n) { return load_part(p, n); }
+inline Vec load_row(const c10::Half* p) { return load_vec(p); }
+inline Vec load_row(const c10::Half* p, int64_t n) { return load_part(p, n); }
 inline Vec load_row(const int8_t* p, int64_t n) {
   float tmp[kLanes] = {};
   for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
   return Vec::loadu(tmp);
-}
-
-// The type block_rows gives for a cache of T: T itself for float and int8, float otherwise.
-template <typename T>
-using RowType = std::conditional_t<std::is_same_v<T, float> || std::is_same_v<T, int8_t>, T, float>;
-
-// A block's n rows (keys or values): in place for a float32 or int8 cache, else converted to
-// float32 into `buf` (rows then `width` apart). Returns (rows, row stride).
-template <typename T>
-std::pair<const RowType<T>*, int64_t> block_rows(const T* base, int64_t s_pos, int64_t n, int64_t width,
-                                                 float* buf) {
-  if constexpr (std::is_same_v<T, RowType<T>>) {
-    return {base, s_pos};
-  } else {
-    for (int64_t p = 0; p < n; ++p) to_float(base + p * s_pos, buf + p * width, width);
-    return {buf, width};
-  }
 }
 
 // The next block's K and V rows, requested into L2 while this block is computed: that block sits

@@ -67,14 +67,25 @@ inline void store_vec<float>(float* p, const Vec& v) {
   v.store(p);
 }
 
-// v rounded to T and back (the value a float32 result has once stored in T); v itself for float.
+// v rounded to T and back (the value a float32 result has once stored in T), in registers; v
+// itself for float.
 template <typename T>
 inline Vec round_to(const Vec& v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
-    T tmp[kLanes];
-    store_vec(tmp, v);
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+// n (< kLanes) values of p as float32, the missing lanes zero (a tail).
+template <typename T>
+inline Vec load_part(const T* p, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p, n);
+  } else {
+    T tmp[kLanes] = {};
+    std::memcpy(tmp, p, n * sizeof(T));
     return load_vec(tmp);
   }
 }

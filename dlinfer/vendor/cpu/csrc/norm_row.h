@@ -9,9 +9,10 @@
 namespace dlinfer_cpu {
 
 // One row: pass 1 forms s (h + r, rounded and stored when there is a residual) and the sum of
-// squares; pass 2 writes round(round(s * inv) * w).
-template <typename T>
-void norm_row(const T* x, const T* r, const float* w, T* out, T* summed, int64_t H, float eps) {
+// squares; pass 2 writes round(round(s * inv) * w). W: the weight's dtype, float32 or T, read as
+// stored and widened in registers (exactly: the product is the same either way).
+template <typename T, typename W>
+void norm_row(const T* x, const T* r, const W* w, T* out, T* summed, int64_t H, float eps) {
   const T* s = r ? summed : x;
   Vec acc(0.f);
   float tail = 0.f;
@@ -36,10 +37,10 @@ void norm_row(const T* x, const T* r, const float* w, T* out, T* summed, int64_t
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
   const Vec vinv(inv);
   for (i = 0; i + kLanes <= H; i += kLanes)
-    store_vec(out + i, round_to<T>(load_vec(s + i) * vinv) * Vec::loadu(w + i));
+    store_vec(out + i, round_to<T>(load_vec(s + i) * vinv) * load_vec(w + i));
   for (; i < H; ++i) {
     const T y = static_cast<T>(static_cast<float>(s[i]) * inv);
-    out[i] = static_cast<T>(static_cast<float>(y) * w[i]);
+    out[i] = static_cast<T>(static_cast<float>(y) * static_cast<float>(w[i]));
   }
 }
 

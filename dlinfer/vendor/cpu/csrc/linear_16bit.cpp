@@ -1,0 +1,210 @@
+// linear for few rows in bfloat16 / float16: y[M, N] = x[M, K] W[N, K]^T (+ bias), M <= 8.
+//
+// The float32 kernel's loop (linear.cpp: each thread walks a band of W's rows, two at a time,
+// every W vector used for all M rows of x, a software prefetch 16 KB ahead), with W and x read
+// as 16-bit values, half of float32's bytes: the weights stream as stored, nothing is widened
+// into memory. Sums are float32; each output is rounded once to the activation dtype (round to
+// nearest even), after the bias is added in float32. Two paths, chosen at run time:
+//  - AVX512_BF16 (bfloat16 only, AVX-512 builds on CPUs with the flag): vdpbf16ps multiplies 16
+//    pairs of bf16 (exact in float32) and adds both products into 16 float32 lanes; 32 elements
+//    of K per instruction. Like every bf16 dot-product instruction it treats subnormal inputs
+//    (|v| < 2^-126) as zero.
+//  - portable (any build, bfloat16 and float16): ATen's vectors; each 16-bit vector widened to
+//    float32 in registers (bf16: a 16-bit shift; fp16: vcvtph2ps where the build has F16C),
+//    then fmadd, as in the float32 kernel.
+#include "common.h"
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace dlinfer_cpu {
+namespace {
+
+constexpr int kMaxRows = 8;
+constexpr int64_t kPrefetchBytes = 16 * 1024;  // ahead in the weight stream (linear.cpp's distance)
+enum Path : int { kPortable = 0, kAvx512Bf16 = 1 };
+
+int best_path() {
+#if defined(CPU_CAPABILITY_AVX512)
+  static const int best = __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kPortable;
+  return best;
+#else
+  return kPortable;
+#endif
+}
+
+// bias[n] as float32: a bias in the activation dtype or in float32, or none.
+struct Bias {
+  const void* data = nullptr;
+  bool f32 = false;
+  template <typename T>
+  inline float add(float s, int64_t n) const {
+    if (!data) return s;
+    return s + (f32 ? static_cast<const float*>(data)[n] : static_cast<float>(static_cast<const T*>(data)[n]));
+  }
+};
+
+template <typename T, int M, int R>
+void band_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K,
+                   int64_t N) {
+  constexpr int64_t ahead = kPrefetchBytes / sizeof(T);
+  const int64_t kv = K - K % kLanes;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    Vec acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
+    const T* wr = w + n * K;
+    for (int64_t k = 0; k < kv; k += kLanes) {
+      Vec wv[R];
+      for (int r = 0; r < R; ++r) {
+        __builtin_prefetch(wr + r * K + k + ahead, 0, 1);
+        wv[r] = load_vec(wr + r * K + k);
+      }
+      for (int m = 0; m < M; ++m) {
+        const Vec xv = load_vec(x + m * ldx + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = at::vec::fmadd(wv[r], xv, acc[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec wt = kv < K ? load_part(wr + r * K + kv, K - kv) : Vec(0.f);
+      for (int m = 0; m < M; ++m) {
+        if (kv < K) acc[r][m] = at::vec::fmadd(wt, load_part(x + m * ldx + kv, K - kv), acc[r][m]);
+        const float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][m]);
+        y[m * N + n + r] = static_cast<T>(bias.add<T>(s, n + r));
+      }
+    }
+  }
+  if constexpr (R > 1) {
+    if (n < n1) band_portable<T, M, 1>(x, ldx, w, bias, y, n, n1, K, N);
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+// x and W as raw bf16 bits; 32 elements of K per vdpbf16ps, the K tail by masked (zeroing) loads.
+template <int M, int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void band_dpbf16(const uint16_t* x, int64_t ldx,
+                                                                        const uint16_t* w, Bias bias,
+                                                                        c10::BFloat16* y, int64_t n0, int64_t n1,
+                                                                        int64_t K, int64_t N) {
+  constexpr int64_t ahead = kPrefetchBytes / 2;
+  const int64_t kv = K - K % 32;
+  const __mmask32 tail = K > kv ? static_cast<__mmask32>((1ULL << (K - kv)) - 1) : 0;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    const uint16_t* wr = w + n * K;
+    for (int64_t k = 0; k < kv; k += 32) {
+      __m512bh wv[R];
+      for (int r = 0; r < R; ++r) {
+        __builtin_prefetch(wr + r * K + k + ahead, 0, 1);
+        wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
+      }
+    }
+    if (tail) {
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + r * K + kv);
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kv));
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        y[m * N + n + r] = static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][m]), n + r));
+  }
+  if constexpr (R > 1) {
+    if (n < n1) band_dpbf16<M, 1>(x, ldx, w, bias, y, n, n1, K, N);
+  }
+}
+
+#endif
+
+template <typename T, int M>
+void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, int64_t N, int path) {
+  constexpr int R = 2;
+  const int64_t threads = at::get_num_threads();
+  const int64_t bytes = N * K * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
+  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (path == kAvx512Bf16) {
+        band_dpbf16<M, R>(reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(w), bias, y,
+                          b, e, K, N);
+        return;
+      }
+    }
+#endif
+    band_portable<T, M, R>(x, ldx, w, bias, y, b, e, K, N);
+  });
+}
+
+template <typename T>
+void run(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t M, int64_t K, int64_t N, int path) {
+  switch (M) {
+    case 1: run_rows<T, 1>(x, ldx, w, bias, y, K, N, path); break;
+    case 2: run_rows<T, 2>(x, ldx, w, bias, y, K, N, path); break;
+    case 3: run_rows<T, 3>(x, ldx, w, bias, y, K, N, path); break;
+    case 4: run_rows<T, 4>(x, ldx, w, bias, y, K, N, path); break;
+    case 5: run_rows<T, 5>(x, ldx, w, bias, y, K, N, path); break;
+    case 6: run_rows<T, 6>(x, ldx, w, bias, y, K, N, path); break;
+    case 7: run_rows<T, 7>(x, ldx, w, bias, y, K, N, path); break;
+    case 8: run_rows<T, 8>(x, ldx, w, bias, y, K, N, path); break;
+    default: break;
+  }
+}
+
+// x [M, K] (rows dense), weight [N, K] contiguous, bias [N]? (x's dtype or float32), all
+// bfloat16 or float16 -> [M, N] in x's dtype. path: -1 the best for the dtype, else that path.
+at::Tensor linear_few_rows_16bit(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 int64_t path) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "linear_few_rows_16bit: x [M, K] and weight [N, K] expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kHalf) && weight.scalar_type() == dt,
+              "linear_few_rows_16bit: x and weight must both be bfloat16 or both float16, got ", dt, " and ",
+              weight.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "linear_few_rows_16bit: x rows and weight must be dense");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(M <= kMaxRows, "linear_few_rows_16bit: at most ", kMaxRows, " rows, got ", M);
+  if (path < 0) path = dt == at::kBFloat16 ? best_path() : kPortable;
+  TORCH_CHECK(path == kPortable || (path == kAvx512Bf16 && best_path() == kAvx512Bf16 && dt == at::kBFloat16),
+              "linear_few_rows_16bit: path ", path, " cannot run here for ", dt, " (best here: ", best_path(), ")");
+  Bias b;
+  if (bias.has_value()) {
+    TORCH_CHECK((bias->scalar_type() == dt || bias->scalar_type() == at::kFloat) && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "linear_few_rows_16bit: bias must be dense [", N, "] in x's dtype or float32, got ", bias->sizes(),
+                " ", bias->scalar_type());
+    b = Bias{bias->data_ptr(), bias->scalar_type() == at::kFloat};
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const int p = static_cast<int>(path);
+  if (dt == at::kBFloat16) {
+    using T = c10::BFloat16;
+    run<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), b, y.data_ptr<T>(), M, K, N, p);
+  } else {
+    using T = c10::Half;
+    run<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), b, y.data_ptr<T>(), M, K, N, p);
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def("linear_few_rows_16bit(Tensor x, Tensor weight, Tensor? bias, int path=-1) -> Tensor");
+  m.impl("linear_few_rows_16bit", c10::DispatchKey::CPU, &linear_few_rows_16bit);
+  m.def("linear_16bit_best_path() -> int", []() -> int64_t { return best_path(); });
+}
+
+}  // namespace dlinfer_cpu
