@@ -121,6 +121,30 @@ def test_one_compile_per_bucket(model_and_runner):
     assert runner.compiles == 3
 
 
+@pytest.mark.parametrize("kv_lens", [[7, 3, 12], [2], [9, 4], [5, 6, 7, 8], [14, 2, 3]])
+def test_warm_guards_pick_the_right_graph(model_and_runner, kv_lens, monkeypatch):
+    """Every bucket compiled: steps evaluate only the guards telling the graphs apart
+    (skip_guard_eval_unsafe) and still run the graph of their own bucket: eager mode's results."""
+    model, runner = model_and_runner
+    assert runner.compiles == len(runner.buckets)
+    stances = []
+    set_stance = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
+    got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 7), _caches())
+    assert stances == [dict(skip_guard_eval_unsafe=True)]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
+    assert runner.compiles == len(runner.buckets)
+
+
+def test_graph_guards_option(monkeypatch):
+    monkeypatch.setenv("DLINFER_GRAPH_GUARDS", "full")
+    assert _runner(TinyDecoder())._all_guards
+    monkeypatch.setenv("DLINFER_GRAPH_GUARDS", "some")
+    with pytest.raises(ValueError, match="DLINFER_GRAPH_GUARDS='some': expected 'warm'"):
+        _runner(TinyDecoder())
+
+
 def test_non_decode_steps_and_oversized_batches_run_eagerly(model_and_runner):
     model, runner = model_and_runner
     compiles, steps = runner.compiles, runner.graph_steps
