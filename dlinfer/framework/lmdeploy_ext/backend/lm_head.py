@@ -10,9 +10,9 @@ quantised once per output row by the same rule (scale = max|w| / 127 in float32,
 even, clamp to [-128, 127]; a zero row gets scale 0), logits in the head's float dtype. On the
 cpu vendor the int8 product is exact (int32) on its VNNI kernel.
 
-- tied head (`tie_word_embeddings`): the float embedding table stays for token lookups; the
-  int8 copy is extra (a quarter of float32's bytes). A weight update that runs LMDeploy's
-  `update_weights` again re-quantises it from the table.
+- tied head (its weight shares the embedding table's storage after loading): the float table
+  stays for token lookups; the int8 copy is extra (a quarter of float32's bytes). A weight update
+  that runs LMDeploy's `update_weights` again re-quantises it from the table.
 - untied head: the float weight is freed.
 - `auto` (the default): int8 when the checkpoint is quantised (`quant_method` "awq" or
   "smooth_quant"), float otherwise.
@@ -114,11 +114,14 @@ def _float_head(module) -> Optional[str]:
     return None
 
 
-def _is_tied(model: torch.nn.Module, name: str, weight: torch.Tensor) -> bool:
-    """Whether another module of `model` holds the head's weight (the embedding, once LMDeploy's
-    `update_weights` tied them)."""
-    return any(p is weight for n, p in model.named_parameters(remove_duplicate=False)
-               if not n.startswith(name + "."))
+def _tied_to(model: torch.nn.Module, name: str, weight: torch.Tensor) -> Optional[torch.nn.Parameter]:
+    """The parameter of another module of `model` that holds the head's weight (the embedding table,
+    once LMDeploy's `update_weights` tied them), or None. Compared by storage, not identity: the
+    head's own `update_weights` re-wraps the tied tensor in a new Parameter."""
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if not n.startswith(name + ".") and p.data_ptr() == weight.data_ptr() and p.shape == weight.shape:
+            return p
+    return None
 
 
 def install(model: torch.nn.Module) -> int:
@@ -132,8 +135,9 @@ def install(model: torch.nn.Module) -> int:
             log.warning("%s=int8: %s stays float: %s", ENV, name, why_not)
             continue
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        tied = _is_tied(model, name, head.weight)
-        int8_head = Int8LMHead(head.weight, head.bias, tied)
+        table = _tied_to(model, name, head.weight)
+        tied = table is not None
+        int8_head = Int8LMHead(table if tied else head.weight, head.bias, tied)
         setattr(parent, "lm_head", int8_head)
         replaced += 1
         log.info("%s=int8: %s is int8 [%d, %d] (%s)", ENV, name, int8_head.out_features, int8_head.in_features,
