@@ -4,7 +4,9 @@ A side is named `engine[-variant]`:
 - `hf`: HF transformers `generate`, float32;
 - `eager`, `graph`, `inductor`: LMDeploy + dlinfer on `device_type="cpu"` (eager mode, graph mode,
   graph mode with Inductor), float32; `-bf16` runs `dtype="bfloat16"`; `-w8a8` / `-w4a16` run the
-  SmoothQuant / AWQ checkpoint `python -m dlinfer quantize` makes from the same folder;
+  SmoothQuant / AWQ checkpoint `python -m dlinfer quantize` makes from the same folder; a
+  `+int8-head` / `+float-head` suffix sets DLINFER_LM_HEAD=int8 / float in that side's process
+  (without one the engine's default, `auto`: int8 for the quantised checkpoints, float otherwise);
 - `llama.cpp-f32`, `-bf16`, `-q8_0`: llama.cpp on GGUFs written from the same folder
   (`benchmarks/gguf_from_hf.py`); `llama.cpp-q4_1`: the shipped GGUF the folder was made from.
 
@@ -25,6 +27,7 @@ from pathlib import Path
 LMDEPLOY_MODES = ("eager", "graph", "inductor")
 LMDEPLOY_VARIANTS = {"": "float32", "bf16": "bfloat16", "w8a8": "W8A8 (SmoothQuant)", "w4a16": "W4A16 (AWQ)"}
 LLAMA_CPP_KINDS = ("f32", "bf16", "q8_0", "q4_1")
+HEAD_SUFFIXES = {"+int8-head": "int8", "+float-head": "float"}  # -> DLINFER_LM_HEAD
 
 
 def all_sides() -> dict[str, str]:
@@ -34,6 +37,8 @@ def all_sides() -> dict[str, str]:
         for variant, label in LMDEPLOY_VARIANTS.items():
             name = f"{mode}-{variant}" if variant else mode
             sides[name] = f"LMDeploy + dlinfer {mode}, {label}"
+            for suffix, head in HEAD_SUFFIXES.items():
+                sides[name + suffix] = f"LMDeploy + dlinfer {mode}, {label}, {head} LM head"
     for kind in LLAMA_CPP_KINDS:
         sides[f"llama.cpp-{kind}"] = f"llama.cpp, {kind}"
     return sides
@@ -146,6 +151,10 @@ def make_side(side: str, folder: Path, prompts: list[str]):
     """(run(b, n) -> token ids, closable or None) for the side named `side`."""
     if side == "hf":
         return hf_side(folder, prompts), None
+    for suffix, head in HEAD_SUFFIXES.items():
+        if side.endswith(suffix):
+            os.environ["DLINFER_LM_HEAD"] = head  # read when the engine is built
+            side = side[:-len(suffix)]
     engine, _, variant = side.partition("-")
     if engine in LMDEPLOY_MODES:
         return lmdeploy_side(folder, prompts, engine, variant)

@@ -10,6 +10,10 @@ dequantised from the written files, and for SmoothQuant each quantised linear's 
 fake-quantised per token (tests/lmdeploy/quantized_models.py builds both). The held-out text
 (benchmarks/data/heldout.txt, written for this project) is not the calibration corpus
 (dlinfer/quantize/data/calibration.txt). Perplexity over non-overlapping windows of --window tokens.
+
+Each model is evaluated with the float LM head and with the int8 LM head (DLINFER_LM_HEAD, which
+the engine's default `auto` uses for the quantised checkpoints): the head's weight rounded per
+output row and its input per token (quantized_models.fake_quant_lm_head). --lm-head picks one.
 """
 
 from __future__ import annotations
@@ -57,19 +61,26 @@ def main(argv=None) -> int:
     parser.add_argument("--text", type=Path, default=ROOT / "benchmarks" / "data" / "heldout.txt")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--work", type=Path, default=None, help="where the quantised folders go (default: a temp dir)")
+    parser.add_argument("--lm-head", choices=("float", "int8", "both"), default="both",
+                        help="the LM head(s) to evaluate every model with (default: both)")
     args = parser.parse_args(argv)
+    heads = ("float", "int8") if args.lm_head == "both" else (args.lm_head,)
     if args.model is None:
         from smollm2 import build_smollm2
 
         args.model = build_smollm2()
-    from quantized_models import FakeQuantReference
+    from quantized_models import FakeQuantReference, fake_quant_lm_head
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = tokenizer(args.text.read_text(), add_special_tokens=False)["input_ids"]
     print(f"machine: {machine.cpu_model()}; torch threads {torch.get_num_threads()}")
     print(f"held-out text: {args.text.name}, {len(ids)} tokens, windows of {args.window}")
-    rows = [("float32", "-", perplexity(AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval(),
-                                        ids, args.window), 0.0)]
+    rows = []
+    for head in heads:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        if head == "int8":
+            fake_quant_lm_head(model)
+        rows.append(("float32", "-", head, perplexity(model, ids, args.window), 0.0))
     work = args.work or Path(tempfile.mkdtemp(prefix="dlinfer-quality-"))
     labels = {"rtn": "RTN 4-bit (W4A16)", "awq": "AWQ 4-bit (W4A16)", "awq-noclip": "AWQ 4-bit, no clipping",
               "smooth_quant": "SmoothQuant W8A8"}
@@ -82,14 +93,17 @@ def main(argv=None) -> int:
             quantize(args.model, dst, method.replace("-noclip", ""), group_size=group_size, log=lambda line: None,
                      clip=not method.endswith("-noclip"))
         seconds = time.perf_counter() - start
-        ppl = perplexity(FakeQuantReference(dst).model, ids, args.window)
-        rows.append((labels[method], f"g{group_size}" if method != "smooth_quant" else "per channel / per token",
-                     ppl, seconds))
-        print(f"{labels[method]} {rows[-1][1]}: perplexity {ppl:.3f}, quantised in {seconds:.0f} s", flush=True)
-    base = rows[0][2]
-    print("\n| model | grouping | perplexity | vs float32 | quantise time (s) |\n|---|---|---|---|---|")
-    for label, grouping, ppl, seconds in rows:
-        print(f"| {label} | {grouping} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f}% | {seconds:.0f} |")
+        for head in heads:
+            ppl = perplexity(FakeQuantReference(dst, int8_head=head == "int8").model, ids, args.window)
+            rows.append((labels[method], f"g{group_size}" if method != "smooth_quant" else "per channel / per token",
+                         head, ppl, seconds))
+            print(f"{labels[method]} {rows[-1][1]} ({head} head): perplexity {ppl:.3f}, quantised in {seconds:.0f} s",
+                  flush=True)
+    base = rows[0][3]
+    print(f"\n| model | grouping | LM head | perplexity | vs float32 ({rows[0][2]} head) | quantise time (s) |")
+    print("|---|---|---|---|---|---|")
+    for label, grouping, head, ppl, seconds in rows:
+        print(f"| {label} | {grouping} | {head} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f}% | {seconds:.0f} |")
     return 0
 
 

@@ -5,7 +5,9 @@ this file's own unpacking and rounding code (never dlinfer.quantize's):
 - AWQ: W[k, c] = (q[k, c] - z[k // g, c]) * s[k // g, c], the nibbles read from LMDeploy's gemm
   layout (column 8j + ORDER[i] in bits 4i..4i+3 of int32 j);
 - SmoothQuant: W = q * scale per output channel, and every quantised linear's input fake-quantised
-  per token: x -> clamp(round(x / s), -128, 127) * s, s = max|x| / 127 (the dynamic_quant rule).
+  per token: x -> clamp(round(x / s), -128, 127) * s, s = max|x| / 127 (the dynamic_quant rule);
+- the int8 LM head (DLINFER_LM_HEAD, which `auto` turns on for both formats): the head's weight
+  fake-quantised per output row by that rule, and its input per token.
 """
 
 from __future__ import annotations
@@ -98,11 +100,32 @@ def _fake_quant_per_token(module, args):
     return (torch.clamp(torch.round(x / s), -128, 127) * s,) + tuple(args[1:])
 
 
+def fake_quant_lm_head(model) -> None:
+    """Make an HF model's LM head compute what the int8 head computes: the weight rounded per output
+    row, w -> q * s with s = float32(max|w_row| / 127), q = clamp(round(w / s), -128, 127) (half to
+    even; a zero row stays zero), and the head's input fake-quantised per token. A tied head gets
+    its own rounded copy: the embedding table used for lookups stays float."""
+    w = model.lm_head.weight.detach().double()
+    s = (w.abs().amax(-1, keepdim=True) / 127).float().double()
+    q = torch.clamp(torch.round(w / torch.where(s == 0, torch.ones_like(s), s)), -128, 127)
+    model.lm_head.weight = torch.nn.Parameter((q * s).float(), requires_grad=False)
+    model.lm_head.register_forward_pre_hook(_fake_quant_per_token)
+
+
+class Int8HeadReference(HFReference):
+    """HF transformers (float32) of a float checkpoint whose LM head is fake-quantised (above)."""
+
+    def __init__(self, model_dir: Path):
+        super().__init__(model_dir)
+        fake_quant_lm_head(self.model)
+
+
 class FakeQuantReference(HFReference):
     """HF transformers (float32) running the dequantised weights of a quantised folder; for
-    SmoothQuant also the per-token fake quantisation of each quantised linear's input."""
+    SmoothQuant also the per-token fake quantisation of each quantised linear's input; with
+    `int8_head` (what DLINFER_LM_HEAD=auto runs for these checkpoints) the int8 LM head's."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, int8_head: bool = True):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config_dict, state = dequantized_state(folder)
@@ -117,6 +140,8 @@ class FakeQuantReference(HFReference):
             for layer in model.model.layers:
                 for linear in layer_linears(config):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
+        if int8_head:
+            fake_quant_lm_head(model)
         model.generation_config.eos_token_id = None
         self.model = model.eval()
         self._memo = {}

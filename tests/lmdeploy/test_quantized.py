@@ -1,6 +1,8 @@
 """Checkpoints written by `python -m dlinfer quantize` through `lmdeploy.pipeline` on
 device_type="cpu": the same greedy tokens as HF transformers running a fake-quant reference built
-from the written files by the test's own code (quantized_models.py), eager and graph mode."""
+from the written files by the test's own code (quantized_models.py), eager and graph mode. The
+engine runs its default DLINFER_LM_HEAD=auto, an int8 LM head for these checkpoints, so the
+references fake-quantise the head too (the float head: test_int8_lm_head.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ import dlinfer.ops
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 12
-# Prompts whose reference paths have no near tie (top-2 margin > 1e-3) for every case below.
+# Prompts whose reference paths have no near tie for every case below, with the float and the int8
+# LM head. SmoothQuant: LMDeploy's and the reference's logits differ by up to ~0.1 already at
+# prefill (float head too; AWQ/RTN: ~1e-5), so these keep every SmoothQuant reference's top-2
+# margin above 0.11 (AWQ/RTN above 2e-3); the previous prompts' 0.007-0.017 held by luck.
 PROMPTS = (
-    "A small blue window in the dark forest",
-    "The model reads a prompt token by token and the engine keeps every key and value in the cache",
-    "One two three four five six seven eight nine ten hundred thousand the first expert routes the second token",
+    "Is five as dark block at",
+    "Model second router last were for quick blue red the eight router ocean forest layer memory",
+    "Router hundred ocean at one these device expert attention that ocean thousand dark for batch blue river "
+    "vendor head in were forest thousand be been dark two in",
 )
 _CASES = [(name, method) for method in ("smooth_quant", "awq", "rtn") for name in ("llama", "qwen2")]
 _CASES.append(("mixtral", "smooth_quant"))  # the experts through fused_moe_w8a8

@@ -68,6 +68,8 @@ def _with(base: dict, **changes) -> dict:
 SPECS: dict[str, dict] = {
     "llama": dict(model_type="llama", intermediate_size=256, **COMMON),
     "qwen2": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=False, **COMMON),
+    # The LM head tied to the embeddings, as SmolLM2's (tests/lmdeploy/test_int8_lm_head.py).
+    "llama_tied": dict(model_type="llama", intermediate_size=256, **_with(COMMON, tie_word_embeddings=True)),
     "mixtral": dict(model_type="mixtral", intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
                     sliding_window=None, **COMMON),
     "qwen2_moe": dict(model_type="qwen2_moe", intermediate_size=256, moe_intermediate_size=64, num_experts=4,

@@ -15,6 +15,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     device_queries,
     engine_config,
     env_check,
+    lm_head,
     model_agent,
     model_dtype,
     mp_engine,
@@ -32,6 +33,7 @@ PATCHES = (
     env_check,         # LMDeploy's torch check runs on the engine's device
     cuda_calls,        # streams/events/"cuda" strings in the engine modules
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
+    lm_head,           # DLINFER_LM_HEAD: the LM head quantised to int8 after loading (quantised checkpoints)
     openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up
     mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
     mp_executor,       # tp > 1: ranks import the adaptor, share the cores, end the engine when one dies

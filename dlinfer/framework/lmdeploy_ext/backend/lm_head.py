@@ -1,0 +1,159 @@
+"""The int8 LM head: `DLINFER_LM_HEAD=int8|float|auto`, applied once after the weights load.
+
+Why: LMDeploy's AWQ and SmoothQuant checkpoint formats leave the LM head in float. For a small
+model this is the largest single weight a decode step reads: SmolLM2-135M's tied head is
+float32 [49152, 576], 113 MB, more bytes than all its quantised layers together.
+
+What: the head becomes `Int8LMHead`, which runs the existing W8A8 ops (dlinfer/ops/quant.py):
+`dynamic_quant(hidden)` (per-token symmetric int8) then `linear_w8a8` against the head weight
+quantised once per output row by the same rule (scale = max|w| / 127 in float32, round half to
+even, clamp to [-128, 127]; a zero row gets scale 0), logits in the head's float dtype. On the
+cpu vendor the int8 product is exact (int32) on its VNNI kernel.
+
+- tied head (its weight shares the embedding table's storage after loading): the float table
+  stays for token lookups; the int8 copy is extra (a quarter of float32's bytes). A weight update
+  that runs LMDeploy's `update_weights` again re-quantises it from the table.
+- untied head: the float weight is freed.
+- `auto` (the default): int8 when the checkpoint is quantised (`quant_method` "awq" or
+  "smooth_quant"), float otherwise.
+
+tp > 1: LMDeploy 0.18 builds the LM head unsplit (`build_rowwise_linear(..., is_tp=False)`,
+models/llama.py, models/utils/model.py `build_lm_head`): every rank holds the whole head and
+computes every logit, so every rank quantises its own copy the same way and the int8 head runs
+unchanged. Graph mode: LMDeploy computes logits outside the model's forward (`get_logits`), so the
+head runs eagerly in both modes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+import dlinfer.ops
+
+ENV = "DLINFER_LM_HEAD"
+CHOICES = ("int8", "float", "auto")
+QUANTISED_METHODS = ("awq", "smooth_quant")  # LMDeploy's quant_method names of the formats dlinfer runs
+log = logging.getLogger("dlinfer.lmdeploy.lm_head")
+
+
+def read_option(environ=os.environ) -> str:
+    """The value of DLINFER_LM_HEAD ("auto" when unset); a ValueError naming it and the choices."""
+    value = environ.get(ENV, "auto")
+    if value.strip().lower() not in CHOICES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)} (unset means auto)")
+    return value.strip().lower()
+
+
+def choose(option: str, quant_method: Optional[str]) -> str:
+    """"int8" or "float": the head an engine gets for `option` and the checkpoint's quant_method."""
+    if option == "auto":
+        return "int8" if quant_method in QUANTISED_METHODS else "float"
+    return option
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [V, H] float -> (qweight [V, H] int8, scale [V] float32), the dynamic_quant rule per row."""
+    qweight, scale = dlinfer.ops.dynamic_quant(weight.detach())
+    return qweight.contiguous(), scale.contiguous()
+
+
+class Int8LMHead(torch.nn.Module):
+    """logits [..., V] = linear_w8a8(dynamic_quant(x [..., H]), qweight [V, H], scale [V]) (+ bias [V]).
+
+    `weight` is what LMDeploy's code reads of a head: `get_logits` casts the hidden states to
+    `lm_head.weight.dtype`, and a tied model's `update_weights` assigns the embedding table to it.
+    For a tied head it is that table (a Parameter, shared); for an untied one an empty tensor
+    of the head's dtype (the float weight is freed).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], tied: bool):
+        super().__init__()
+        self.tied = tied
+        self.out_dtype = weight.dtype
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        qweight, scale = quantize_rows(weight)
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.bias = bias
+        if tied:
+            self.weight = weight  # the embedding's Parameter: registered here too, as LMDeploy had it
+        else:
+            self.register_buffer("weight", weight.new_empty(0), persistent=False)
+
+    def update_weights(self) -> None:
+        """Re-quantise a tied head from its (possibly reloaded) table; LMDeploy calls this after
+        every weight load, after the model's own `update_weights` has re-tied `weight`."""
+        if self.tied and self.weight.numel() > 0:
+            self.qweight, self.scale = quantize_rows(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xscale = dlinfer.ops.dynamic_quant(x)
+        return dlinfer.ops.linear_w8a8(xq, self.qweight, xscale, self.scale, self.out_dtype, bias=self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, tied={self.tied}"
+
+
+def _float_head(module) -> Optional[str]:
+    """None if `module` is an LMDeploy float linear the int8 head can replace, else why not."""
+    from lmdeploy.pytorch.nn.linear.default import BaseLinear
+
+    if type(module) is not BaseLinear:
+        return f"{type(module).__name__} is not LMDeploy's float linear"
+    if len(module.lora_adapters) > 0:
+        return "it carries LoRA adapters"
+    if getattr(module, "is_tp", False):
+        return "it is split across tensor-parallel ranks"
+    weight = module.weight
+    if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"its weight is {weight.dtype} {list(weight.shape)}"
+    return None
+
+
+def _tied_to(model: torch.nn.Module, name: str, weight: torch.Tensor) -> Optional[torch.nn.Parameter]:
+    """The parameter of another module of `model` that holds the head's weight (the embedding table,
+    once LMDeploy's `update_weights` tied them), or None. Compared by storage, not identity: the
+    head's own `update_weights` re-wraps the tied tensor in a new Parameter."""
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if not n.startswith(name + ".") and p.data_ptr() == weight.data_ptr() and p.shape == weight.shape:
+            return p
+    return None
+
+
+def install(model: torch.nn.Module) -> int:
+    """Replace every `lm_head` submodule of `model` (a text model's, a VLM's language model's) by
+    an `Int8LMHead`; returns how many. A head that cannot be replaced stays float, with a warning."""
+    heads = [(name, mod) for name, mod in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
+    replaced = 0
+    for name, head in heads:
+        why_not = _float_head(head)
+        if why_not is not None:
+            log.warning("%s=int8: %s stays float: %s", ENV, name, why_not)
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        table = _tied_to(model, name, head.weight)
+        tied = table is not None
+        int8_head = Int8LMHead(table if tied else head.weight, head.bias, tied)
+        setattr(parent, "lm_head", int8_head)
+        replaced += 1
+        log.info("%s=int8: %s is int8 [%d, %d] (%s)", ENV, name, int8_head.out_features, int8_head.in_features,
+                 "tied: the float embedding table kept for lookups" if tied else "the float weight freed")
+    if not heads:
+        log.warning("%s=int8: the model has no lm_head; nothing quantised", ENV)
+    return replaced
+
+
+def apply_for_engine(model: torch.nn.Module, model_config, option: str, weights_loaded: bool) -> str:
+    """After the weights load: the head `option` asks for (`choose`); returns "int8" or "float"."""
+    quant = getattr(model_config, "quant_config", None)
+    head = choose(option, getattr(quant, "quant_method", None))
+    if head == "int8" and not weights_loaded:
+        log.warning("%s=int8: the engine starts without weights (empty_init); the LM head stays float", ENV)
+        return "float"
+    if head == "int8" and install(model) == 0:
+        return "float"
+    return head
