@@ -49,6 +49,17 @@ def timeit(fn, min_time=0.3, min_reps=3):
     return statistics.median(times)
 
 
+def median_time(fn, reps=5):
+    """Median seconds of `reps` calls of fn after one warm-up call (a fixed count, unlike timeit)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def read_bandwidth(nbytes=512 << 20):
     """Bytes per second a sum over a large float32 tensor reads (the machine's read bandwidth)."""
     src = torch.ones(nbytes // 4, dtype=torch.float32)

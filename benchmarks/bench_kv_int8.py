@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from bench_cpu_ops import median_time  # benchmarks/ is on sys.path when this file runs
 
 import dlinfer.ops as ops
 import dlinfer.vendor
@@ -23,14 +23,6 @@ import dlinfer.vendor
 HQ, HKV, D, BS = 32, 8, 128, 64
 
 
-def median_time(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make(batch, context, cache_dtype, q_dtype, g):

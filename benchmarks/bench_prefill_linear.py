@@ -18,23 +18,14 @@ summed over the four projections, with GFLOP/s.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_cpu_ops import median_time  # benchmarks/ is on sys.path when this file runs
 import torch.nn.functional as F
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 
 
-def median_time(fn, reps=5):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def candidates(w: torch.Tensor, m: int) -> dict:
