@@ -176,12 +176,12 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, o
 
 def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float):
     """hidden_states [N, H], weight [H] -> (xq [N, H] int8, scale [N] float32) of this vendor's rms_norm."""
-    return _rms_norm_w8a8(hidden_states, weight.float().contiguous(), epsilon)
+    return _rms_norm_w8a8(hidden_states, _as_read(weight, hidden_states.dtype), epsilon)
 
 
 def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float):
     """([N, H], [N, H], [H]) -> (xq [N, H] int8, scale [N] float32, h + r [N, H])."""
-    return _add_rms_norm_w8a8(hidden_states, residual, weight.float().contiguous(), epsilon)
+    return _add_rms_norm_w8a8(hidden_states, residual, _as_read(weight, hidden_states.dtype), epsilon)
 
 
 def fused_moe_w8a8(hidden_states: Tensor, gate_up_weights: Tensor, gate_up_scales: Tensor, down_weights: Tensor,

@@ -51,9 +51,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(const at::Tensor& hidd
   const at::Tensor hidden = dense_rows(hidden_in);
   const std::optional<at::Tensor> residual =
       residual_in.has_value() ? std::optional<at::Tensor>(dense_rows(*residual_in)) : std::nullopt;
-  TORCH_CHECK(hidden.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kFloat &&
+  TORCH_CHECK(hidden.dim() == 2 && weight.is_contiguous() &&
+                  (weight.scalar_type() == at::kFloat || weight.scalar_type() == hidden.scalar_type()) &&
                   weight.numel() == hidden.size(1),
-              "rms_norm_w8a8: hidden_states [N, H], weight float32 [H]");
+              "rms_norm_w8a8: hidden_states [N, H], weight [H] float32 or hidden_states' dtype");
   const int64_t N = hidden.size(0), H = hidden.size(1);
   at::Tensor q = at::empty({N, H}, hidden.options().dtype(at::kChar));
   at::Tensor scale = at::empty({N}, hidden.options().dtype(at::kFloat));
@@ -70,19 +71,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(const at::Tensor& hidd
     const T* rp = residual ? residual->data_ptr<T>() : nullptr;
     const int64_t ldh = hidden.stride(0), ldr = residual ? residual->stride(0) : 0;
     T* sum_p = residual ? summed.data_ptr<T>() : nullptr;
-    const float* w = weight.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* sp = scale.data_ptr<float>();
-    at::parallel_for(0, N, grain_for(N, N * H * static_cast<int64_t>(sizeof(T))), [&](int64_t begin, int64_t end) {
-      std::vector<T> normed(H);
-      std::vector<float> row(H);
-      for (int64_t n = begin; n < end; ++n) {
-        norm_row(hp + n * ldh, rp ? rp + n * ldr : nullptr, w, normed.data(), sum_p ? sum_p + n * H : nullptr, H,
-                 static_cast<float>(eps));
-        to_float(normed.data(), row.data(), H);
-        sp[n] = quantize_row(row.data(), qp + n * H, H);
-      }
-    });
+    auto run = [&](auto* w) {  // the weight read as stored (float32 or T), as rms_norm does (norm.cpp)
+      at::parallel_for(0, N, grain_for(N, N * H * static_cast<int64_t>(sizeof(T))), [&](int64_t begin, int64_t end) {
+        std::vector<T> normed(H);
+        std::vector<float> row(H);
+        for (int64_t n = begin; n < end; ++n) {
+          norm_row(hp + n * ldh, rp ? rp + n * ldr : nullptr, w, normed.data(), sum_p ? sum_p + n * H : nullptr, H,
+                   static_cast<float>(eps));
+          to_float(normed.data(), row.data(), H);
+          sp[n] = quantize_row(row.data(), qp + n * H, H);
+        }
+      });
+    };
+    if (weight.scalar_type() == at::kFloat) {
+      run(weight.data_ptr<float>());
+    } else {
+      run(weight.data_ptr<T>());
+    }
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return {q, scale, summed};
 }
