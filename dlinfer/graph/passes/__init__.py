@@ -20,15 +20,18 @@ from dlinfer.graph.passes.cse import cse_pass
 from dlinfer.graph.passes.rms_norm import add_rms_norm_pass, rms_norm_pass
 from dlinfer.graph.passes.rotary import rotary_pass
 from dlinfer.graph.passes.silu_and_mul import silu_and_mul_pass
+from dlinfer.graph.passes.view_chains import view_chain_pass
 
 # cse first (fewer nodes to match); add_rms_norm after rms_norm: it fuses adds into the rms_norm
-# nodes the latter wrote.
+# nodes the latter wrote; view_chains last (the fusions' patterns are matched through the views
+# as the model wrote them).
 PASSES: Dict[str, Callable[[fx.GraphModule], int]] = {
     "cse": cse_pass,
     "rotary": rotary_pass,
     "silu_and_mul": silu_and_mul_pass,
     "rms_norm": rms_norm_pass,
     "add_rms_norm": add_rms_norm_pass,
+    "view_chains": view_chain_pass,
 }
 
 
