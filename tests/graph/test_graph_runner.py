@@ -122,19 +122,33 @@ def test_one_compile_per_bucket(model_and_runner):
 
 
 @pytest.mark.parametrize("kv_lens", [[7, 3, 12], [2], [9, 4], [5, 6, 7, 8], [14, 2, 3]])
-def test_warm_guards_pick_the_right_graph(model_and_runner, kv_lens, monkeypatch):
-    """Every bucket compiled: steps evaluate only the guards telling the graphs apart
-    (skip_guard_eval_unsafe) and still run the graph of their own bucket: eager mode's results."""
+def test_warm_steps_replay_their_bucket_graph(model_and_runner, kv_lens, monkeypatch):
+    """Every bucket compiled: a step calls its bucket's graph without Dynamo (graph_replay.py):
+    eager mode's results and caches, no compile, the compiled model never entered."""
     model, runner = model_and_runner
-    assert runner.compiles == len(runner.buckets)
+    assert runner.compiles == len(runner.buckets) and sorted(runner._replays) == runner.buckets
+    monkeypatch.setattr(runner, "_compiled_model", lambda: pytest.fail("a warm step went through Dynamo"))
+    steps = runner.graph_steps
+    got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 7), _caches())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
+    assert runner.compiles == len(runner.buckets) and runner.graph_steps == steps + 1
+
+
+@pytest.mark.parametrize("kv_lens", [[7, 3, 12], [2], [9, 4]])
+def test_warm_guards_pick_the_right_graph(model_and_runner, kv_lens, monkeypatch):
+    """Without replays (a graph they cannot serve), warm steps go through Dynamo evaluating only
+    the guards telling the graphs apart (skip_guard_eval_unsafe): eager mode's results."""
+    model, runner = model_and_runner
+    monkeypatch.setattr(runner, "_replays", {})
     stances = []
     set_stance = torch.compiler.set_stance
     monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(k) or set_stance(*a, **k))
-    got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 7), _caches())
+    got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 9), _caches())
     assert stances == [dict(skip_guard_eval_unsafe=True)]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
-    assert runner.compiles == len(runner.buckets)
+    assert runner.compiles == len(runner.buckets) and not runner._replays
 
 
 def test_graph_guards_option(monkeypatch):
@@ -174,3 +188,89 @@ def test_model_dynamo_cannot_capture_falls_back_to_eager(caplog):
     got, expected, _, _ = _both(runner, model, _step([5, 2]), _caches())  # stays eager, no retry
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     assert runner.graph_steps == 0
+
+
+class DictDecoder(TinyDecoder):
+    """Returns a dict built in the forward (not one of the graph's outputs), takes **kwargs."""
+
+    def forward(self, input_ids, position_ids, past_key_values, attn_metadata, inputs_embeds=None, **kwargs):
+        out = super().forward(input_ids, position_ids, past_key_values, attn_metadata, inputs_embeds)
+        return {"hidden_states": out * kwargs.get("gain", 1.0)}
+
+
+def test_full_guards_never_replay(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setenv("DLINFER_GRAPH_GUARDS", "full")
+    model = TinyDecoder()
+    runner = _runner(model)
+    for kv_lens in ([3, 4], [4, 5], [5, 6]):
+        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert runner.graph_steps == 3 and not runner._replays
+
+
+def test_replay_option(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setenv("DLINFER_GRAPH_REPLAY", "0")
+    model = TinyDecoder()
+    runner = _runner(model)
+    for kv_lens in ([3, 4], [4, 5]):
+        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert runner.graph_steps == 2 and not runner._replays
+    monkeypatch.setenv("DLINFER_GRAPH_REPLAY", "yes")
+    with pytest.raises(ValueError, match="DLINFER_GRAPH_REPLAY='yes': expected '1'"):
+        _runner(TinyDecoder())
+
+
+def test_output_the_graph_does_not_return_keeps_dynamo():
+    """A forward whose result is built around the graph's outputs (a dict) is not replayed: its
+    steps still go through Dynamo and equal eager mode."""
+    torch._dynamo.reset()
+    model = DictDecoder()
+    runner = _runner(model)
+    for kv_lens in ([3, 4], [4, 5]):
+        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
+        torch.testing.assert_close(got["hidden_states"], expected["hidden_states"], atol=1e-5, rtol=1e-5)
+    assert runner.graph_steps == 2 and not runner._replays
+
+
+def test_replay_inputs_from_var_keyword_arguments():
+    """Sources under the forward's **kwargs (L['kwargs'][...]) are gathered like the others."""
+    from dlinfer.framework.lmdeploy_ext.graph_replay import frame_function
+
+    frame = frame_function(DictDecoder().forward)
+    got = frame(dict(input_ids=1, position_ids=2, past_key_values=3, attn_metadata=4, gain=5))
+    assert got == dict(input_ids=1, position_ids=2, past_key_values=3, attn_metadata=4, inputs_embeds=None,
+                       kwargs={"gain": 5})
+
+
+def test_graph_inputs_not_expressible_are_refused():
+    from dlinfer.framework.lmdeploy_ext.graph_replay import gather_function
+
+    gather = gather_function(["L['a'][1]", "L['b'].size()[0]"])
+    assert gather({"a": [0, 7], "b": torch.zeros(3)}) == (7, 3)
+    assert gather_function(["L['a']", "G['torch'].x"]) is None  # a global
+    assert gather_function(["L['a']["]) is None  # not an expression
+    assert gather_function(["L['a']", None]) is None  # no source at all
+
+
+class CountingDecoder(TinyDecoder):
+    """Counts its forwards on itself: a Python side effect Dynamo replays after the graph."""
+
+    calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return super().forward(*args, **kwargs)
+
+
+def test_forward_with_python_side_effects_keeps_dynamo():
+    torch._dynamo.reset()
+    model = CountingDecoder()
+    runner = _runner(model)
+    for kv_lens in ([3, 4], [4, 5], [5, 6]):
+        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert runner.graph_steps == 3 and not runner._replays
+    assert model.calls == 6  # three eager forwards, three through Dynamo: none skipped
