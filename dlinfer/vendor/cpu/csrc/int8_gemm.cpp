@@ -30,7 +30,7 @@ constexpr int kTile = kGemvRows;          // rows of a per pass over a block of 
 constexpr int64_t kAlign = 64;            // a rows padded (with zeros) to a multiple of this
 constexpr int64_t kBlockBytes = 48 * 1024;  // b rows per block: about this many bytes
 constexpr int64_t kMinIntMmK = 16;        // at::_int_mm only from this K on (see int8_matmul_rows)
-constexpr int64_t kPrefetch = 1024;       // bytes ahead in a b row (4 KB ahead over 4 rows in flight)
+constexpr int64_t kPrefetch = 8192;       // bytes ahead in a b row: 1.3x the streaming rate of 1 KB (SmolLM2 W8A8, 1 thread, Zen 4); 16 KB no better
 
 template <int M>
 void tile_portable(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
@@ -118,11 +118,9 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int8
         for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], _mm512_loadu_si512(a + m * lda + kv), bv);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const uint32_t c = static_cast<uint32_t>(_mm512_reduce_add_epi32(corr[r]));
-      for (int m = 0; m < M; ++m)
-        out[m * ldo + n + r] = static_cast<int32_t>(static_cast<uint32_t>(_mm512_reduce_add_epi32(acc[r][m])) - c);
-    }
+    // sum(acc) - sum(corr) as one reduction of acc - corr: the same value, lane sums wrap alike
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) out[m * ldo + n + r] = reduce_wrapping(_mm512_sub_epi32(acc[r][m], corr[r]));
   }
   if constexpr (R > 1) {
     if (n < n1) tile_vnni<M, 1>(a, lda, b, K, n, n1, out, ldo);
