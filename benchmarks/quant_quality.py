@@ -2,14 +2,15 @@
 SmoothQuant W8A8, the checkpoints written by `python -m dlinfer quantize` (docs/quantize.md).
 
     .venv/bin/python benchmarks/quant_quality.py [--model DIR] [--runs rtn:64,awq:64,awq:32,smooth_quant]
-        [--text FILE] [--work DIR]
+        [--text FILE [--text FILE ...]] [--work DIR]
 
 The quantised models are evaluated as HF transformers running exactly what LMDeploy's CPU engine
 computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): the weights
 dequantised from the written files, and for SmoothQuant each quantised linear's input
-fake-quantised per token (tests/lmdeploy/quantized_models.py builds both). The held-out text
-(benchmarks/data/heldout.txt, written for this project) is not the calibration corpus
-(dlinfer/quantize/data/calibration.txt). Perplexity over non-overlapping windows of --window tokens.
+fake-quantised per token (tests/lmdeploy/quantized_models.py builds both). The held-out texts
+(benchmarks/data/heldout.txt, 832 tokens, and heldout_long.txt, 3942 tokens on other topics, both
+written for this project) are not the calibration corpus (dlinfer/quantize/data/calibration.txt).
+Perplexity over non-overlapping windows of --window tokens, one column per text.
 
 Each model is evaluated with the float LM head and with the int8 LM head (DLINFER_LM_HEAD, which
 the engine's default `auto` uses for the quantised checkpoints): the head's weight rounded per
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default="rtn:64,awq:64,awq:32,smooth_quant",
                         help="comma-separated METHOD[:GROUP] (4-bit methods need a group dividing SmolLM2's "
                              "K = 576: 64 or 32); awq-noclip is awq without the clipping search")
-    parser.add_argument("--text", type=Path, default=ROOT / "benchmarks" / "data" / "heldout.txt")
+    parser.add_argument("--text", type=Path, action="append", default=None,
+                        help="held-out text (repeatable; default: benchmarks/data/heldout.txt and heldout_long.txt)")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--work", type=Path, default=None, help="where the quantised folders go (default: a temp dir)")
     parser.add_argument("--lm-head", choices=("float", "int8", "both"), default="both",
@@ -71,16 +73,18 @@ def main(argv=None) -> int:
         args.model = build_smollm2()
     from quantized_models import FakeQuantReference, fake_quant_lm_head
 
+    texts = args.text or [ROOT / "benchmarks" / "data" / name for name in ("heldout.txt", "heldout_long.txt")]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    ids = tokenizer(args.text.read_text(), add_special_tokens=False)["input_ids"]
+    ids = [tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] for text in texts]
     print(f"machine: {machine.cpu_model()}; torch threads {torch.get_num_threads()}")
-    print(f"held-out text: {args.text.name}, {len(ids)} tokens, windows of {args.window}")
+    for text, one in zip(texts, ids):
+        print(f"held-out text: {text.name}, {len(one)} tokens, windows of {args.window}")
     rows = []
     for head in heads:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         if head == "int8":
             fake_quant_lm_head(model)
-        rows.append(("float32", "-", head, perplexity(model, ids, args.window), 0.0))
+        rows.append(("float32", "-", head, [perplexity(model, one, args.window) for one in ids], 0.0))
     work = args.work or Path(tempfile.mkdtemp(prefix="dlinfer-quality-"))
     labels = {"rtn": "RTN 4-bit (W4A16)", "awq": "AWQ 4-bit (W4A16)", "awq-noclip": "AWQ 4-bit, no clipping",
               "smooth_quant": "SmoothQuant W8A8"}
@@ -94,16 +98,19 @@ def main(argv=None) -> int:
                      clip=not method.endswith("-noclip"))
         seconds = time.perf_counter() - start
         for head in heads:
-            ppl = perplexity(FakeQuantReference(dst, int8_head=head == "int8").model, ids, args.window)
+            model = FakeQuantReference(dst, int8_head=head == "int8").model
+            ppl = [perplexity(model, one, args.window) for one in ids]
             rows.append((labels[method], f"g{group_size}" if method != "smooth_quant" else "per channel / per token",
                          head, ppl, seconds))
-            print(f"{labels[method]} {rows[-1][1]} ({head} head): perplexity {ppl:.3f}, quantised in {seconds:.0f} s",
-                  flush=True)
+            print(f"{labels[method]} {rows[-1][1]} ({head} head): perplexity "
+                  f"{', '.join(f'{p:.3f}' for p in ppl)}, quantised in {seconds:.0f} s", flush=True)
     base = rows[0][3]
-    print(f"\n| model | grouping | LM head | perplexity | vs float32 ({rows[0][2]} head) | quantise time (s) |")
-    print("|---|---|---|---|---|---|")
+    columns = " | ".join(f"{text.name} | vs float32 ({rows[0][2]} head)" for text in texts)
+    print(f"\n| model | grouping | LM head | {columns} | quantise time (s) |")
+    print("|---|---|---|" + "---|---|" * len(texts) + "---|")
     for label, grouping, head, ppl, seconds in rows:
-        print(f"| {label} | {grouping} | {head} | {ppl:.3f} | {100 * (ppl / base - 1):+.2f}% | {seconds:.0f} |")
+        cells = " | ".join(f"{p:.3f} | {100 * (p / b - 1):+.2f}%" for p, b in zip(ppl, base))
+        print(f"| {label} | {grouping} | {head} | {cells} | {seconds:.0f} |")
     return 0
 
 

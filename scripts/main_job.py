@@ -100,7 +100,7 @@ def _run(folder: Path, label: str, args) -> tuple[float, float]:
 def _awq_folder(folder: Path) -> Path:
     """SmolLM2 quantised to AWQ 4-bit (group 64: its K=576 is not a multiple of 128) by
     `python -m dlinfer quantize`, once, next to the float folder (delete it to quantise again).
-    The folder's name carries the method's recipe tag (`SmolLM2-135M-Instruct-awq-g64-clip`), so a
+    The folder's name carries the method's recipe tag (`SmolLM2-135M-Instruct-awq-g64-duo-clip`), so a
     folder written before the method changed is not reused."""
     from dlinfer.quantize.cli import quantize
     from dlinfer.quantize.writer import cache_name

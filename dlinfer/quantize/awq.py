@@ -1,13 +1,16 @@
-"""AWQ (Lin et al., "AWQ: Activation-aware Weight Quantization"): per input channel scales
-s = mean|x|^alpha, alpha searched on a grid to minimise the error of the linears' outputs on the
-calibration activations, folded into the preceding norm or linear; then asymmetric 4-bit group
-quantisation (round to nearest, zero point). alpha = 0 is on the grid, so the search never does
-worse than round-to-nearest (RTN) on its own objective."""
+"""AWQ (Lin et al., "AWQ: Activation-aware Weight Quantization"): per input channel scales, one
+exponent alpha searched on a grid per group of linears to minimise the error of the linears'
+outputs on the calibration activations, folded into the preceding norm or linear; then
+asymmetric 4-bit group quantisation (round to nearest, zero point). The scales are AutoAWQ's
+"duo" form s = mean|x|^alpha / mean|w~|^(1 - alpha), w~ = |w| / max|w| of its group (the
+weight's own spread, mean over the output rows); `duo=False` is the paper's s = mean|x|^alpha.
+s = 1 (round-to-nearest, RTN) is always the grid's first point, so the search never does worse
+than RTN on its own objective."""
 
 from __future__ import annotations
 
 N_GRID = 20
-MAX_ROWS = 4096  # calibration rows used in the search loss (seeded subsample)
+MAX_ROWS = 4096  # calibration rows (tokens) used in the search loss (seeded subsample)
 BITS = 4
 QMAX = 2**BITS - 1
 
@@ -36,35 +39,52 @@ def fake_quant(w, group_size: int, scale_dtype):
     return deq.reshape(n, k)
 
 
-def search_scales(x, weights, group_size: int, scale_dtype, n_grid: int = N_GRID):
+def weight_mean(weights, group_size: int):
+    """`[K]`: mean over the output rows of |w| / max|w| of its group, for the `weights [N_i, K]`."""
+    import torch
+
+    w = torch.cat([wi.detach().float() for wi in weights], 0)
+    n, k = w.shape
+    g = w.abs().reshape(n, k // group_size, group_size)
+    return (g / (g.amax(-1, keepdim=True) + 1e-6)).reshape(n, k).mean(0)
+
+
+def candidate(x_mean, w_mean, alpha: float):
+    """The scales `[K]` for one alpha: mean|x|^alpha (/ w_mean^(1 - alpha) when w_mean is given),
+    normalised by sqrt(max s * min s)."""
+    s = x_mean.pow(alpha)
+    if w_mean is not None:
+        s = s / (w_mean.pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
+    return s / (s.max() * s.min()).sqrt()
+
+
+def search_scales(x, weights, group_size: int, scale_dtype, n_grid: int = N_GRID, duo: bool = True):
     """(alpha, s [K] float32, relative error): the grid point minimising
-    ||x W^T - x (Q(W s) / s)^T||^2 for `x [R, K]` and the concatenated `weights [N_i, K]`."""
+    ||x W^T - x (Q(W s) / s)^T||^2 / ||x W^T||^2 for `x [R, K]` and the concatenated
+    `weights [N_i, K]`; alpha -1 stands for s = 1 (RTN), then alpha = 0, 1/n_grid, ..., (n_grid-1)/n_grid
+    (n_grid = 0: RTN alone)."""
     import torch
 
     if x.shape[0] > MAX_ROWS:
         gen = torch.Generator().manual_seed(0)
         x = x[torch.randperm(x.shape[0], generator=gen)[:MAX_ROWS]]
     x = x.float()
-    w = torch.cat([wi.float() for wi in weights], 0)
+    w = torch.cat([wi.detach().float() for wi in weights], 0)
     ref = x @ w.T
     norm = ref.pow(2).mean().clamp(min=1e-30)
     x_mean = x.abs().mean(0)
+    w_mean = weight_mean(weights, group_size) if duo else None
     best = (None, None, float("inf"))
-    for i in range(n_grid):
-        alpha = i / n_grid
-        s = x_mean.pow(alpha).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
+    # RTN (s = 1, reported as alpha -1) first: with duo, alpha = 0 is s = 1 / w_mean, not RTN
+    grid = [(-1.0, None)] + [(i / n_grid, w_mean) for i in range(n_grid)]
+    for alpha, wm in grid:
+        s = candidate(x_mean, wm, max(alpha, 0.0))
         wq = fake_quant(w * s, group_size, scale_dtype) / s
         err = ((x @ wq.T - ref).pow(2).mean() / norm).item()
         if err < best[2]:
             best = (alpha, s, err)
     return best
-
-
-def rtn_error(x, weights, group_size: int, scale_dtype) -> float:
-    """The relative output error of plain round-to-nearest (alpha = 0), for the progress line."""
-    alpha, s, err = search_scales(x, weights, group_size, scale_dtype, n_grid=1)
-    return err
 
 
 def fold_into_norm(norm, linears, s) -> None:
@@ -89,6 +109,11 @@ def fold_into_linear(prev, linears, s) -> None:
             lin.weight.mul_(s.to(lin.weight.dtype).view(1, -1))
 
 
+def rtn_error(x, weights, group_size: int, scale_dtype) -> float:
+    """The relative output error of plain round-to-nearest (s = 1), for the progress line."""
+    return search_scales(x, weights, group_size, scale_dtype, n_grid=0)[2]
+
+
 def groups(layer):
     """(prev module, [linears], name of the linear whose input is recorded) for one decoder layer:
     the norms before q/k/v and gate/up, v before o (only when their widths match: not under
@@ -102,7 +127,7 @@ def groups(layer):
     return out
 
 
-def scale_layer(layer, inputs: dict, group_size: int, scale_dtype) -> list:
+def scale_layer(layer, inputs: dict, group_size: int, scale_dtype, duo: bool = True) -> list:
     """Search and fold AWQ scales into `layer` in place; `inputs` maps a linear's name to its
     recorded input `[R, K]`. Returns one (linear names, alpha, rtn error, awq error) per group."""
     import torch
@@ -110,8 +135,9 @@ def scale_layer(layer, inputs: dict, group_size: int, scale_dtype) -> list:
     report = []
     for prev, linears, name in groups(layer):
         x = inputs[name]
-        rtn = rtn_error(x, [lin.weight for lin in linears], group_size, scale_dtype)
-        alpha, s, err = search_scales(x, [lin.weight for lin in linears], group_size, scale_dtype)
+        weights = [lin.weight for lin in linears]
+        rtn = rtn_error(x, weights, group_size, scale_dtype)
+        alpha, s, err = search_scales(x, weights, group_size, scale_dtype, duo=duo)
         if isinstance(prev, torch.nn.Linear):
             fold_into_linear(prev, linears, s)
         else:

@@ -9,15 +9,17 @@ A group's error depends on its own ratio only through `d_n`, so the search is do
 channel, group): first each group alone (`C`'s diagonal block, the objective AutoAWQ uses), then
 `SWEEPS` coordinate-descent passes over the groups on the whole output channel (the cross-group
 terms of `C` included), each step keeping a ratio only when it lowers that error. r = 1 is on the
-grid, so the result never does worse than no clipping on the objective. q/k are not clipped by
-default (their error reaches the output through the softmax, which this objective ignores)."""
+grid, so the result never does worse than no clipping on the objective. Every linear is clipped,
+q/k included (AutoAWQ skips them because their error reaches the output through the softmax, which
+this objective ignores; on SmolLM2-135M clipping them lowered the held-out perplexity,
+docs/benchmarks.md); `skip` can still leave some out."""
 
 from __future__ import annotations
 
 N_GRID = 20         # ratio steps from 1.0 down to MIN_RATIO
 MIN_RATIO = 0.5
 SWEEPS = 2
-SKIP = ("q_proj", "k_proj")
+SKIP = ()           # linear names (last path part) never clipped
 
 
 def ratios(n_grid: int = N_GRID, min_ratio: float = MIN_RATIO) -> list[float]:

@@ -71,7 +71,8 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
                                                 kwargs, num_kv_heads))
         if method == "awq":
             groups = awq.scale_layer(layer, seen, group_size, scale_dtype)
-            detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} alpha={a:.2f} err rtn {r:.2e} "
+            detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} alpha={'rtn' if a < 0 else f'{a:.2f}'} "
+                               f"err rtn {r:.2e} "
                                f"awq {e:.2e}" for names, a, r, e in groups)
         elif method == "smooth_quant":
             groups = smooth_quant.smooth_layer(layer, seen)

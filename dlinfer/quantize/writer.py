@@ -12,10 +12,11 @@ from pathlib import Path
 from dlinfer.quantize.source import QuantizeInputError
 
 STAMP_FILE = "dlinfer_quantize.json"
-# A tag per method, changed whenever what the method writes changes (awq: "clip" since the
-# weight-clipping search), so that callers caching a checkpoint under `cache_name` (scripts/
-# main_job.py --w4a16, benchmarks/e2e_sides.py) never reuse a folder the older code wrote.
-RECIPE_TAGS = {"awq": "clip", "rtn": "", "smooth_quant": ""}
+# A tag per method, changed whenever what the method writes changes (awq: "clip" with the
+# weight-clipping search, "duo-clip" since the duo scales and the clipping of q/k too), so that
+# callers caching a checkpoint under `cache_name` (scripts/main_job.py --w4a16,
+# benchmarks/e2e_sides.py) never reuse a folder the older code wrote.
+RECIPE_TAGS = {"awq": "duo-clip", "rtn": "", "smooth_quant": ""}
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SKIPPED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
@@ -28,7 +29,7 @@ def check_destination(dst: Path) -> None:
 
 
 def cache_name(src_name: str, method: str, group_size: int = 64) -> str:
-    """The folder name a cached checkpoint of SRC gets: `SRC-awq-g64-clip`, `SRC-rtn-g64`,
+    """The folder name a cached checkpoint of SRC gets: `SRC-awq-g64-duo-clip`, `SRC-rtn-g64`,
     `SRC-smooth_quant`."""
     parts = [src_name, method] + ([f"g{group_size}"] if method in ("awq", "rtn") else [])
     return "-".join(parts + ([RECIPE_TAGS[method]] if RECIPE_TAGS[method] else []))
@@ -41,8 +42,9 @@ def stamp(method: str, group_size: int, clip: bool, calib_shape: tuple) -> dict:
         out["group_size"] = group_size
     if method == "awq":
         out["clip"] = clip
+        out["scales"] = "duo"
         if not clip:
-            out["recipe"] = "noclip"
+            out["recipe"] = "duo-noclip"
     return out
 
 

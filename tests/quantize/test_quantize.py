@@ -84,6 +84,24 @@ def test_awq_search_beats_rtn_on_outlier_channels_and_keeps_the_function():
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-3)
 
 
+def test_duo_scales_search_never_loses_to_rtn_and_uses_the_weights_spread():
+    """The duo grid starts at s = 1 (RTN, alpha reported -1), so its error is at most RTN's; with
+    uniform activations and weights whose groups have one large column, mean|x|^alpha alone has
+    nothing to scale (s = 1 at every alpha), while the duo scales use the weights' spread."""
+    torch.manual_seed(2)
+    x = torch.randn(512, 128)
+    w = torch.randn(64, 128) * 0.02
+    w[:, ::32] = 0.3
+    rtn = awq.rtn_error(x, [w], 32, torch.float16)
+    alpha, s, err = awq.search_scales(x, [w], 32, torch.float16, duo=True)
+    assert err < 0.9 * rtn and alpha >= 0 and s.shape == (128,), (alpha, err, rtn)
+    assert s[::32].max() < s.median(), "the large columns get the smaller scales"
+    _, s_x, err_x = awq.search_scales(torch.ones(512, 128), [w], 32, torch.float16, duo=False)
+    torch.testing.assert_close(s_x, torch.ones(128))
+    # the RTN point is what rtn_error measures
+    assert awq.search_scales(x, [w], 32, torch.float16, n_grid=0)[:1] == (-1.0,)
+
+
 def test_kv_scales_map_the_range_onto_int8():
     lo = torch.tensor([[-2.0, 0.5]])
     hi = torch.tensor([[1.0, 3.0]])
@@ -109,6 +127,7 @@ def test_written_awq_folder(written, capsys):
     stamp = json.loads((written / writer.STAMP_FILE).read_text())
     assert stamp["method"] == "awq" and stamp["clip"] is True and stamp["group_size"] == 64
     assert stamp["recipe"] == writer.RECIPE_TAGS["awq"] != "" and stamp["calib_samples"][0] == 8
+    assert stamp["scales"] == "duo"
     from safetensors import safe_open
 
     with safe_open(str(written / kv_scales.FILE_NAME), "pt") as f:
@@ -122,9 +141,10 @@ def test_written_awq_folder(written, capsys):
 
 
 def test_cache_names_carry_the_recipe_tag():
-    """Callers cache checkpoints under these names; awq's changed with the clipping search, so a
-    folder the older code wrote (`...-awq-g64`) is never taken for a current one."""
-    assert writer.cache_name("M", "awq", 64) == "M-awq-g64-clip"
+    """Callers cache checkpoints under these names; awq's changed with the clipping search and
+    again with the duo scales, so a folder older code wrote (`...-awq-g64`, `...-awq-g64-clip`)
+    is never taken for a current one."""
+    assert writer.cache_name("M", "awq", 64) == "M-awq-g64-duo-clip"
     assert writer.cache_name("M", "rtn", 32) == "M-rtn-g32"
     assert writer.cache_name("M", "smooth_quant") == "M-smooth_quant"
 
@@ -133,7 +153,7 @@ def test_awq_progress_reports_the_clipping(tmp_path, capsys):
     assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "a"), "--method", "awq", "--group-size", "64",
                  "--calib-samples", "2"]) == 0
     out = capsys.readouterr().out
-    assert "layer 1/2 awq" in out and "; clip v_proj" in out and "q_proj " not in out.split("; clip", 1)[1]
+    assert "layer 1/2 awq" in out and "; clip q_proj" in out and "k_proj " in out.split("; clip", 1)[1]
     assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "b"), "--method", "awq", "--group-size", "64",
                  "--calib-samples", "2", "--no-clip"]) == 0
     assert "; clip" not in capsys.readouterr().out
