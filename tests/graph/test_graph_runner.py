@@ -198,26 +198,28 @@ class DictDecoder(TinyDecoder):
         return {"hidden_states": out * kwargs.get("gain", 1.0)}
 
 
-def test_full_guards_never_replay(monkeypatch):
+def _graph_steps_through_dynamo(model, steps=3):
+    """A fresh runner's `steps` decode steps of batch 2: each equals eager mode, each ran a graph,
+    and no bucket got a replay."""
     torch._dynamo.reset()
-    monkeypatch.setenv("DLINFER_GRAPH_GUARDS", "full")
-    model = TinyDecoder()
     runner = _runner(model)
-    for kv_lens in ([3, 4], [4, 5], [5, 6]):
-        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
+    for n in range(steps):
+        got, expected, _, _ = _both(runner, model, _step([3 + n, 4 + n]), _caches())
+        if isinstance(got, dict):
+            got, expected = got["hidden_states"], expected["hidden_states"]
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert runner.graph_steps == 3 and not runner._replays
+    assert runner.graph_steps == steps and not runner._replays
+    return runner
+
+
+def test_full_guards_never_replay(monkeypatch):
+    monkeypatch.setenv("DLINFER_GRAPH_GUARDS", "full")
+    _graph_steps_through_dynamo(TinyDecoder())
 
 
 def test_replay_option(monkeypatch):
-    torch._dynamo.reset()
     monkeypatch.setenv("DLINFER_GRAPH_REPLAY", "0")
-    model = TinyDecoder()
-    runner = _runner(model)
-    for kv_lens in ([3, 4], [4, 5]):
-        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert runner.graph_steps == 2 and not runner._replays
+    _graph_steps_through_dynamo(TinyDecoder())
     monkeypatch.setenv("DLINFER_GRAPH_REPLAY", "yes")
     with pytest.raises(ValueError, match="DLINFER_GRAPH_REPLAY='yes': expected '1'"):
         _runner(TinyDecoder())
@@ -226,13 +228,7 @@ def test_replay_option(monkeypatch):
 def test_output_the_graph_does_not_return_keeps_dynamo():
     """A forward whose result is built around the graph's outputs (a dict) is not replayed: its
     steps still go through Dynamo and equal eager mode."""
-    torch._dynamo.reset()
-    model = DictDecoder()
-    runner = _runner(model)
-    for kv_lens in ([3, 4], [4, 5]):
-        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
-        torch.testing.assert_close(got["hidden_states"], expected["hidden_states"], atol=1e-5, rtol=1e-5)
-    assert runner.graph_steps == 2 and not runner._replays
+    _graph_steps_through_dynamo(DictDecoder())
 
 
 def test_replay_inputs_from_var_keyword_arguments():
@@ -266,11 +262,6 @@ class CountingDecoder(TinyDecoder):
 
 
 def test_forward_with_python_side_effects_keeps_dynamo():
-    torch._dynamo.reset()
     model = CountingDecoder()
-    runner = _runner(model)
-    for kv_lens in ([3, 4], [4, 5], [5, 6]):
-        got, expected, _, _ = _both(runner, model, _step(kv_lens), _caches())
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert runner.graph_steps == 3 and not runner._replays
+    _graph_steps_through_dynamo(model)
     assert model.calls == 6  # three eager forwards, three through Dynamo: none skipped
