@@ -7,7 +7,7 @@ metadata) and unpacks the result: about half a millisecond a step for SmolLM2 on
 ~5% of a W8A8 decode step. A `GraphReplay` does the same gathering with one compiled lambda
 over the graph's input sources, calls the graph, and returns the output the model returned.
 
-The contract is LMDeploy's CUDA-graph runner's (backends/cuda/graph_runner.py): a decode step's
+The contract is LMDeploy's CUDA-graph runner's (backends/cuda/graph_runner/): a decode step's
 Python side effects happen when the graph is made, never on replay, and the graph is chosen by
 batch bucket alone. It is the contract `DlinferGraphRunner` already runs under once warm (guards
 reduced to those that tell buckets apart): a replay evaluates none, and picks the bucket's graph
