@@ -59,8 +59,8 @@ def candidate(x_mean, w_mean, alpha: float):
     return s / (s.max() * s.min()).sqrt()
 
 
-def search_scales(x, weights, group_size: int, scale_dtype, n_grid: int = N_GRID, duo: bool = True):
-    """(alpha, s [K] float32, relative error): the grid point minimising
+def grid_errors(x, weights, group_size: int, scale_dtype, n_grid: int = N_GRID, duo: bool = True) -> list:
+    """[(alpha, s [K] float32, relative error)] over the grid, RTN first: the error is
     ||x W^T - x (Q(W s) / s)^T||^2 / ||x W^T||^2 for `x [R, K]` and the concatenated
     `weights [N_i, K]`; alpha -1 stands for s = 1 (RTN), then alpha = 0, 1/n_grid, ..., (n_grid-1)/n_grid
     (n_grid = 0: RTN alone)."""
@@ -74,17 +74,24 @@ def search_scales(x, weights, group_size: int, scale_dtype, n_grid: int = N_GRID
     ref = x @ w.T
     norm = ref.pow(2).mean().clamp(min=1e-30)
     x_mean = x.abs().mean(0)
-    w_mean = weight_mean(weights, group_size) if duo else None
-    best = (None, None, float("inf"))
+    w_mean = weight_mean(weights, group_size) if duo and n_grid else None
+    points = []
     # RTN (s = 1, reported as alpha -1) first: with duo, alpha = 0 is s = 1 / w_mean, not RTN
-    grid = [(-1.0, None)] + [(i / n_grid, w_mean) for i in range(n_grid)]
-    for alpha, wm in grid:
+    for alpha, wm in [(-1.0, None)] + [(i / n_grid, w_mean) for i in range(n_grid)]:
         s = candidate(x_mean, wm, max(alpha, 0.0))
         wq = fake_quant(w * s, group_size, scale_dtype) / s
-        err = ((x @ wq.T - ref).pow(2).mean() / norm).item()
-        if err < best[2]:
-            best = (alpha, s, err)
-    return best
+        points.append((alpha, s, ((x @ wq.T - ref).pow(2).mean() / norm).item()))
+    return points
+
+
+def best_point(points: list):
+    """The (alpha, s, error) of `grid_errors` with the lowest error (the first of equals)."""
+    return min(points, key=lambda p: p[2])
+
+
+def search_scales(x, weights, group_size: int, scale_dtype, n_grid: int = N_GRID, duo: bool = True):
+    """(alpha, s [K] float32, relative error): the grid point of `grid_errors` minimising the error."""
+    return best_point(grid_errors(x, weights, group_size, scale_dtype, n_grid, duo))
 
 
 def fold_into_norm(norm, linears, s) -> None:
@@ -135,9 +142,9 @@ def scale_layer(layer, inputs: dict, group_size: int, scale_dtype, duo: bool = T
     report = []
     for prev, linears, name in groups(layer):
         x = inputs[name]
-        weights = [lin.weight for lin in linears]
-        rtn = rtn_error(x, weights, group_size, scale_dtype)
-        alpha, s, err = search_scales(x, weights, group_size, scale_dtype, duo=duo)
+        points = grid_errors(x, [lin.weight for lin in linears], group_size, scale_dtype, duo=duo)
+        rtn = points[0][2]  # the RTN point, for the progress line
+        alpha, s, err = best_point(points)
         if isinstance(prev, torch.nn.Linear):
             fold_into_linear(prev, linears, s)
         else:
