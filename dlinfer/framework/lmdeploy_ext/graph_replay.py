@@ -73,18 +73,22 @@ def python_side_effects() -> Optional[bool]:
 
 class CompiledGraph:
     """The callable Dynamo receives from the backend: runs the compiled graph and keeps the
-    outputs of its latest call (to find which one the forward returned)."""
+    outputs of its first call, the one that compiled it (to find which one the forward returned),
+    until `GraphReplay.build` has looked at them."""
 
     def __init__(self, gm: fx.GraphModule, compiled: Callable):
         # Read now: Dynamo drops the placeholders' sources and its side-effect record after compiling.
         self.sources = [_source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
         self.side_effects = python_side_effects()
         self.compiled = compiled
-        self.last_outputs: Optional[List[Any]] = None
+        self.first_outputs: Optional[List[Any]] = None
+        self._called = False
 
     def __call__(self, *args):
         out = self.compiled(*args)
-        self.last_outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if not self._called:
+            self._called = True
+            self.first_outputs = list(out) if isinstance(out, (list, tuple)) else [out]
         return out
 
 
@@ -123,7 +127,7 @@ class GraphReplay:
         """The replay of `graph`, given what the compiled model returned on the call that ran it;
         None when the graph does not meet the module docstring's conditions."""
         gather = gather_function(graph.sources)
-        outputs, graph.last_outputs = graph.last_outputs or [], None
+        outputs, graph.first_outputs = graph.first_outputs or [], None
         index = next((i for i, out in enumerate(outputs) if out is returned), None)
         if gather is None or index is None or graph.side_effects is not False:
             log.debug("dlinfer graph mode: no replay for this graph (inputs %s, output %s, side effects %s)",

@@ -233,7 +233,7 @@ class DlinferGraphRunner(GraphRunner):
 
     def _keep_replay(self, bucket: int, output) -> None:
         """After a call that compiled `bucket`'s graph: later steps of the bucket replay it
-        (graph_replay.py), unless every guard must run (DLINFER_GRAPH_GUARDS=full)."""
+        (graph_replay.py), unless replay is off (DLINFER_GRAPH_REPLAY=0, DLINFER_GRAPH_GUARDS=full)."""
         graph, self._new_graph = self._new_graph, None
         if graph is None or self._all_guards or not self._replay:
             return

@@ -83,15 +83,12 @@ def view_chain_pass(gm: fx.GraphModule) -> int:
     touched: List[fx.Node] = []
     for node in list(graph.nodes):
         end = tval(node)
-        if not _dense(end) or _link(node, end) is None:
-            continue
         root, chain = node, []
-        while True:
-            src = _link(root, end)
-            if src is None:
-                break
+        while (src := _link(root, end)) is not None:  # _link checks `end` itself on the first step
             chain.append(root)
             root = src
+        if not chain:
+            continue
         shape = tuple(tval(root).shape)
         if shape == tuple(end.shape):
             node.replace_all_uses_with(root)
