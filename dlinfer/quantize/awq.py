@@ -116,11 +116,6 @@ def fold_into_linear(prev, linears, s) -> None:
             lin.weight.mul_(s.to(lin.weight.dtype).view(1, -1))
 
 
-def rtn_error(x, weights, group_size: int, scale_dtype) -> float:
-    """The relative output error of plain round-to-nearest (s = 1), for the progress line."""
-    return search_scales(x, weights, group_size, scale_dtype, n_grid=0)[2]
-
-
 def groups(layer):
     """(prev module, [linears], name of the linear whose input is recorded) for one decoder layer:
     the norms before q/k/v and gate/up, v before o (only when their widths match: not under

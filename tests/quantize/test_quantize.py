@@ -75,8 +75,10 @@ def test_awq_search_beats_rtn_on_outlier_channels_and_keeps_the_function():
     lin = torch.nn.Linear(128, 64, bias=False)
     norm = torch.nn.Module()
     norm.weight = torch.nn.Parameter(torch.rand(128) + 0.5)
-    alpha, s, err = awq.search_scales(x, [lin.weight], 32, torch.float16)
-    rtn = awq.rtn_error(x, [lin.weight], 32, torch.float16)
+    points = awq.grid_errors(x, [lin.weight], 32, torch.float16)
+    rtn = points[0][2]  # the grid's first point is RTN (s = 1)
+    alpha, s, err = awq.best_point(points)
+    assert (alpha, err) == awq.search_scales(x, [lin.weight], 32, torch.float16)[::2]
     assert alpha > 0 and err < 0.7 * rtn, (alpha, err, rtn)
     before = (x * norm.weight) @ lin.weight.T
     awq.fold_into_norm(norm, [lin], s)
@@ -92,14 +94,16 @@ def test_duo_scales_search_never_loses_to_rtn_and_uses_the_weights_spread():
     x = torch.randn(512, 128)
     w = torch.randn(64, 128) * 0.02
     w[:, ::32] = 0.3
-    rtn = awq.rtn_error(x, [w], 32, torch.float16)
-    alpha, s, err = awq.search_scales(x, [w], 32, torch.float16, duo=True)
+    points = awq.grid_errors(x, [w], 32, torch.float16, duo=True)
+    rtn = points[0][2]
+    alpha, s, err = awq.best_point(points)
     assert err < 0.9 * rtn and alpha >= 0 and s.shape == (128,), (alpha, err, rtn)
     assert s[::32].max() < s.median(), "the large columns get the smaller scales"
     _, s_x, err_x = awq.search_scales(torch.ones(512, 128), [w], 32, torch.float16, duo=False)
     torch.testing.assert_close(s_x, torch.ones(128))
-    # the RTN point is what rtn_error measures
-    assert awq.search_scales(x, [w], 32, torch.float16, n_grid=0)[:1] == (-1.0,)
+    # the RTN point (alpha -1, s = 1) comes first, and is the whole grid at n_grid = 0
+    assert points[0][0] == -1.0 and torch.equal(points[0][1], torch.ones(128))
+    assert awq.search_scales(x, [w], 32, torch.float16, n_grid=0)[::2] == (-1.0, rtn)
 
 
 def test_kv_scales_map_the_range_onto_int8():
