@@ -49,3 +49,26 @@ def test_repack_checks_its_arguments():
         ops.repack_weight_quant(qweight, scale, offset, 48)
     with pytest.raises(ValueError, match=r"repack_weight_quant.*qweight"):
         ops.repack_weight_quant(qweight.to(torch.int64), scale, offset, 32)
+
+
+@pytest.mark.parametrize("m,k,n,group", [(1, 576, 576, 64), (1, 1536, 576, 64), (8, 256, 392, 32), (1, 64, 136, 32),
+                                         (3, 576, 1536, 64)])
+def test_same_bits_at_every_thread_count(m, k, n, group):
+    """The few-tile shapes split each tile's groups into two work items (csrc/quant_w4.cpp,
+    kSplitBelowTiles): the split follows the shape, not the threads, so 1, 2 and 3 threads give
+    the same bits."""
+    g = torch.Generator().manual_seed(k + n)
+    qweight, scale, offset, bias = weights(W4Case("threads", (m,), k, n, group, True, True), torch.float32, g)
+    x = torch.randn(m, k, generator=g)
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        with dlinfer.vendor.using("cpu"):
+            tiled, scale, offset = ops.repack_weight_quant(qweight, scale, offset, group)
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                outs.append(ops.weight_quant_matmul(x, tiled, scale, offset, bias, False, group))
+    finally:
+        torch.set_num_threads(saved)
+    for out in outs[1:]:
+        assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))

@@ -1,0 +1,142 @@
+// W4A16's packed layouts and per-group parameters, shared by the register kernel
+// (quant_w4.cpp) and the dequantise / repack helpers (quant_w4_tiles.cpp). The layouts are
+// dlinfer/vendor/w4_layouts.py's: canonical int32 [K, N/8] (LMDeploy's AWQ gemm packing, column
+// 8j + kOrder[i] at bits 4i..4i+3 of word j) and column_tiled int32 [ceil(N/128), K, 16].
+#pragma once
+
+#include "common.h"
+
+#include <cmath>
+#include <optional>
+#include <utility>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace dlinfer_cpu {
+namespace w4 {
+
+constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+constexpr int64_t kTileWords = 16;
+constexpr int64_t kTileCols = 8 * kTileWords;
+constexpr int64_t kMaxRowsW4 = 4096;  // w4_matmul's limit (weight_quant.py uses the dequantise + BLAS path beyond)
+constexpr int64_t kRowBlock = 8;    // rows sharing one decode of the weight
+constexpr int64_t kPrefetchRows = 64;  // 4 KB ahead in a tile: 8 rows was ~6% slower on bench_cpu_ops' 49152x576 matrix (2 pairs), equal at the layers' sizes
+
+struct Packed {
+  const int32_t* q;
+  int64_t K, words;  // words = N / 8
+  bool tiled;
+  int64_t tiled_rows;  // tiles * K: the column_tiled tensor's 16-word rows
+  // The tile's 16 words at row k (canonical: row k of the tile's column band).
+  inline const int32_t* row(int64_t t, int64_t k) const {
+    return tiled ? q + (t * K + k) * kTileWords : q + k * words + t * kTileWords;
+  }
+  // Prefetching ahead of rows k0..k1 of tile t: the first address, kPrefetchRows rows on, and
+  // the step per row. column_tiled tiles follow each other in memory, so near a tile's end that
+  // is the next tile's first rows (measured: a decode step's 120 SmolLM2 GEMVs 2.2 -> 1.93 ms
+  // against stopping at the tile's last row). A range that would run past the tensor (canonical:
+  // past the tile's last row) stays on its last row instead (step 0): a pointer step per row, as
+  // a clamp per row cost ~6% of those GEMVs' time.
+  inline std::pair<const int32_t*, int64_t> ahead(int64_t t, int64_t k0, int64_t k1) const {
+    const int64_t stride = tiled ? kTileWords : words;
+    const bool inside = tiled ? t * K + k1 + kPrefetchRows <= tiled_rows : k1 + kPrefetchRows <= K;
+    if (inside) return {row(t, k0 + kPrefetchRows), stride};
+    return {tiled ? q + (tiled_rows - 1) * kTileWords : row(t, K - 1), 0};
+  }
+  inline int32_t word(int64_t k, int64_t j) const {
+    return tiled ? q[((j / kTileWords) * K + k) * kTileWords + j % kTileWords] : q[k * words + j];
+  }
+};
+
+template <typename T>
+struct Problem {
+  const float* x;  // [M, K] float32, dense
+  Packed w;
+  const T* scale;         // [G, N]
+  const int32_t* zeros;   // [G, N / 8] or null (zero point 8)
+  const float* bias;      // [N] or null
+  float* y;               // [M, N] float32
+  int64_t M, K, N, g;
+};
+
+// The 8 x 16 zero points (lane order i * 16 + w) and scales of group gi in tile t; zero past N.
+// Lane (i, w) is column 8 * (16t + w) + kOrder[i]: zero point nibble i of offset word 16t + w.
+#if defined(CPU_CAPABILITY_AVX512)
+// Vectorised (the scalar loop cost ~25% of a decode step's GEMV time on SmolLM2's shapes): the
+// tile's zero-point words are one masked load, split like the weight's words; its 128 scales are
+// widened into a zero-padded float row, then gathered 16 lanes at a time (stride 8).
+template <typename T>
+void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_t* z, float* s) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << nwords) - 1u);
+  const __m512i zw = p.zeros ? _mm512_maskz_loadu_epi32(mask, p.zeros + gi * p.w.words + t * kTileWords)
+                             : _mm512_maskz_mov_epi32(mask, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
+  alignas(64) float row[kTileCols];
+  const int ncols = 8 * nwords;
+  const T* src = p.scale + gi * p.N + 8 * t * kTileWords;
+  for (int c = 0; c < kTileCols; c += kLanes) {
+    if (c + kLanes <= ncols) {
+      load_vec(src + c).store(row + c);
+    } else {
+      for (int l = c; l < c + kLanes; ++l) row[l] = l < ncols ? static_cast<float>(src[l]) : 0.f;
+    }
+  }
+  const __m512i stride8 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(8));
+  for (int i = 0; i < 8; ++i) {
+    const __m512i zi = _mm512_and_si512(_mm512_srli_epi32(zw, 4 * i), _mm512_set1_epi32(15));
+    _mm512_storeu_si512(z + i * kTileWords, zi);
+    const __m512i idx = _mm512_add_epi32(stride8, _mm512_set1_epi32(kOrder[i]));
+    _mm512_storeu_ps(s + i * kTileWords, _mm512_i32gather_ps(idx, row, 4));
+  }
+}
+
+// Group gi's scales and zero points of tile t into the cache, a group ahead: each is a row of its
+// own (N scales apart), which the hardware prefetcher does not follow (measured: the 120 GEMVs of
+// a SmolLM2 decode step 2.5 -> 2.2 ms).
+template <typename T>
+inline __attribute__((always_inline)) void prefetch_group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords) {
+  const char* sn = reinterpret_cast<const char*>(p.scale + gi * p.N + 8 * t * kTileWords);
+  for (int64_t b = 0; b < 8 * nwords * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(sn + b, _MM_HINT_T0);
+  if (p.zeros) _mm_prefetch(reinterpret_cast<const char*>(p.zeros + gi * p.w.words + t * kTileWords), _MM_HINT_T0);
+}
+#else
+template <typename T>
+void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_t* z, float* s) {
+  for (int w = 0; w < kTileWords; ++w) {
+    const int64_t j = t * kTileWords + w;
+    const int32_t zw = w < nwords && p.zeros ? p.zeros[gi * p.w.words + j] : 0;
+    for (int i = 0; i < 8; ++i) {
+      const bool in = w < nwords;
+      z[i * kTileWords + w] = !in ? 0 : p.zeros ? (zw >> (4 * i)) & 15 : 8;
+      s[i * kTileWords + w] = in ? static_cast<float>(p.scale[gi * p.N + 8 * j + kOrder[i]]) : 0.f;
+    }
+  }
+}
+#endif
+
+inline Packed packed_of(const at::Tensor& qweight, int64_t K, int64_t N) {
+  const bool tiled = qweight.dim() == 3;
+  TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.is_contiguous(), "w4: qweight must be dense int32");
+  if (tiled) {
+    TORCH_CHECK(qweight.size(0) == (N / 8 + kTileWords - 1) / kTileWords && qweight.size(1) == K &&
+                    qweight.size(2) == kTileWords, "w4: column_tiled qweight shape");
+  } else {
+    TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) == K && qweight.size(1) == N / 8, "w4: qweight shape");
+  }
+  return Packed{qweight.data_ptr<int32_t>(), K, N / 8, tiled, (N / 8 + kTileWords - 1) / kTileWords * K};
+}
+
+inline void check_common(const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t K, int64_t g) {
+  TORCH_CHECK(g > 0 && K % g == 0, "w4: group size must divide K");
+  const int64_t N = scale.size(1);
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == K / g && N % 8 == 0 && scale.is_contiguous(), "w4: scale");
+  if (offset.has_value()) {
+    TORCH_CHECK(offset->scalar_type() == at::kInt && offset->is_contiguous() && offset->size(0) == K / g &&
+                    offset->size(1) == N / 8, "w4: offset");
+  }
+}
+
+}  // namespace w4
+}  // namespace dlinfer_cpu

@@ -1,0 +1,91 @@
+// W4A16 helpers beside the register kernel (quant_w4.cpp): the float32 weight a block of
+// 128-column tiles at a time, for the GEMM path of many rows (weight_quant.py), and the
+// canonical -> column_tiled repack, the cpu vendor's load-time hook. Layouts: quant_w4.h.
+#include "quant_w4.h"
+
+#include <ATen/ops/zeros.h>
+
+namespace dlinfer_cpu {
+namespace {
+
+using namespace w4;
+
+// Tiles t0..t1 of the float32 weight in lane order, [K, (t1 - t0) * 128]: column (t - t0) * 128 +
+// i * 16 + w holds W[k, 8 * (16t + w) + kOrder[i]] = float(q - z) * s (zero past N). The caller
+// multiplies and puts the output columns back in order (a GEMM does not care about their order;
+// a scatter into column order would cost more than the decode).
+at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scale,
+                               const std::optional<at::Tensor>& offset, int64_t group_size, int64_t t0, int64_t t1) {
+  const int64_t N = scale.size(1);
+  const int64_t K = qweight.dim() == 3 ? qweight.size(1) : qweight.size(0);
+  check_common(scale, offset, K, group_size);
+  const int64_t tiles = (N / 8 + kTileWords - 1) / kTileWords;
+  TORCH_CHECK(0 <= t0 && t0 <= t1 && t1 <= tiles, "w4_dequantise_tiles: tile range");
+  const Packed w = packed_of(qweight, K, N);
+  const int64_t width = (t1 - t0) * kTileCols;
+  at::Tensor out = at::empty({K, width}, scale.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  AT_DISPATCH_V2(scale.scalar_type(), "w4_dequantise_tiles", AT_WRAP([&] {
+    using T = scalar_t;
+    const Problem<T> p{nullptr, w, scale.data_ptr<T>(), offset.has_value() ? offset->data_ptr<int32_t>() : nullptr,
+                       nullptr, nullptr, 0, K, N, group_size};
+    at::parallel_for(t0, t1, 1, [&](int64_t tb, int64_t te) {
+      alignas(64) int32_t zs[kTileCols];
+      alignas(64) float ss[kTileCols];
+      for (int64_t t = tb; t < te; ++t) {
+        const int nwords = static_cast<int>(std::min<int64_t>(kTileWords, p.w.words - t * kTileWords));
+        for (int64_t gi = 0; gi < K / group_size; ++gi) {
+          group_params(p, t, gi, nwords, zs, ss);
+          for (int64_t k = gi * group_size; k < (gi + 1) * group_size; ++k) {
+            const int32_t* words = w.row(t, k);
+            float* row = o + k * width + (t - t0) * kTileCols;
+#if defined(CPU_CAPABILITY_AVX512)
+            const __m512i v = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << nwords) - 1u), words);
+            for (int i = 0; i < 8; ++i) {
+              const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(4 * i)), _mm512_set1_epi32(15));
+              const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_loadu_si512(zs + i * kTileWords)));
+              _mm512_storeu_ps(row + i * kTileWords, _mm512_mul_ps(d, _mm512_loadu_ps(ss + i * kTileWords)));
+            }
+#else
+            for (int i = 0; i < 8; ++i)
+              for (int wd = 0; wd < kTileWords; ++wd) {
+                const int32_t q = wd < nwords ? (words[wd] >> (4 * i)) & 15 : 0;
+                row[i * kTileWords + wd] = static_cast<float>(q - zs[i * kTileWords + wd]) * ss[i * kTileWords + wd];
+              }
+#endif
+          }
+        }
+      }
+    });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return out;
+}
+
+// canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (zero words past N).
+at::Tensor w4_column_tiled(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "w4_column_tiled: int32 [K, N/8]");
+  const at::Tensor q = qweight.contiguous();
+  const int64_t K = q.size(0), words = q.size(1), tiles = (words + kTileWords - 1) / kTileWords;
+  at::Tensor out = at::zeros({tiles, K, kTileWords}, q.options());
+  const int32_t* src = q.data_ptr<int32_t>();
+  int32_t* dst = out.data_ptr<int32_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t n = std::min(kTileWords, words - t * kTileWords);
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(dst + (t * K + k) * kTileWords, src + k * words + t * kTileWords, n * sizeof(int32_t));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def("w4_dequantise_tiles(Tensor qweight, Tensor scale, Tensor? offset, int group_size, int t0, int t1) -> Tensor");
+  m.impl("w4_dequantise_tiles", c10::DispatchKey::CPU, &w4_dequantise_tiles);
+  m.def("w4_column_tiled(Tensor qweight) -> Tensor");
+  m.impl("w4_column_tiled", c10::DispatchKey::CPU, &w4_column_tiled);
+}
+
+}  // namespace dlinfer_cpu
