@@ -51,24 +51,52 @@ def test_repack_checks_its_arguments():
         ops.repack_weight_quant(qweight.to(torch.int64), scale, offset, 32)
 
 
-@pytest.mark.parametrize("m,k,n,group", [(1, 576, 576, 64), (1, 1536, 576, 64), (8, 256, 392, 32), (1, 64, 136, 32),
-                                         (3, 576, 1536, 64)])
+# Shapes above the kernel's parallel threshold (K * N / 2 >= 64 KB), so 2 and 3 threads really
+# split the work: few tiles (split groups) at M = 1, 8 (one row block), 9 and 20 (several), and a
+# shape with 12 tiles (no split).
+_SHAPES = [(1, 576, 576, 64), (1, 1536, 576, 64), (8, 576, 392, 32), (9, 576, 576, 64), (20, 1536, 136, 128),
+           (3, 576, 1536, 64)]
+
+
+def _repacked(m, k, n, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    qweight, scale, offset, bias = weights(W4Case("bits", (m,), k, n, group, True, True), torch.float32, g)
+    with dlinfer.vendor.using("cpu"):
+        tiled, scale, offset = ops.repack_weight_quant(qweight, scale, offset, group)
+    return torch.randn(m, k, generator=g), (tiled, scale, offset, bias)
+
+
+def _w4(x, packed, group):
+    tiled, scale, offset, bias = packed
+    with dlinfer.vendor.using("cpu"):
+        return ops.weight_quant_matmul(x, tiled, scale, offset, bias, False, group)
+
+
+@pytest.mark.parametrize("m,k,n,group", _SHAPES)
 def test_same_bits_at_every_thread_count(m, k, n, group):
-    """The few-tile shapes split each tile's groups into two work items (csrc/quant_w4.cpp,
+    """Few-tile shapes split each tile's groups into two work items (csrc/quant_w4.cpp,
     kSplitBelowTiles): the split follows the shape, not the threads, so 1, 2 and 3 threads give
     the same bits."""
-    g = torch.Generator().manual_seed(k + n)
-    qweight, scale, offset, bias = weights(W4Case("threads", (m,), k, n, group, True, True), torch.float32, g)
-    x = torch.randn(m, k, generator=g)
+    x, packed = _repacked(m, k, n, group, k + n + m)
     saved = torch.get_num_threads()
     outs = []
     try:
-        with dlinfer.vendor.using("cpu"):
-            tiled, scale, offset = ops.repack_weight_quant(qweight, scale, offset, group)
-            for threads in (1, 2, 3):
-                torch.set_num_threads(threads)
-                outs.append(ops.weight_quant_matmul(x, tiled, scale, offset, bias, False, group))
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(_w4(x, packed, group))
     finally:
         torch.set_num_threads(saved)
     for out in outs[1:]:
         assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("m,k,n,group", _SHAPES)
+def test_a_row_has_the_same_bits_in_any_batch(m, k, n, group):
+    """A row's output does not depend on the other rows of the call: alone, in the first row
+    block, or in a batch of several blocks (the kernel's split and its row blocks never change a
+    row's arithmetic)."""
+    x, packed = _repacked(max(m, 17), k, n, group, k + n)
+    whole = _w4(x, packed, group)
+    for rows in (1, 8, 9):
+        part = _w4(x[:rows].contiguous(), packed, group)
+        assert torch.equal(part.view(torch.int32), whole[:rows].view(torch.int32)), rows

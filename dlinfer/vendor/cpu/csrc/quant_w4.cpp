@@ -8,7 +8,8 @@
 // canonical layout reads them K times with a stride of N/2 bytes, the column_tiled one as one
 // stream) and splits them into 8 vectors of 16 lanes, vector i holding columns 8w + kOrder[i].
 // Per group: acc = fma(x[k], float(q - z), acc) for k in order (q - z exact in float), then
-// y = fma(acc, s, y) per group, in float32; bias added, one rounding to x's dtype. Every lane
+// y = fma(acc, s, y) per group, in float32 (few-tile shapes: over each half of the groups, the
+// two halves then added; see run_rows); bias added, one rounding to x's dtype. Every lane
 // does that arithmetic in that order on every path (AVX-512, portable), so both layouts give
 // identical bits. All rows share each decoded nibble (3-8 rows: in four passes of two nibbles).
 // At one row the decode, not the memory, is the bound (one core decodes ~23 GB/s of packed weight
@@ -39,7 +40,7 @@ using namespace w4;
 // power of two, and the exact multiply by 2^-(4i') at the group's end gives the plain sum's bits
 // (the portable path's; barring float32 overflow past |x| ~ 1e32 or subnormal sums).
 //
-// MR rows x NI nibbles of accumulators: NI = 8 for 1-2 rows (one pass), NI = 2 for 3-8 rows (four
+// MR rows x NI nibbles of accumulators: NI = 8 for 1 row (one pass), 4 for 2 rows (two), 2 for 3-8 rows (four
 // passes over the group's words, from L1/L2, each nibble decoded once for all the rows).
 constexpr int kShift[8] = {0, 4, 8, 12, 16, 0, 4, 8};  // 4i' of nibble i
 
@@ -171,18 +172,18 @@ void tile_rows_any(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64
   }
 }
 
-// Few tiles (N below kSplitBelowTiles * 128) and at most one row block: each tile's groups are
+// Fewer than kSplitBelowTiles tiles (N <= 896) and at least two groups: each tile's groups are
 // split in two halves, computed as separate work items and added at the end, so that two threads
 // share 5 tiles as 2.5 + 2.5 instead of 3 + 2 (the decode is compute-bound: a thread's share is
-// its time). The split depends on the shape alone, never on the thread count, so every thread
-// count and both layouts give the same bits.
+// its time). The split depends on N, K and g alone, never on the thread count or on M, so every
+// thread count, both layouts and every batch size give a row the same bits.
 constexpr int64_t kSplitBelowTiles = 8;
 
 template <typename T>
 void run_rows(const Problem<T>& p) {
   const int64_t tiles = (p.w.words + kTileWords - 1) / kTileWords;
   const int64_t G = p.K / p.g;
-  const int64_t halves = tiles < kSplitBelowTiles && G >= 2 && p.M <= kRowBlock ? 2 : 1;
+  const int64_t halves = tiles < kSplitBelowTiles && G >= 2 ? 2 : 1;
   const int64_t items = tiles * halves;
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max(grain_for(items, p.K * p.N / 2), (items + threads - 1) / threads);
@@ -199,7 +200,8 @@ void run_rows(const Problem<T>& p) {
   at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
     for (int64_t it = b; it < e; ++it) {
       const int64_t t = it / 2, h = it % 2;
-      tile_rows_any(p, t, 0, h == 0 ? 0 : G / 2, h == 0 ? G / 2 : G, part + h * p.M * lanes, lanes);
+      for (int64_t m = 0; m < p.M; m += kRowBlock)
+        tile_rows_any(p, t, m, h == 0 ? 0 : G / 2, h == 0 ? G / 2 : G, part + h * p.M * lanes, lanes);
     }
   });
   for (int64_t m = 0; m < p.M; ++m) {

@@ -17,7 +17,7 @@
 namespace dlinfer_cpu {
 namespace w4 {
 
-constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+inline constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 constexpr int64_t kTileWords = 16;
 constexpr int64_t kTileCols = 8 * kTileWords;
 constexpr int64_t kMaxRowsW4 = 4096;  // w4_matmul's limit (weight_quant.py uses the dequantise + BLAS path beyond)
@@ -130,11 +130,12 @@ inline Packed packed_of(const at::Tensor& qweight, int64_t K, int64_t N) {
 
 inline void check_common(const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t K, int64_t g) {
   TORCH_CHECK(g > 0 && K % g == 0, "w4: group size must divide K");
+  TORCH_CHECK(scale.dim() == 2, "w4: scale [K/g, N]");
   const int64_t N = scale.size(1);
-  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == K / g && N % 8 == 0 && scale.is_contiguous(), "w4: scale");
+  TORCH_CHECK(scale.size(0) == K / g && N % 8 == 0 && scale.is_contiguous(), "w4: scale");
   if (offset.has_value()) {
-    TORCH_CHECK(offset->scalar_type() == at::kInt && offset->is_contiguous() && offset->size(0) == K / g &&
-                    offset->size(1) == N / 8, "w4: offset");
+    TORCH_CHECK(offset->scalar_type() == at::kInt && offset->dim() == 2 && offset->is_contiguous() &&
+                    offset->size(0) == K / g && offset->size(1) == N / 8, "w4: offset");
   }
 }
 
