@@ -2,7 +2,7 @@
 SmoothQuant W8A8, the checkpoints written by `python -m dlinfer quantize` (docs/quantize.md).
 
     .venv/bin/python benchmarks/quant_quality.py [--model DIR] [--runs rtn:64,awq:64,awq:32,smooth_quant]
-        [--text FILE [--text FILE ...]] [--work DIR]
+        [--text FILE [--text FILE ...]] [--work DIR] [--calib FILE] [--calib-samples N] [--calib-seqlen N]
 
 The quantised models are evaluated as HF transformers running exactly what LMDeploy's CPU engine
 computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): the weights
@@ -63,6 +63,10 @@ def main(argv=None) -> int:
                         help="held-out text (repeatable; default: benchmarks/data/heldout.txt and heldout_long.txt)")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--work", type=Path, default=None, help="where the quantised folders go (default: a temp dir)")
+    parser.add_argument("--calib", type=Path, default=None,
+                        help="calibration text (default: the quantize CLI's, dlinfer/quantize/data/calibration.txt)")
+    parser.add_argument("--calib-samples", type=int, default=64, help="at most this many samples (default 64)")
+    parser.add_argument("--calib-seqlen", type=int, default=128, help="tokens per sample (default 128)")
     parser.add_argument("--lm-head", choices=("float", "int8", "both"), default="both",
                         help="the LM head(s) to evaluate every model with (default: both)")
     args = parser.parse_args(argv)
@@ -94,7 +98,8 @@ def main(argv=None) -> int:
         dst = work / (f"{args.model.name}-{method}" + (f"-g{group_size}" if method != "smooth_quant" else ""))
         start = time.perf_counter()
         if not dst.exists():
-            quantize(args.model, dst, method.replace("-noclip", ""), group_size=group_size, log=lambda line: None,
+            quantize(args.model, dst, method.replace("-noclip", ""), group_size=group_size, calib=args.calib,
+                     calib_seqlen=args.calib_seqlen, calib_samples=args.calib_samples, log=lambda line: None,
                      clip=not method.endswith("-noclip"))
         seconds = time.perf_counter() - start
         for head in heads:
