@@ -122,11 +122,24 @@ inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
 }
 #endif
 
+// Tile t's 128 values in lane order (lane i * 16 + w: column 8 * (16t + w) + kOrder[i]) into a row
+// of y in column order, + bias.
+template <typename T>
+inline void store_tile(const Problem<T>& p, int64_t t, int nwords, const float* lanes, float* yr) {
+  for (int w = 0; w < nwords; ++w) {
+    for (int i = 0; i < 8; ++i) {
+      const int64_t c = 8 * (t * kTileWords + w) + kOrder[i];
+      const float v = lanes[i * kTileWords + w];
+      yr[c] = p.bias ? v + p.bias[c] : v;
+    }
+  }
+}
+
 // Rows m0..m0+MR-1 of tile t over groups g0..g1: into the tile's columns of y (+ bias) when part
 // is null, else into part (row m's lanes at part[m * lanes + t * 128 ...], lane order, no bias).
 template <typename T, int MR>
 void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g1, float* part, int64_t lanes) {
-  const int nwords = static_cast<int>(std::min<int64_t>(kTileWords, p.w.words - t * kTileWords));
+  const int nwords = p.w.tile_words(t);
   alignas(64) float ybuf[MR * kTileCols] = {};
   alignas(64) int32_t zs[kTileCols];
   alignas(64) float ss[kTileCols];
@@ -146,16 +159,7 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
     for (int m = 0; m < MR; ++m) std::memcpy(part + (m0 + m) * lanes + t * kTileCols, ybuf + m * kTileCols, sizeof(ybuf) / MR);
     return;
   }
-  for (int m = 0; m < MR; ++m) {
-    float* yr = p.y + (m0 + m) * p.N;
-    for (int w = 0; w < nwords; ++w) {
-      for (int i = 0; i < 8; ++i) {
-        const int64_t c = 8 * (t * kTileWords + w) + kOrder[i];
-        const float v = ybuf[m * kTileCols + i * kTileWords + w];
-        yr[c] = p.bias ? v + p.bias[c] : v;
-      }
-    }
-  }
+  for (int m = 0; m < MR; ++m) store_tile(p, t, nwords, ybuf + m * kTileCols, p.y + (m0 + m) * p.N);
 }
 
 template <typename T>
@@ -204,19 +208,14 @@ void run_rows(const Problem<T>& p) {
         tile_rows_any(p, t, m, h == 0 ? 0 : G / 2, h == 0 ? G / 2 : G, part + h * p.M * lanes, lanes);
     }
   });
-  for (int64_t m = 0; m < p.M; ++m) {
+  for (int64_t m = 0; m < p.M; ++m) {  // y = first half + second half (+ bias), in column order
     const float* lo = part + m * lanes;
     const float* hi = lo + p.M * lanes;
-    float* yr = p.y + m * p.N;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int nwords = static_cast<int>(std::min<int64_t>(kTileWords, p.w.words - t * kTileWords));
-      for (int w = 0; w < nwords; ++w) {
-        for (int i = 0; i < 8; ++i) {
-          const int64_t c = 8 * (t * kTileWords + w) + kOrder[i], l = t * kTileCols + i * kTileWords + w;
-          const float v = lo[l] + hi[l];
-          yr[c] = p.bias ? v + p.bias[c] : v;
-        }
-      }
+      alignas(64) float sum[kTileCols];
+      for (int64_t l = 0; l < kTileCols; ++l) sum[l] = lo[t * kTileCols + l] + hi[t * kTileCols + l];
+      const int nwords = p.w.tile_words(t);
+      store_tile(p, t, nwords, sum, p.y + m * p.N);
     }
   }
 }

@@ -29,6 +29,8 @@ struct Packed {
   int64_t K, words;  // words = N / 8
   bool tiled;
   int64_t tiled_rows;  // tiles * K: the column_tiled tensor's 16-word rows
+  // Words of tile t that hold columns (16, or fewer in the last tile).
+  inline int tile_words(int64_t t) const { return static_cast<int>(std::min<int64_t>(kTileWords, words - t * kTileWords)); }
   // The tile's 16 words at row k (canonical: row k of the tile's column band).
   inline const int32_t* row(int64_t t, int64_t k) const {
     return tiled ? q + (t * K + k) * kTileWords : q + k * words + t * kTileWords;

@@ -33,7 +33,7 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scal
       alignas(64) int32_t zs[kTileCols];
       alignas(64) float ss[kTileCols];
       for (int64_t t = tb; t < te; ++t) {
-        const int nwords = static_cast<int>(std::min<int64_t>(kTileWords, p.w.words - t * kTileWords));
+        const int nwords = p.w.tile_words(t);
         for (int64_t gi = 0; gi < K / group_size; ++gi) {
           group_params(p, t, gi, nwords, zs, ss);
           for (int64_t k = gi * group_size; k < (gi + 1) * group_size; ++k) {
