@@ -185,7 +185,7 @@ constexpr int64_t kSplitBelowTiles = 8;
 
 template <typename T>
 void run_rows(const Problem<T>& p) {
-  const int64_t tiles = (p.w.words + kTileWords - 1) / kTileWords;
+  const int64_t tiles = p.w.tiles();
   const int64_t G = p.K / p.g;
   const int64_t halves = tiles < kSplitBelowTiles && G >= 2 ? 2 : 1;
   const int64_t items = tiles * halves;

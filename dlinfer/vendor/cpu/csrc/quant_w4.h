@@ -24,11 +24,14 @@ constexpr int64_t kMaxRowsW4 = 4096;  // w4_matmul's limit (weight_quant.py uses
 constexpr int64_t kRowBlock = 8;    // rows sharing one decode of the weight
 constexpr int64_t kPrefetchRows = 64;  // 4 KB ahead in a tile: 8 rows was ~6% slower on bench_cpu_ops' 49152x576 matrix (2 pairs), equal at the layers' sizes
 
+// 128-column tiles of N = 8 * words output columns (the last one may be partial).
+inline int64_t num_tiles(int64_t words) { return (words + kTileWords - 1) / kTileWords; }
+
 struct Packed {
   const int32_t* q;
   int64_t K, words;  // words = N / 8
   bool tiled;
-  int64_t tiled_rows;  // tiles * K: the column_tiled tensor's 16-word rows
+  inline int64_t tiles() const { return num_tiles(words); }
   // Words of tile t that hold columns (16, or fewer in the last tile).
   inline int tile_words(int64_t t) const { return static_cast<int>(std::min<int64_t>(kTileWords, words - t * kTileWords)); }
   // The tile's 16 words at row k (canonical: row k of the tile's column band).
@@ -43,12 +46,9 @@ struct Packed {
   // a clamp per row cost ~6% of those GEMVs' time.
   inline std::pair<const int32_t*, int64_t> ahead(int64_t t, int64_t k0, int64_t k1) const {
     const int64_t stride = tiled ? kTileWords : words;
-    const bool inside = tiled ? t * K + k1 + kPrefetchRows <= tiled_rows : k1 + kPrefetchRows <= K;
+    const bool inside = tiled ? t * K + k1 + kPrefetchRows <= tiles() * K : k1 + kPrefetchRows <= K;
     if (inside) return {row(t, k0 + kPrefetchRows), stride};
-    return {tiled ? q + (tiled_rows - 1) * kTileWords : row(t, K - 1), 0};
-  }
-  inline int32_t word(int64_t k, int64_t j) const {
-    return tiled ? q[((j / kTileWords) * K + k) * kTileWords + j % kTileWords] : q[k * words + j];
+    return {tiled ? q + (tiles() * K - 1) * kTileWords : row(t, K - 1), 0};
   }
 };
 
@@ -122,12 +122,12 @@ inline Packed packed_of(const at::Tensor& qweight, int64_t K, int64_t N) {
   const bool tiled = qweight.dim() == 3;
   TORCH_CHECK(qweight.scalar_type() == at::kInt && qweight.is_contiguous(), "w4: qweight must be dense int32");
   if (tiled) {
-    TORCH_CHECK(qweight.size(0) == (N / 8 + kTileWords - 1) / kTileWords && qweight.size(1) == K &&
+    TORCH_CHECK(qweight.size(0) == num_tiles(N / 8) && qweight.size(1) == K &&
                     qweight.size(2) == kTileWords, "w4: column_tiled qweight shape");
   } else {
     TORCH_CHECK(qweight.dim() == 2 && qweight.size(0) == K && qweight.size(1) == N / 8, "w4: qweight shape");
   }
-  return Packed{qweight.data_ptr<int32_t>(), K, N / 8, tiled, (N / 8 + kTileWords - 1) / kTileWords * K};
+  return Packed{qweight.data_ptr<int32_t>(), K, N / 8, tiled};
 }
 
 inline void check_common(const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t K, int64_t g) {

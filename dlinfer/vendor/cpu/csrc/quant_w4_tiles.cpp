@@ -19,7 +19,7 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scal
   const int64_t N = scale.size(1);
   const int64_t K = qweight.dim() == 3 ? qweight.size(1) : qweight.size(0);
   check_common(scale, offset, K, group_size);
-  const int64_t tiles = (N / 8 + kTileWords - 1) / kTileWords;
+  const int64_t tiles = num_tiles(N / 8);
   TORCH_CHECK(0 <= t0 && t0 <= t1 && t1 <= tiles, "w4_dequantise_tiles: tile range");
   const Packed w = packed_of(qweight, K, N);
   const int64_t width = (t1 - t0) * kTileCols;
@@ -65,7 +65,7 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scal
 at::Tensor w4_column_tiled(const at::Tensor& qweight) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "w4_column_tiled: int32 [K, N/8]");
   const at::Tensor q = qweight.contiguous();
-  const int64_t K = q.size(0), words = q.size(1), tiles = (words + kTileWords - 1) / kTileWords;
+  const int64_t K = q.size(0), words = q.size(1), tiles = num_tiles(words);
   at::Tensor out = at::zeros({tiles, K, kTileWords}, q.options());
   const int32_t* src = q.data_ptr<int32_t>();
   int32_t* dst = out.data_ptr<int32_t>();
