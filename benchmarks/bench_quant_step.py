@@ -11,7 +11,7 @@ start (dispatch, the parallel region, the first cache misses of each stream) cou
 in a real step. The sides, timed interleaved, best median of --rounds:
 - W4A16: the cpu vendor's `weight_quant_matmul` (the function the graph binds; weights repacked
   column_tiled by its load-time hook, as the engine does), group 64 (1536 -> 576: also 64, as the
-  AWQ checkpoints of docs/quantize.md), float32 activations;
+  AWQ checkpoints of docs/quantize.md; `--groups 64,32` adds a side per group size), float32 activations;
 - W8A8: the cpu vendor's `linear_w8a8` on int8 activations and weights, float32 output.
 GB/s counts every byte a call must read: packed weight, scales and zero points. The read
 bandwidth is a float32 sum over 512 MB (bench_cpu_ops.read_bandwidth), measured in the same run.
@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) of qkv, o, gate_up, down
 LAYERS = 30
-GROUP = 64
+GROUPS = (64,)
 
 
-def w4_step():
-    """(step function, bytes it reads): the 120 W4A16 calls, M = 1."""
+def w4_step(group: int):
+    """(step function, bytes it reads): the 120 W4A16 calls at `group` rows per group, M = 1."""
     import dlinfer.ops as ops
     from dlinfer.vendor import selection
     from dlinfer.vendor import w4_layouts as L
@@ -46,15 +46,15 @@ def w4_step():
     for _ in range(LAYERS):
         for k, n in SHAPES:
             values = torch.randint(0, 16, (k, n), generator=g)
-            zeros = torch.randint(0, 16, (k // GROUP, n), generator=g)
-            scale = torch.rand(k // GROUP, n, generator=g) * 0.02
-            qweight, scale, offset = ops.repack_weight_quant(L.pack(values), scale, L.pack(zeros), GROUP)
+            zeros = torch.randint(0, 16, (k // group, n), generator=g)
+            scale = torch.rand(k // group, n, generator=g) * 0.02
+            qweight, scale, offset = ops.repack_weight_quant(L.pack(values), scale, L.pack(zeros), group)
             calls.append((torch.randn(1, k, generator=g), qweight, scale, offset))
             nbytes += sum(t.numel() * t.element_size() for t in (qweight, scale, offset))
 
     def step():
         for x, qweight, scale, offset in calls:
-            fn(x, qweight, scale, offset, None, GROUP)
+            fn(x, qweight, scale, offset, None, group)
 
     return step, nbytes
 
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best median is kept")
     parser.add_argument("--steps", type=int, default=50, help="steps timed per side and round")
+    parser.add_argument("--groups", default=",".join(map(str, GROUPS)),
+                        help="comma-separated W4A16 group sizes, one side each (default 64; 32 is q4_1's block)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,7 +99,9 @@ def main(argv=None) -> int:
         print("the cpu vendor does not load here", file=sys.stderr)
         return 1
     with dlinfer.vendor.using("cpu"):
-        sides = {"W4A16 (weight_quant_matmul)": w4_step(), "W8A8 (linear_w8a8)": w8a8_step()}
+        sides = {f"W4A16 g{group} (weight_quant_matmul)": w4_step(group)
+                 for group in map(int, args.groups.split(","))}
+        sides["W8A8 (linear_w8a8)"] = w8a8_step()
         best = {name: float("inf") for name in sides}
         bandwidth = 0.0
         for r in range(args.rounds):

@@ -4,12 +4,15 @@ canonical: LMDeploy's AWQ "gemm" layout, as its loader holds it: `qweight int32 
     column `c = 8*j + ORDER[i]` sits at bits `4i..4i+3` of `qweight[:, j]` (unsigned 0..15),
     `ORDER = [0, 2, 4, 6, 1, 3, 5, 7]`. The zero points (`qzeros int32 [K/g, N/8]`) are packed
     alike.
-column_tiled: the same int32 words, regrouped so that a tile of TILE_COLS = 128 output columns
-    (16 words) is contiguous over all K rows: `int32 [ceil(N/128), K, 16]`, word `w` of tile `t`
-    at row k being canonical `qweight[k, 16*t + w]`; the last tile is padded with zero words.
-    A kernel that walks K for a band of columns then reads one contiguous stream per tile instead
-    of K strided 64-byte pieces. Rank 3 tells it from the canonical rank-2 layout. Scales and zero
-    points keep their canonical layouts.
+column_tiled: the same nibbles, regrouped so that a tile of TILE_COLS = 128 output columns is
+    contiguous over all K rows, in column order inside the tile: `int32 [ceil(N/128), K, 16]`,
+    bits `4i..4i+3` of word `w` of tile `t` at row k holding column `128*t + 16*i + w` (row k's
+    value); columns past N are zero. A kernel that walks K for a band of columns then reads one
+    contiguous stream per tile instead of K strided 64-byte pieces, and nibble i of the tile's 16
+    words is 16 consecutive columns, so their 16 scales are one contiguous load (canonical words
+    interleave their columns, [0, 2, 4, 6, 1, 3, 5, 7], which costs a kernel gathers per group).
+    Rank 3 tells it from the canonical rank-2 layout. Scales and zero points keep their canonical
+    layouts.
 
 `repack_weight_quant` (dlinfer.ops) asks the active vendor for its layout once, at load time;
 every vendor function of the op receives either layout (a vendor that wants the canonical one
@@ -41,9 +44,14 @@ def column_tiled(qweight: Tensor) -> Tensor:
     """canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (a new tensor)."""
     k, words = qweight.shape
     tiles = num_tiles(words * WORD_COLS)
-    padded = qweight.new_zeros((k, tiles * TILE_WORDS))
-    padded[:, :words] = qweight
-    return padded.view(k, tiles, TILE_WORDS).permute(1, 0, 2).contiguous()
+    values = torch.zeros(k, tiles * TILE_COLS, dtype=torch.int64, device=qweight.device)
+    values[:, : words * WORD_COLS] = unpack(qweight)
+    nibbles = values.view(k, tiles, WORD_COLS, TILE_WORDS)  # [k, t, i, w]: column 128t + 16i + w
+    packed = torch.zeros(k, tiles, TILE_WORDS, dtype=torch.int64, device=qweight.device)
+    for i in range(WORD_COLS):
+        packed |= nibbles[:, :, i, :] << (4 * i)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.permute(1, 0, 2).contiguous()
 
 
 def canonical(qweight: Tensor, n: int) -> Tensor:
@@ -52,7 +60,9 @@ def canonical(qweight: Tensor, n: int) -> Tensor:
     if not is_column_tiled(qweight):
         return qweight
     tiles, k, _ = qweight.shape
-    return qweight.permute(1, 0, 2).reshape(k, tiles * TILE_WORDS)[:, : n // WORD_COLS].contiguous()
+    shifts = torch.arange(0, 4 * WORD_COLS, 4, dtype=torch.int32, device=qweight.device)
+    nibbles = (qweight.permute(1, 0, 2).unsqueeze(2) >> shifts.view(1, 1, WORD_COLS, 1)) & 15  # [k, t, i, w]
+    return pack(nibbles.reshape(k, tiles * TILE_COLS)[:, :n])
 
 
 def pack(values: Tensor) -> Tensor:

@@ -89,15 +89,20 @@ def weights(case, dtype, g):
 
 
 def column_tile(qweight):
-    """canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (the layout's words
-    regrouped: tile t, row k, word w = canonical [k, 16t + w]; zero words past N)."""
+    """canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (the layout's nibbles
+    regrouped: tile t, row k, word w, bits 4i..4i+3 = column 128t + 16i + w; zero past N)."""
     k, words = qweight.shape
-    tiles = -(-words // 16)
-    out = torch.zeros(tiles, k, 16, dtype=qweight.dtype, device=qweight.device)
-    for t in range(tiles):
-        part = qweight[:, 16 * t:16 * (t + 1)]
-        out[t, :, :part.shape[1]] = part
-    return out
+    n = 8 * words
+    q = qweight.to(torch.int64) & 0xFFFFFFFF
+    values = torch.zeros(k, n, dtype=torch.int64, device=qweight.device)
+    for p, col in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):  # the canonical word's nibble p holds column 8j + col
+        values[:, col::8] = (q >> (4 * p)) & 15
+    tiles = -(-n // 128)
+    out = torch.zeros(tiles, k, 16, dtype=torch.int64, device=qweight.device)
+    for c in range(n):
+        t, i, w = c // 128, (c % 128) // 16, c % 16
+        out[t, :, w] |= values[:, c] << (4 * i)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
 def _check(out, expected, case, dtype, what=OP):

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from dlinfer.vendor import w4_layouts
+
 _w4_matmul = torch.ops.dlinfer_cpu.w4_matmul.default
 _dequantise_tiles = torch.ops.dlinfer_cpu.w4_dequantise_tiles.default
 _column_tiled = torch.ops.dlinfer_cpu.w4_column_tiled.default
@@ -28,7 +30,8 @@ _LANE_OF_COLUMN = [0, 4, 1, 5, 2, 6, 3, 7]  # column 8j + r of a word sits in ni
 def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
           group_size: int) -> Tensor:
     """x [M, K] @ W -> [M, N] float32, W dequantised to float32 a block of 128-column tiles at a
-    time, in the kernel's lane order; the output columns are put back in order at the end."""
+    time, in the kernel's lane order; the output columns are put back in order at the end (the
+    canonical layout's; column_tiled lanes are in column order)."""
     m, k = x.shape
     n = scale.shape[1]
     tiles = -(-n // TILE_COLS)
@@ -38,8 +41,10 @@ def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], b
     for t0 in range(0, tiles, step):
         t1 = min(tiles, t0 + step)
         lanes[:, t0 * TILE_COLS:t1 * TILE_COLS] = xf @ _dequantise_tiles(qweight, scale, offset, group_size, t0, t1)
-    # lane (t, i, w) holds column 8 * (16t + w) + ORDER[i]: to (t, w, column-in-word) order
-    out = lanes.view(m, tiles, 8, 16).transpose(2, 3)[..., _LANE_OF_COLUMN].reshape(m, tiles * TILE_COLS)[:, :n]
+    if w4_layouts.is_column_tiled(qweight):  # lane (t, i, w) holds column 128t + 16i + w: in order
+        out = lanes[:, :n]
+    else:  # lane (t, i, w) holds column 8 * (16t + w) + ORDER[i]: to (t, w, column-in-word) order
+        out = lanes.view(m, tiles, 8, 16).transpose(2, 3)[..., _LANE_OF_COLUMN].reshape(m, tiles * TILE_COLS)[:, :n]
     if bias is not None:
         out = out + bias.float()
     return out

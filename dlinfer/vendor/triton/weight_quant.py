@@ -2,11 +2,12 @@
 
 One program computes a [BLOCK_M, BLOCK_N] tile of y = x @ W, walking K in BLOCK_K steps: it loads
 the tile's int32 words (each word serves 8 columns; canonical AWQ layout or column_tiled, by
-address arithmetic, never a copy), the zero-point words and the scales of each row's group,
+address and shift arithmetic, never a copy), the zero-point words and the scales of each row's group,
 upcasts everything to fp32 right after the load, forms W = float(q - z) * s (exact for half-type
 scales) and accumulates x @ W with an IEEE fp32 tl.dot (no TF32). Bias in fp32, one rounding to
 x's dtype. Column c of word j = c // 8 sits at bits 4i..4i+3 with i = (c % 8) // 2 + 4 * (c % 2),
-the inverse of AWQ's order [0, 2, 4, 6, 1, 3, 5, 7].
+the inverse of AWQ's order [0, 2, 4, 6, 1, 3, 5, 7] (the zero points always; the weight in the canonical
+layout; column_tiled: bits 4 * ((c % 128) // 16) of word c % 16 of tile c // 128).
 """
 
 from typing import Optional
@@ -40,13 +41,15 @@ def _w4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, stride_xm,
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        if TILED:  # [ceil(N/128), K, 16]: word j of row k at (j // 16) * K * 16 + k * 16 + j % 16
-            q_off = (j // 16)[None, :] * (K * 16) + rk[:, None] * 16 + (j % 16)[None, :]
+        if TILED:  # [ceil(N/128), K, 16]: column c at word c % 16 of tile c // 128, bits 4 * ((c % 128) // 16)
+            q_off = (rn // 128)[None, :] * (K * 16) + rk[:, None] * 16 + (rn % 16)[None, :]
+            q_shift = 4 * ((rn % 128) // 16)
         else:  # [K, N/8]
             q_off = rk[:, None] * words + j[None, :]
+            q_shift = shift
         wk_ok = k_ok[:, None] & n_ok[None, :]
         qw = tl.load(q_ptr + q_off, mask=wk_ok, other=0)
-        q = (qw >> shift[None, :]) & 15
+        q = (qw >> q_shift[None, :]) & 15
         gi = rk // G
         s = tl.load(s_ptr + gi[:, None] * N + rn[None, :], mask=wk_ok, other=0.0).to(tl.float32)
         if HAS_ZEROS:

@@ -1,12 +1,13 @@
 // W4A16 (weight_quant_matmul): y[M, N] = x[M, K] W[K, N] (+ bias), W 4-bit in LMDeploy's AWQ
 // gemm packing (dlinfer/vendor/w4_layouts.py): qweight int32 [K, N/8], column 8j + kOrder[i] at
 // bits 4i..4i+3 of word j; W[k, c] = (q - z[k / g, c]) * s[k / g, c]; or the column_tiled layout
-// int32 [ceil(N/128), K, 16], the same words with each 128-column tile contiguous over K.
+// int32 [ceil(N/128), K, 16], each 128-column tile contiguous over K, its columns in nibble order.
 //
 // The weight is dequantised in registers, never stored as floats. A thread
 // owns tiles of 128 columns (16 words); per k it loads the tile's 16 words once (64 bytes: the
 // canonical layout reads them K times with a stride of N/2 bytes, the column_tiled one as one
-// stream) and splits them into 8 vectors of 16 lanes, vector i holding columns 8w + kOrder[i].
+// stream) and splits them into 8 vectors of 16 lanes, vector i holding nibble i of each word
+// (column_tiled: the tile's columns 16i..16i+15; canonical: columns 8w + kOrder[i]).
 // Per group: acc = fma(x[k], float(q - z), acc) for k in order (q - z exact in float), then
 // y = fma(acc, s, y) per group, in float32 (few-tile shapes: over each half of the groups, the
 // two halves then added; see run_rows); bias added, one rounding to x's dtype. Every lane
@@ -105,11 +106,11 @@ inline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64
 // Portable: the same per-lane arithmetic, lane by lane (std::fma is the fused multiply-add).
 template <int MR>
 inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
-                       int64_t k0, int64_t k1, int nwords, const int32_t* zs, const float* ss, float* ybuf) {
+                       int64_t k0, int64_t k1, int rwords, const int32_t* zs, const float* ss, float* ybuf) {
   float acc[MR][kTileCols] = {};
   for (int64_t k = k0; k < k1; ++k) {
     const int32_t* words = w.row(t, k);
-    for (int wd = 0; wd < nwords; ++wd) {
+    for (int wd = 0; wd < rwords; ++wd) {
       const int32_t v = words[wd];
       for (int i = 0; i < 8; ++i) {
         const float d = static_cast<float>(((v >> (4 * i)) & 15) - zs[i * kTileWords + wd]);
@@ -122,13 +123,18 @@ inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
 }
 #endif
 
-// Tile t's 128 values in lane order (lane i * 16 + w: column 8 * (16t + w) + kOrder[i]) into a row
-// of y in column order, + bias.
+// Tile t's 128 values in lane order (lane i * 16 + w: column p.w.lane_column(t, i, w)) into a row
+// of y in column order, + bias. column_tiled lanes are already in column order: a copy.
 template <typename T>
 inline void store_tile(const Problem<T>& p, int64_t t, int nwords, const float* lanes, float* yr) {
+  if (p.w.tiled) {
+    const int64_t c0 = kTileCols * t;
+    for (int l = 0; l < 8 * nwords; ++l) yr[c0 + l] = p.bias ? lanes[l] + p.bias[c0 + l] : lanes[l];
+    return;
+  }
   for (int w = 0; w < nwords; ++w) {
     for (int i = 0; i < 8; ++i) {
-      const int64_t c = 8 * (t * kTileWords + w) + kOrder[i];
+      const int64_t c = p.w.lane_column(t, i, w);
       const float v = lanes[i * kTileWords + w];
       yr[c] = p.bias ? v + p.bias[c] : v;
     }
@@ -149,10 +155,10 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
     group_params(p, t, gi, nwords, zs, ss);
 #if defined(CPU_CAPABILITY_AVX512)
     if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
-    const __mmask16 mask = static_cast<__mmask16>((1u << nwords) - 1u);
+    const __mmask16 mask = static_cast<__mmask16>((1u << p.w.row_words(t)) - 1u);
     group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, mask, zs, ss, ybuf);
 #else
-    group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, nwords, zs, ss, ybuf);
+    group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, p.w.row_words(t), zs, ss, ybuf);
 #endif
   }
   if (part != nullptr) {

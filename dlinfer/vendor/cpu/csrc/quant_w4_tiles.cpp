@@ -11,9 +11,9 @@ namespace {
 using namespace w4;
 
 // Tiles t0..t1 of the float32 weight in lane order, [K, (t1 - t0) * 128]: column (t - t0) * 128 +
-// i * 16 + w holds W[k, 8 * (16t + w) + kOrder[i]] = float(q - z) * s (zero past N). The caller
-// multiplies and puts the output columns back in order (a GEMM does not care about their order;
-// a scatter into column order would cost more than the decode).
+// i * 16 + w holds W[k, w.lane_column(t, i, w)] = float(q - z) * s (zero past N): column order for
+// column_tiled, the words' interleaved order for canonical, which the caller puts back in order
+// after the GEMM (a GEMM does not care about their order; a scatter would cost more than the decode).
 at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scale,
                                const std::optional<at::Tensor>& offset, int64_t group_size, int64_t t0, int64_t t1) {
   const int64_t N = scale.size(1);
@@ -33,14 +33,14 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scal
       alignas(64) int32_t zs[kTileCols];
       alignas(64) float ss[kTileCols];
       for (int64_t t = tb; t < te; ++t) {
-        const int nwords = p.w.tile_words(t);
+        const int nwords = p.w.tile_words(t), rwords = p.w.row_words(t);
         for (int64_t gi = 0; gi < K / group_size; ++gi) {
           group_params(p, t, gi, nwords, zs, ss);
           for (int64_t k = gi * group_size; k < (gi + 1) * group_size; ++k) {
             const int32_t* words = w.row(t, k);
             float* row = o + k * width + (t - t0) * kTileCols;
 #if defined(CPU_CAPABILITY_AVX512)
-            const __m512i v = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << nwords) - 1u), words);
+            const __m512i v = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << rwords) - 1u), words);
             for (int i = 0; i < 8; ++i) {
               const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(4 * i)), _mm512_set1_epi32(15));
               const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_loadu_si512(zs + i * kTileWords)));
@@ -49,7 +49,7 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scal
 #else
             for (int i = 0; i < 8; ++i)
               for (int wd = 0; wd < kTileWords; ++wd) {
-                const int32_t q = wd < nwords ? (words[wd] >> (4 * i)) & 15 : 0;
+                const int32_t q = wd < rwords ? (words[wd] >> (4 * i)) & 15 : 0;
                 row[i * kTileWords + wd] = static_cast<float>(q - zs[i * kTileWords + wd]) * ss[i * kTileWords + wd];
               }
 #endif
@@ -61,19 +61,28 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scal
   return out;
 }
 
-// canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (zero words past N).
+// canonical int32 [K, N/8] -> column_tiled int32 [ceil(N/128), K, 16] (zero past N): bits 4i..4i+3
+// of word w of tile t are column 128t + 16i + w, nibble kNibbleOf[w % 8] of canonical word 16t + 2i + w / 8.
 at::Tensor w4_column_tiled(const at::Tensor& qweight) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "w4_column_tiled: int32 [K, N/8]");
   const at::Tensor q = qweight.contiguous();
   const int64_t K = q.size(0), words = q.size(1), tiles = num_tiles(words);
   at::Tensor out = at::zeros({tiles, K, kTileWords}, q.options());
-  const int32_t* src = q.data_ptr<int32_t>();
-  int32_t* dst = out.data_ptr<int32_t>();
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(q.data_ptr<int32_t>());
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const int64_t n = std::min(kTileWords, words - t * kTileWords);
-      for (int64_t k = 0; k < K; ++k)
-        std::memcpy(dst + (t * K + k) * kTileWords, src + k * words + t * kTileWords, n * sizeof(int32_t));
+      const int64_t n = std::min(kTileWords, words - t * kTileWords);  // canonical words in the tile
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t* in = src + k * words + t * kTileWords;
+        uint32_t* o = dst + (t * K + k) * kTileWords;
+        for (int i = 0; i < 8; ++i) {
+          for (int w = 0; w < static_cast<int>(kTileWords); ++w) {
+            const int64_t j = 2 * i + w / 8;  // the column's canonical word in the tile
+            if (j < n) o[w] |= ((in[j] >> (4 * kNibbleOf[w % 8])) & 15u) << (4 * i);
+          }
+        }
+      }
     }
   });
   return out;
