@@ -102,6 +102,57 @@ inline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64
     group_pass<MR, 6, 2>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
   }
 }
+// One row of a column_tiled tile over groups g0..g1 into lanes[128] (the decode of one token): the
+// arithmetic of group_params + group_pass<1, 0, 8>, in the same order (same bits), with the tile's
+// outputs, zero points and scales kept in registers from group to group instead of going through
+// the zs / ss / ybuf arrays.
+template <typename T>
+void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0, int64_t g1, float* lanes) {
+  const int nwords = p.w.tile_words(t), ncols = 8 * nwords;
+  const __mmask16 zmask = static_cast<__mmask16>((1u << nwords) - 1u);
+  const __m512i magic = _mm512_set1_epi32(0x4B000000), fifteen = _mm512_set1_epi32(15);
+  const __m512i word = _mm512_load_si512(kWordOfLane), shift = _mm512_load_si512(kShiftOfLane);
+  __m512 y[8];
+  for (int i = 0; i < 8; ++i) y[i] = _mm512_setzero_ps();
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
+    const __m512i zw = p.zeros ? _mm512_maskz_loadu_epi32(zmask, p.zeros + gi * p.w.words + t * kTileWords)
+                               : _mm512_maskz_mov_epi32(zmask, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
+    __m512 zf[8], acc[1][8];
+    for (int i = 0; i < 8; ++i) {
+      const __m512i zi = _mm512_and_si512(
+          _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_add_epi32(word, _mm512_set1_epi32(2 * i)), zw), shift), fifteen);
+      zf[i] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_sllv_epi32(zi, _mm512_set1_epi32(kShift[i])), magic));
+      acc[0][i] = _mm512_setzero_ps();
+    }
+    const int64_t k0 = gi * p.g, k1 = k0 + p.g;
+    auto [pf, pf_step] = p.w.ahead(t, k0, k1);
+    for (int64_t k = k0; k < k1; ++k, pf += pf_step) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
+      const __m512i lo = _mm512_loadu_si512(p.w.row(t, k));
+      const __m512i hi = _mm512_srli_epi32(lo, 20);
+      const __m512 xb[1] = {_mm512_set1_ps(x[k])};
+      [&]<int... J>(std::integer_sequence<int, J...>) {
+        (nibble<J, J, 1, 8>(lo, hi, magic, zf, xb, acc), ...);
+      }(std::make_integer_sequence<int, 8>{});
+    }
+    const T* src = p.scale + gi * p.N + kTileCols * t;
+    for (int i = 0; i < 8; ++i) {
+      const int c = i * kTileWords;
+      __m512 sc;
+      if (c + kLanes <= ncols) {
+        sc = load_vec(src + c);
+      } else {
+        alignas(64) float part[kLanes];
+        for (int l = 0; l < kLanes; ++l) part[l] = c + l < ncols ? static_cast<float>(src[c + l]) : 0.f;
+        sc = _mm512_load_ps(part);
+      }
+      const __m512 a = _mm512_mul_ps(acc[0][i], _mm512_set1_ps(1.0f / static_cast<float>(1 << kShift[i])));
+      y[i] = _mm512_fmadd_ps(a, sc, y[i]);
+    }
+  }
+  for (int i = 0; i < 8; ++i) _mm512_store_ps(lanes + i * kTileWords, y[i]);
+}
 #else
 // Portable: the same per-lane arithmetic, lane by lane (std::fma is the fused multiply-add).
 template <int MR>
@@ -151,16 +202,23 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
   alignas(64) float ss[kTileCols];
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = p.x + (m0 + m) * p.K;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (MR == 1 && p.w.tiled) {
+    tile_row1_tiled(p, xr[0], t, g0, g1, ybuf);
+  } else {
+    for (int64_t gi = g0; gi < g1; ++gi) {
+      group_params(p, t, gi, nwords, zs, ss);
+      if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
+      const __mmask16 mask = static_cast<__mmask16>((1u << p.w.row_words(t)) - 1u);
+      group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, mask, zs, ss, ybuf);
+    }
+  }
+#else
   for (int64_t gi = g0; gi < g1; ++gi) {
     group_params(p, t, gi, nwords, zs, ss);
-#if defined(CPU_CAPABILITY_AVX512)
-    if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
-    const __mmask16 mask = static_cast<__mmask16>((1u << p.w.row_words(t)) - 1u);
-    group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, mask, zs, ss, ybuf);
-#else
     group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, p.w.row_words(t), zs, ss, ybuf);
-#endif
   }
+#endif
   if (part != nullptr) {
     for (int m = 0; m < MR; ++m) std::memcpy(part + (m0 + m) * lanes + t * kTileCols, ybuf + m * kTileCols, sizeof(ybuf) / MR);
     return;

@@ -86,6 +86,10 @@ struct Problem {
 // scales of nibble i are contiguous (one load; ~14% of a decode step's 120 GEMVs at group 64,
 // ~19% at group 32, against the gathers below). canonical: the zero points are the words' nibbles
 // in place; the 128 scales are widened into a zero-padded float row, then gathered (stride 8).
+// column_tiled lane w of nibble i's vector: its zero point's word (2i + this) and nibble shift.
+alignas(64) inline constexpr int32_t kWordOfLane[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+alignas(64) inline constexpr int32_t kShiftOfLane[16] = {0, 16, 4, 20, 8, 24, 12, 28, 0, 16, 4, 20, 8, 24, 12, 28};
+
 template <typename T>
 void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_t* z, float* s) {
   const __mmask16 mask = static_cast<__mmask16>((1u << nwords) - 1u);
@@ -95,8 +99,6 @@ void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_
   const T* src = p.scale + gi * p.N + kTileCols * t;
   const __m512i fifteen = _mm512_set1_epi32(15);
   if (p.w.tiled) {
-    alignas(64) static constexpr int32_t kWordOfLane[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
-    alignas(64) static constexpr int32_t kShiftOfLane[16] = {0, 16, 4, 20, 8, 24, 12, 28, 0, 16, 4, 20, 8, 24, 12, 28};
     const __m512i word = _mm512_load_si512(kWordOfLane);
     const __m512i shift = _mm512_load_si512(kShiftOfLane);
     for (int i = 0; i < 8; ++i) {
