@@ -14,8 +14,10 @@
 // does that arithmetic in that order on every path (AVX-512, portable), so both layouts give
 // identical bits. All rows share each decoded nibble (3-8 rows: in four passes of two nibbles).
 // At one row the decode, not the memory, is the bound (one core decodes ~23 GB/s of packed weight
-// from L2): the group's zero points and scales are vector loads and gathers, and everything a
-// tile reads next (its rows 64 ahead, the next tile's first rows, the next group's scales) is
+// from L2): the group's zero points and scales are vector loads (column_tiled: its columns in
+// nibble order, so a group's 16 scales per nibble are contiguous; canonical: gathers), one row of a
+// column_tiled tile keeps its outputs, zero points and scales in registers (tile_row1_tiled), and
+// everything a tile reads next (its rows 64 ahead, the next tile's first rows, the next group's scales) is
 // prefetched, so the stream does not stall between tiles and groups.
 //
 // Beyond kMaxRowsW4 rows: `w4_dequantise_tiles` (quant_w4_tiles.cpp) gives float32 tiles for a GEMM (the
