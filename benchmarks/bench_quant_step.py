@@ -4,8 +4,9 @@ streamed against this machine's read bandwidth, same run.
     .venv/bin/python benchmarks/bench_quant_step.py [--threads N] [--rounds 5]
 
 A step at batch 1 calls 120 linears (30 layers x qkv [576 -> 960], o [576 -> 576], gate_up
-[576 -> 3072], down [1536 -> 576]) on 120 distinct weights: 53 MB of 4-bit weight (plus 7.5 MB of
-float32 scales, 0.9 MB of zero points at group 64) or 106 MB of int8, more than the last-level
+[576 -> 3072], down [1536 -> 576]) on 120 distinct weights: 53 MB of 4-bit weight (plus 3.75 MB of
+scales, float16 as the cpu vendor's repack stores an AWQ checkpoint's, 0.9 MB of zero points at
+group 64) or 106 MB of int8, more than the last-level
 cache, so every call streams its weight from memory, and each call is short (0.2-1.8 MB), so its
 start (dispatch, the parallel region, the first cache misses of each stream) counts as it does
 in a real step. The sides, timed interleaved, best median of --rounds:
@@ -52,7 +53,7 @@ def w4_step(group: int, hot: bool = False):
         for k, n in SHAPES:
             values = torch.randint(0, 16, (k, n), generator=g)
             zeros = torch.randint(0, 16, (k // group, n), generator=g)
-            scale = torch.rand(k // group, n, generator=g) * 0.02
+            scale = (torch.rand(k // group, n, generator=g) * 0.02).half().float()  # AWQ's float16 values
             qweight, scale, offset = ops.repack_weight_quant(L.pack(values), scale, L.pack(zeros), group)
             calls.append((torch.randn(1, k, generator=g), qweight, scale, offset))
             nbytes += sum(t.numel() * t.element_size() for t in (qweight, scale, offset))

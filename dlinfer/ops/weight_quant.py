@@ -48,8 +48,8 @@ def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int]
     if k_w % g:
         raise C.InvalidArgumentError(op, "group_size", f"a divisor of K = {k_w} (or 0: one group)", str(group_size))
     C.tensor(op, "scale", scale, (k_w // g, n))
-    if dtype is not None and scale.dtype != dtype:
-        raise C.InvalidArgumentError(op, "scale", f"dtype {dtype} (same as x)", C.describe(scale))
+    if dtype is not None and scale.dtype not in (dtype, torch.float16):
+        raise C.InvalidArgumentError(op, "scale", f"dtype {dtype} (same as x) or torch.float16", C.describe(scale))
     if offset is not None:
         C.tensor(op, "offset", offset, (k_w // g, n // 8), I32, device)
     return n, g
@@ -63,7 +63,8 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     x: [..., K] float32/float16/bfloat16, not modified.
     qweight: int32 [K, N/8], output column 8*j + [0, 2, 4, 6, 1, 3, 5, 7][i] at bits 4i..4i+3 of
         qweight[:, j] (or the column_tiled int32 [ceil(N/128), K, 16] of `repack_weight_quant`).
-    scale: [K/g, N] in x's dtype.  offset: the zero points, int32 [K/g, N/8] packed like qweight,
+    scale: [K/g, N] in x's dtype, or float16 (AWQ checkpoints' own dtype: widened exactly to float32 in
+        the kernel; what the cpu vendor's `repack_weight_quant` returns).  offset: the zero points, int32 [K/g, N/8] packed like qweight,
         or None (zero point 8).  bias: [N] in x's dtype, or None.  All on x's device.
     group_size: g, a divisor of K; 0 means one group of K rows.
     Returns a new tensor [..., N] in x's dtype (fp32 accumulation, one final rounding).
@@ -99,8 +100,10 @@ def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor]
     qweight: int32 [K, N/8] (canonical AWQ gemm layout).  scale: [K/g, N] float.
     offset: int32 [K/g, N/8] or None.  group_size: g (0: one group of K).  All on one device.
     Returns (qweight', scale', offset'): the vendor's `repack_weight_quant` hook's result (the cpu
-    vendor: qweight column_tiled int32 [ceil(N/128), K, 16]), or the arguments themselves when the
-    vendor has none or qweight is repacked already.
+    vendor: qweight column_tiled int32 [ceil(N/128), K, 16], and float32 scales as float16 when every
+    one of them is a float16 value, so the same numbers in half the bytes), or the arguments
+    themselves when the vendor has none or qweight is repacked already. A hook may change the
+    scales' dtype only to float16, and only without changing a value (checked here).
     """
     op = "repack_weight_quant"
     device = qweight.device if isinstance(qweight, Tensor) else None
@@ -111,6 +114,9 @@ def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor]
     if vendor.repack_weight_quant is None:
         return qweight, scale, offset
     packed = tuple(vendor.repack_weight_quant(qweight, scale, offset, g))
-    _check_weights(f"{op} (vendor {vendor.name}'s result)", packed[0], packed[1], packed[2], group_size,
-                   qweight.shape[0], None, device)
+    result = f"{op} (vendor {vendor.name}'s result)"
+    _check_weights(result, packed[0], packed[1], packed[2], group_size, qweight.shape[0], scale.dtype, device)
+    if packed[1].dtype != scale.dtype and not torch.equal(packed[1].to(scale.dtype), scale):
+        raise C.InvalidArgumentError(result, "scale", f"the same values as the given {scale.dtype} scales",
+                                     "values changed by the conversion")
     return packed

@@ -34,6 +34,38 @@ def test_repacked_and_canonical_identical_bits(dtype, m, k, n, group, zeros):
                        b.view(torch.int16 if dtype != torch.float32 else torch.int32))
 
 
+@pytest.mark.parametrize("m,k,n,group", [(1, 576, 576, 64), (1, 96, 136, 32), (9, 1536, 576, 64), (4100, 64, 136, 32)])
+def test_repack_keeps_float16_exact_scales_as_float16(m, k, n, group):
+    """AWQ checkpoints' scales are float16 values held as float32: the hook stores them as float16,
+    and the outputs keep their bits (the kernels widen them back exactly)."""
+    g = torch.Generator().manual_seed(k + n)
+    qweight, scale, offset, bias = weights(W4Case("half", (m,), k, n, group, True, True), torch.float32, g)
+    scale = scale.to(torch.float16).to(torch.float32)
+    x = torch.randn(m, k, generator=g)
+    with dlinfer.vendor.using("cpu"):
+        tiled, half, offset2 = ops.repack_weight_quant(qweight, scale, offset, group)
+        assert half.dtype == torch.float16 and torch.equal(half.to(torch.float32), scale)
+        a = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, group)
+        b = ops.weight_quant_matmul(x, tiled, half, offset2, bias, False, group)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_repack_refuses_a_hook_that_changes_scale_values(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    qweight, scale, offset, _ = weights(W4Case("hook", (1,), 64, 48, 32), torch.float32, g)
+    import dataclasses
+
+    import dlinfer.ops.weight_quant as wq
+
+    def lossy(q, s, z, gs):  # rounds scales that are not float16 values
+        return q, s.to(torch.float16), z
+
+    vendor = dataclasses.replace(dlinfer.vendor.load("cpu"), repack_weight_quant=lossy)
+    monkeypatch.setattr(wq, "resolve", lambda op, device_type: (None, vendor))
+    with dlinfer.vendor.using("cpu"), pytest.raises(ValueError, match=r"repack_weight_quant.*scale.*same values"):
+        ops.repack_weight_quant(qweight, scale, offset, 32)
+
+
 def test_torch_vendor_has_no_repack_hook():
     g = torch.Generator().manual_seed(0)
     qweight, scale, offset, _ = weights(W4Case("hook", (1,), 64, 48, 32), torch.float32, g)

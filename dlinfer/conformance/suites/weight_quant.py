@@ -111,9 +111,11 @@ def _check(out, expected, case, dtype, what=OP):
     assert_close(out, expected, OP)
 
 
-def _parity(vendor, case, dtype, strided=False, tiled=False):
+def _parity(vendor, case, dtype, strided=False, tiled=False, half_scales=False):
     g = gen(seed_of("w4a16", case.id, dtype))
     qweight, scale, offset, bias = weights(case, dtype, g)
+    if half_scales:  # float16 scales whatever x's dtype (an AWQ checkpoint's own)
+        scale = scale.to(torch.float16)
     if strided:  # x's rows strided (a column slice of a wider tensor), as a packed qkv view is
         x = randn((*case.lead, case.k + 24), dtype, g)[..., 8:8 + case.k]
         expect(not x.is_contiguous(), "strided case: x is contiguous")
@@ -145,6 +147,15 @@ def weight_quant_matmul_column_tiled(layouts):
     return [Check("weight_quant_matmul_column_tiled", params(how, c.id, dt), OP, PARITY,
                   partial(_parity, case=c, dtype=dt, tiled=how), case=f"{how}-{c.id}", dtype=dt, small=c.small)
             for how in ("suite", "vendor") for c in TILED_CASES for dt in DTYPES]
+
+
+@suite("weight_quant_matmul_half_scales")
+def weight_quant_matmul_half_scales(layouts):
+    """float16 scales with x in every dtype (the op widens them exactly), canonical and column_tiled."""
+    return [Check("weight_quant_matmul_half_scales", params(how, c.id, dt), OP, PARITY,
+                  partial(_parity, case=c, dtype=dt, tiled=how, half_scales=True), case=f"{how}-{c.id}", dtype=dt,
+                  small=c.small)
+            for how in ("canonical", "suite") for c in TILED_CASES for dt in DTYPES]
 
 
 STRIDED_CASES = [c for c in CASES if c.id in ("m7_k96_n136_g32_bias", "b1_t5_k128_n40_g0_nozero")]
@@ -189,7 +200,8 @@ BAD = [
     ("qweight", "tiled_tiles", lambda a: _i32(2, 64, 16)),
     ("qweight", "tiled_words", lambda a: _i32(1, 64, 8)),
     ("qweight", "tiled_rows", lambda a: _i32(1, 65, 16)),
-    ("scale", "dtype", lambda a: a["scale"].to(torch.float16)),
+    ("scale", "dtype", lambda a: a["scale"].to(torch.bfloat16)),  # float16 is allowed, bfloat16 is not
+    ("scale", "float64", lambda a: a["scale"].to(torch.float64)),
     ("scale", "int", lambda a: a["scale"].to(I32)),
     ("scale", "groups", lambda a: torch.ones(3, 48, device=device())),
     ("scale", "n_not_multiple_of_8", lambda a: torch.ones(2, 44, device=device())),

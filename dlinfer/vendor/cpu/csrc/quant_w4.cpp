@@ -286,14 +286,16 @@ void run_rows(const Problem<T>& p) {
   }
 }
 
-// x [M, K] (M <= kMaxRowsW4), qweight, scale [K/g, N] (x's dtype), offset?, bias? -> [M, N] in x's dtype.
+// x [M, K] (M <= kMaxRowsW4), qweight, scale [K/g, N] (x's dtype or float16: widened exactly), offset?, bias?
+// -> [M, N] in x's dtype.
 at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                               const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                               int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRowsW4, "w4_matmul: x [M <= 4096, K]");
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(1);
   check_common(scale, offset, K, group_size);
-  TORCH_CHECK(scale.scalar_type() == x.scalar_type(), "w4_matmul: scale in x's dtype");
+  TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
+              "w4_matmul: scale in x's dtype or float16");
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor bf;
   if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
