@@ -3,7 +3,7 @@
 Up to GEMV_MAX_ROWS rows (decode and prefill chunks alike): the weight is dequantised in
 registers and streamed once per 8 rows (`w4_matmul`). More rows: the float32 weight is built a
 block of 128-column tiles at a time (`w4_dequantise_tiles`, at most _BLOCK_BYTES) and multiplied
-by BLAS, so the whole float weight never exists. The switch: measured on one core of the Zen 4
+by BLAS, so the whole float weight never exists. The switch: measured on one core of the Zen 5
 VM, the register kernel is 2-3x faster than the dequantise + BLAS path at every M from 1 to 512
 (docs/benchmarks.md), so the switch sits at the kernel's own limit. Both read the canonical AWQ layout and the column_tiled one
 (dlinfer/vendor/w4_layouts.py); `repack_weight_quant` is this vendor's load-time hook.

@@ -30,7 +30,7 @@ constexpr int kTile = kGemvRows;          // rows of a per pass over a block of 
 constexpr int64_t kAlign = 64;            // a rows padded (with zeros) to a multiple of this
 constexpr int64_t kBlockBytes = 48 * 1024;  // b rows per block: about this many bytes
 constexpr int64_t kMinIntMmK = 16;        // at::_int_mm only from this K on (see int8_matmul_rows)
-constexpr int64_t kPrefetch = 8192;       // bytes ahead in a b row: 1.3x the streaming rate of 1 KB (SmolLM2 W8A8, 1 thread, Zen 4); 16 KB no better
+constexpr int64_t kPrefetch = 8192;       // bytes ahead in a b row: 1.3x the streaming rate of 1 KB (SmolLM2 W8A8, 1 thread, Zen 5); 16 KB no better
 
 template <int M>
 void tile_portable(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
@@ -81,7 +81,7 @@ void tile_avx512(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64
 }
 
 // a holds a ^ 0x80 (a + 128 as unsigned bytes). R rows of b at a time, the last n1 - n0 mod R
-// rows one by one. R = 1: R = 2 measured 1.5-3x slower streaming SmolLM2's weights on Zen 4 (one
+// rows one by one. R = 1: R = 2 measured 1.5-3x slower streaming SmolLM2's weights on Zen 5 (one
 // thread, M = 1 and 8), where R = 1 runs at the AVX-512BW path's speed, ~0.8-0.95 of the read
 // bandwidth at M = 1.
 template <int M, int R = 1>

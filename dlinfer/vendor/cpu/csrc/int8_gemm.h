@@ -26,7 +26,7 @@ void int8_gemm(const int8_t* const* a_rows, int64_t M, const int8_t* b, int64_t 
 
 // The product the ops use: at most kGemvRows rows of a, int8_gemm on the best path (a weight
 // stream); more, ATen's at::_int_mm (oneDNN's int8 GEMM, exact int32, faster from ~12 rows on as
-// measured on Zen 4; the rows are gathered into one tensor first; not at K < 16, see the .cpp).
+// measured on Zen 5; the rows are gathered into one tensor first; not at K < 16, see the .cpp).
 // Returns [M, N] int32.
 constexpr int64_t kGemvRows = 8;
 at::Tensor int8_matmul_rows(const int8_t* const* a_rows, int64_t M, const at::Tensor& b);

@@ -7,7 +7,7 @@
 // accumulators (16 at M = 8, plus 8 vectors of x and 2 of W: the 32 AVX-512 registers), one
 // horizontal sum per output. At M = 8 the FMAs alone take as long as the memory stream, so the
 // two only overlap when the stream is requested well ahead: a software prefetch into L2 runs
-// 16 KB ahead of the loads (measured on Zen 4: M = 8 from 13 to 28 GB/s, M = 1 unchanged at
+// 16 KB ahead of the loads (measured on Zen 5: M = 8 from 13 to 28 GB/s, M = 1 unchanged at
 // ~28 GB/s, the machine's read bandwidth). Bigger M is compute-bound: the caller uses BLAS.
 #include "common.h"
 

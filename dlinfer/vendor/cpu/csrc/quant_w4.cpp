@@ -22,7 +22,7 @@
 //
 // Beyond kMaxRowsW4 rows: `w4_dequantise_tiles` (quant_w4_tiles.cpp) gives float32 tiles for a GEMM (the
 // caller, weight_quant.py, walks N in blocks: never the whole float weight). Measured on one core
-// of the Zen 4 VM, w4_matmul beats that path 2-3x at every M from 1 to 512 (docs/benchmarks.md):
+// of the Zen 5 VM, w4_matmul beats that path 2-3x at every M from 1 to 512 (docs/benchmarks.md):
 // 8 rows share each decoded nibble, and the FMAs run from registers like a GEMM micro-kernel's.
 #include "quant_w4.h"
 
@@ -47,8 +47,13 @@ using namespace w4;
 // passes over the group's words, from L1/L2, each nibble decoded once for all the rows).
 constexpr int kShift[8] = {0, 4, 8, 12, 16, 0, 4, 8};  // 4i' of nibble i
 
+// The decode loops are inlined by force: left to its heuristics, GCC inlined them for some
+// (scale dtype, rows) instantiations and not others, and the calls that stayed spilled the
+// accumulators: 576 x 3072 at 8 rows took 63 us with float32 scales and 160 us with float16 ones.
+#define kAlwaysInline inline __attribute__((always_inline))
+
 template <int I, int J, int MR, int NI>
-inline void nibble(const __m512i lo, const __m512i hi, const __m512i magic, const __m512* zf, const __m512* xb,
+kAlwaysInline void nibble(const __m512i lo, const __m512i hi, const __m512i magic, const __m512* zf, const __m512* xb,
                    __m512 (&acc)[MR][NI]) {
   // (src & mask) | magic: ternary-logic truth table 0xEA = (A & B) | C
   const __m512i bits = _mm512_ternarylogic_epi32(I < 5 ? lo : hi, _mm512_set1_epi32(15 << kShift[I]), magic, 0xEA);
@@ -57,7 +62,7 @@ inline void nibble(const __m512i lo, const __m512i hi, const __m512i magic, cons
 }
 
 template <int MR, int I0, int NI>
-inline void group_pass(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
+kAlwaysInline void group_pass(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
                        const int32_t* zs, const float* ss, float* ybuf) {
   __m512 acc[MR][NI];
   __m512 zf[NI];  // 2^23 + z * 2^(4i')
@@ -76,7 +81,7 @@ inline void group_pass(const Packed& w, const float* const* xr, int64_t t, int64
     const __m512i hi = _mm512_srli_epi32(lo, 20);
     __m512 xb[MR];
     for (int m = 0; m < MR; ++m) xb[m] = _mm512_set1_ps(xr[m][k]);
-    [&]<int... J>(std::integer_sequence<int, J...>) {
+    [&]<int... J>(std::integer_sequence<int, J...>) __attribute__((always_inline)) {
       (nibble<I0 + J, J, MR, NI>(lo, hi, magic, zf, xb, acc), ...);
     }(std::make_integer_sequence<int, NI>{});
   }
@@ -90,7 +95,7 @@ inline void group_pass(const Packed& w, const float* const* xr, int64_t t, int64
 }
 
 template <int MR>
-inline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
+kAlwaysInline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
                        const int32_t* zs, const float* ss, float* ybuf) {
   if constexpr (MR == 1) {
     group_pass<MR, 0, 8>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
@@ -134,7 +139,7 @@ void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0,
       const __m512i lo = _mm512_loadu_si512(p.w.row(t, k));
       const __m512i hi = _mm512_srli_epi32(lo, 20);
       const __m512 xb[1] = {_mm512_set1_ps(x[k])};
-      [&]<int... J>(std::integer_sequence<int, J...>) {
+      [&]<int... J>(std::integer_sequence<int, J...>) __attribute__((always_inline)) {
         (nibble<J, J, 1, 8>(lo, hi, magic, zf, xb, acc), ...);
       }(std::make_integer_sequence<int, 8>{});
     }
