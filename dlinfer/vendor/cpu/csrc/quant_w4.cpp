@@ -112,9 +112,11 @@ kAlwaysInline void group_rows(const Packed& w, const float* const* xr, int64_t t
 // One row of a column_tiled tile over groups g0..g1 into lanes[128] (the decode of one token): the
 // arithmetic of group_params + group_pass<1, 0, 8>, in the same order (same bits), with the tile's
 // outputs, zero points and scales kept in registers from group to group instead of going through
-// the zs / ss / ybuf arrays.
-template <typename T>
-void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0, int64_t g1, float* lanes) {
+// the zs / ss / ybuf arrays. NI: the nibbles decoded, 8, or 4 for a last tile of at most 64
+// columns (column_tiled holds them in nibbles 0-3; the lanes of the others are zero columns, never
+// stored): SmolLM2's N = 576 and 960 end in such a tile.
+template <typename T, int NI>
+void tile_row1_tiled_n(const Problem<T>& p, const float* x, int64_t t, int64_t g0, int64_t g1, float* lanes) {
   const int nwords = p.w.tile_words(t), ncols = 8 * nwords;
   const __mmask16 zmask = static_cast<__mmask16>((1u << nwords) - 1u);
   const __m512i magic = _mm512_set1_epi32(0x4B000000), fifteen = _mm512_set1_epi32(15);
@@ -125,8 +127,8 @@ void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0,
     if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
     const __m512i zw = p.zeros ? _mm512_maskz_loadu_epi32(zmask, p.zeros + gi * p.w.words + t * kTileWords)
                                : _mm512_maskz_mov_epi32(zmask, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
-    __m512 zf[8], acc[1][8];
-    for (int i = 0; i < 8; ++i) {
+    __m512 zf[NI], acc[1][NI];
+    for (int i = 0; i < NI; ++i) {
       const __m512i zi = _mm512_and_si512(
           _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_add_epi32(word, _mm512_set1_epi32(2 * i)), zw), shift), fifteen);
       zf[i] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_sllv_epi32(zi, _mm512_set1_epi32(kShift[i])), magic));
@@ -140,11 +142,11 @@ void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0,
       const __m512i hi = _mm512_srli_epi32(lo, 20);
       const __m512 xb[1] = {_mm512_set1_ps(x[k])};
       [&]<int... J>(std::integer_sequence<int, J...>) __attribute__((always_inline)) {
-        (nibble<J, J, 1, 8>(lo, hi, magic, zf, xb, acc), ...);
-      }(std::make_integer_sequence<int, 8>{});
+        (nibble<J, J, 1, NI>(lo, hi, magic, zf, xb, acc), ...);
+      }(std::make_integer_sequence<int, NI>{});
     }
     const T* src = p.scale + gi * p.N + kTileCols * t;
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < NI; ++i) {
       const int c = i * kTileWords;
       __m512 sc;
       if (c + kLanes <= ncols) {
@@ -159,6 +161,15 @@ void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0,
     }
   }
   for (int i = 0; i < 8; ++i) _mm512_store_ps(lanes + i * kTileWords, y[i]);
+}
+
+template <typename T>
+void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0, int64_t g1, float* lanes) {
+  if (p.w.tile_words(t) <= kTileWords / 2) {
+    tile_row1_tiled_n<T, 4>(p, x, t, g0, g1, lanes);
+  } else {
+    tile_row1_tiled_n<T, 8>(p, x, t, g0, g1, lanes);
+  }
 }
 #else
 // Portable: the same per-lane arithmetic, lane by lane (std::fma is the fused multiply-add).
