@@ -118,19 +118,15 @@ kAlwaysInline void group_rows(const Packed& w, const float* const* xr, int64_t t
 template <typename T, int NI>
 void tile_row1_tiled_n(const Problem<T>& p, const float* x, int64_t t, int64_t g0, int64_t g1, float* lanes) {
   const int nwords = p.w.tile_words(t), ncols = 8 * nwords;
-  const __mmask16 zmask = static_cast<__mmask16>((1u << nwords) - 1u);
-  const __m512i magic = _mm512_set1_epi32(0x4B000000), fifteen = _mm512_set1_epi32(15);
-  const __m512i word = _mm512_load_si512(kWordOfLane), shift = _mm512_load_si512(kShiftOfLane);
+  const __m512i magic = _mm512_set1_epi32(0x4B000000);
   __m512 y[8];
   for (int i = 0; i < 8; ++i) y[i] = _mm512_setzero_ps();
   for (int64_t gi = g0; gi < g1; ++gi) {
     if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
-    const __m512i zw = p.zeros ? _mm512_maskz_loadu_epi32(zmask, p.zeros + gi * p.w.words + t * kTileWords)
-                               : _mm512_maskz_mov_epi32(zmask, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
+    const __m512i zw = zero_words(p, t, gi, nwords);
     __m512 zf[NI], acc[1][NI];
     for (int i = 0; i < NI; ++i) {
-      const __m512i zi = _mm512_and_si512(
-          _mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_add_epi32(word, _mm512_set1_epi32(2 * i)), zw), shift), fifteen);
+      const __m512i zi = tiled_zero_points(zw, i);
       zf[i] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_sllv_epi32(zi, _mm512_set1_epi32(kShift[i])), magic));
       acc[0][i] = _mm512_setzero_ps();
     }
@@ -147,17 +143,8 @@ void tile_row1_tiled_n(const Problem<T>& p, const float* x, int64_t t, int64_t g
     }
     const T* src = p.scale + gi * p.N + kTileCols * t;
     for (int i = 0; i < NI; ++i) {
-      const int c = i * kTileWords;
-      __m512 sc;
-      if (c + kLanes <= ncols) {
-        sc = load_vec(src + c);
-      } else {
-        alignas(64) float part[kLanes];
-        for (int l = 0; l < kLanes; ++l) part[l] = c + l < ncols ? static_cast<float>(src[c + l]) : 0.f;
-        sc = _mm512_load_ps(part);
-      }
       const __m512 a = _mm512_mul_ps(acc[0][i], _mm512_set1_ps(1.0f / static_cast<float>(1 << kShift[i])));
-      y[i] = _mm512_fmadd_ps(a, sc, y[i]);
+      y[i] = _mm512_fmadd_ps(a, scales16(src, i * kTileWords, ncols), y[i]);
     }
   }
   for (int i = 0; i < 8; ++i) _mm512_store_ps(lanes + i * kTileWords, y[i]);

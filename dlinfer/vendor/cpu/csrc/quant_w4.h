@@ -90,42 +90,49 @@ struct Problem {
 alignas(64) inline constexpr int32_t kWordOfLane[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 alignas(64) inline constexpr int32_t kShiftOfLane[16] = {0, 16, 4, 20, 8, 24, 12, 28, 0, 16, 4, 20, 8, 24, 12, 28};
 
+// The tile's 16 zero-point words of group gi (zero past N; every nibble 8 without offsets).
+template <typename T>
+inline __m512i zero_words(const Problem<T>& p, int64_t t, int64_t gi, int nwords) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << nwords) - 1u);
+  return p.zeros ? _mm512_maskz_loadu_epi32(mask, p.zeros + gi * p.w.words + t * kTileWords)
+                 : _mm512_maskz_mov_epi32(mask, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
+}
+
+// column_tiled: the zero points of nibble i's 16 lanes (lane w: the tile's column 16i + w) from
+// the tile's zero-point words zw.
+inline __m512i tiled_zero_points(__m512i zw, int i) {
+  const __m512i word = _mm512_add_epi32(_mm512_load_si512(kWordOfLane), _mm512_set1_epi32(2 * i));
+  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(word, zw), _mm512_load_si512(kShiftOfLane)),
+                          _mm512_set1_epi32(15));
+}
+
+// 16 scales from src[c] on as float32, zero from src[ncols] on.
+template <typename T>
+inline __m512 scales16(const T* src, int c, int ncols) {
+  if (c + kLanes <= ncols) return load_vec(src + c);
+  alignas(64) float part[kLanes];
+  for (int l = 0; l < kLanes; ++l) part[l] = c + l < ncols ? static_cast<float>(src[c + l]) : 0.f;
+  return _mm512_load_ps(part);
+}
+
 template <typename T>
 void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_t* z, float* s) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << nwords) - 1u);
-  const __m512i zw = p.zeros ? _mm512_maskz_loadu_epi32(mask, p.zeros + gi * p.w.words + t * kTileWords)
-                             : _mm512_maskz_mov_epi32(mask, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
+  const __m512i zw = zero_words(p, t, gi, nwords);
   const int ncols = 8 * nwords;
   const T* src = p.scale + gi * p.N + kTileCols * t;
-  const __m512i fifteen = _mm512_set1_epi32(15);
   if (p.w.tiled) {
-    const __m512i word = _mm512_load_si512(kWordOfLane);
-    const __m512i shift = _mm512_load_si512(kShiftOfLane);
     for (int i = 0; i < 8; ++i) {
-      const __m512i zwi = _mm512_permutexvar_epi32(_mm512_add_epi32(word, _mm512_set1_epi32(2 * i)), zw);
-      _mm512_storeu_si512(z + i * kTileWords, _mm512_and_si512(_mm512_srlv_epi32(zwi, shift), fifteen));
-      const int c = i * kTileWords;
-      if (c + kLanes <= ncols) {
-        load_vec(src + c).store(s + c);
-      } else {
-        for (int l = c; l < c + kLanes; ++l) s[l] = l < ncols ? static_cast<float>(src[l]) : 0.f;
-      }
+      _mm512_storeu_si512(z + i * kTileWords, tiled_zero_points(zw, i));
+      _mm512_storeu_ps(s + i * kTileWords, scales16(src, i * kTileWords, ncols));
     }
     return;
   }
   alignas(64) float row[kTileCols];
-  for (int c = 0; c < kTileCols; c += kLanes) {
-    if (c + kLanes <= ncols) {
-      load_vec(src + c).store(row + c);
-    } else {
-      for (int l = c; l < c + kLanes; ++l) row[l] = l < ncols ? static_cast<float>(src[l]) : 0.f;
-    }
-  }
+  for (int c = 0; c < kTileCols; c += kLanes) _mm512_store_ps(row + c, scales16(src, c, ncols));
   const __m512i stride8 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                              _mm512_set1_epi32(8));
   for (int i = 0; i < 8; ++i) {
-    const __m512i zi = _mm512_and_si512(_mm512_srli_epi32(zw, 4 * i), fifteen);
-    _mm512_storeu_si512(z + i * kTileWords, zi);
+    _mm512_storeu_si512(z + i * kTileWords, _mm512_and_si512(_mm512_srli_epi32(zw, 4 * i), _mm512_set1_epi32(15)));
     const __m512i idx = _mm512_add_epi32(stride8, _mm512_set1_epi32(kOrder[i]));
     _mm512_storeu_ps(s + i * kTileWords, _mm512_i32gather_ps(idx, row, 4));
   }
