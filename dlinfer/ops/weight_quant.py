@@ -63,9 +63,10 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     x: [..., K] float32/float16/bfloat16, not modified.
     qweight: int32 [K, N/8], output column 8*j + [0, 2, 4, 6, 1, 3, 5, 7][i] at bits 4i..4i+3 of
         qweight[:, j] (or the column_tiled int32 [ceil(N/128), K, 16] of `repack_weight_quant`).
-    scale: [K/g, N] in x's dtype, or float16 (AWQ checkpoints' own dtype: widened exactly to float32 in
-        the kernel; what the cpu vendor's `repack_weight_quant` returns).  offset: the zero points, int32 [K/g, N/8] packed like qweight,
-        or None (zero point 8).  bias: [N] in x's dtype, or None.  All on x's device.
+    scale: [K/g, N] in x's dtype, or float16 (AWQ checkpoints' own dtype, widened exactly to float32
+        in the kernel; what the cpu vendor's `repack_weight_quant` returns).
+    offset: the zero points, int32 [K/g, N/8] packed like qweight, or None (zero point 8).
+    bias: [N] in x's dtype, or None.  All on x's device.
     group_size: g, a divisor of K; 0 means one group of K rows.
     Returns a new tensor [..., N] in x's dtype (fp32 accumulation, one final rounding).
     """

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason=
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m,k,n,group,zeros", [(1, 576, 1536, 64, True), (1, 96, 136, 32, False), (1, 160, 264, 0, True),
-                                               (1, 1536, 576, 64, False), (1, 64, 200, 32, True), (1, 128, 192, 64, False),
+@pytest.mark.parametrize("m,k,n,group,zeros", [(1, 576, 1536, 64, True), (1, 96, 136, 32, False),
+                                               (1, 160, 264, 0, True), (1, 1536, 576, 64, False),
+                                               (1, 64, 200, 32, True), (1, 128, 192, 64, False),
                                                (2, 96, 136, 32, False),
                                                (3, 160, 264, 0, True), (7, 80, 48, 16, True),
                                                (8, 1536, 576, 128, True), (9, 256, 392, 128, False),

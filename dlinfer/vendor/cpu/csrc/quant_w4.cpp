@@ -62,8 +62,8 @@ kAlwaysInline void nibble(const __m512i lo, const __m512i hi, const __m512i magi
 }
 
 template <int MR, int I0, int NI>
-kAlwaysInline void group_pass(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
-                       const int32_t* zs, const float* ss, float* ybuf) {
+kAlwaysInline void group_pass(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1,
+                              __mmask16 mask, const int32_t* zs, const float* ss, float* ybuf) {
   __m512 acc[MR][NI];
   __m512 zf[NI];  // 2^23 + z * 2^(4i')
   const __m512i magic = _mm512_set1_epi32(0x4B000000);
@@ -95,8 +95,8 @@ kAlwaysInline void group_pass(const Packed& w, const float* const* xr, int64_t t
 }
 
 template <int MR>
-kAlwaysInline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1, __mmask16 mask,
-                       const int32_t* zs, const float* ss, float* ybuf) {
+kAlwaysInline void group_rows(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1,
+                              __mmask16 mask, const int32_t* zs, const float* ss, float* ybuf) {
   if constexpr (MR == 1) {
     group_pass<MR, 0, 8>(w, xr, t, k0, k1, mask, zs, ss, ybuf);
   } else if constexpr (MR == 2) {

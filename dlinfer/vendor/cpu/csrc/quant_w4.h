@@ -24,7 +24,8 @@ namespace dlinfer_cpu {
 namespace w4 {
 
 inline constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-inline constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // canonical: column 8j + r is nibble kNibbleOf[r] of word j
+// canonical: column 8j + r is nibble kNibbleOf[r] of word j (the inverse of kOrder)
+inline constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int64_t kTileWords = 16;
 constexpr int64_t kTileCols = 8 * kTileWords;
 constexpr int64_t kMaxRowsW4 = 4096;  // w4_matmul's limit (weight_quant.py uses the dequantise + BLAS path beyond)
