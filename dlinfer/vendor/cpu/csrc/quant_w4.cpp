@@ -52,6 +52,11 @@ constexpr int kShift[8] = {0, 4, 8, 12, 16, 0, 4, 8};  // 4i' of nibble i
 // accumulators: 576 x 3072 at 8 rows took 63 us with float32 scales and 160 us with float16 ones.
 #define kAlwaysInline inline __attribute__((always_inline))
 
+// Zero points z of nibble i (16 lanes) as the float 2^23 + z * 2^(4i') that nibble() subtracts.
+kAlwaysInline __m512 magic_zero(const __m512i z, int i, const __m512i magic) {
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_sllv_epi32(z, _mm512_set1_epi32(kShift[i])), magic));
+}
+
 template <int I, int J, int MR, int NI>
 kAlwaysInline void nibble(const __m512i lo, const __m512i hi, const __m512i magic, const __m512* zf, const __m512* xb,
                    __m512 (&acc)[MR][NI]) {
@@ -67,11 +72,7 @@ kAlwaysInline void group_pass(const Packed& w, const float* const* xr, int64_t t
   __m512 acc[MR][NI];
   __m512 zf[NI];  // 2^23 + z * 2^(4i')
   const __m512i magic = _mm512_set1_epi32(0x4B000000);
-  for (int j = 0; j < NI; ++j) {
-    const __m512i z = _mm512_sllv_epi32(_mm512_loadu_si512(zs + (I0 + j) * kTileWords),
-                                        _mm512_set1_epi32(kShift[I0 + j]));
-    zf[j] = _mm512_castsi512_ps(_mm512_or_si512(z, magic));
-  }
+  for (int j = 0; j < NI; ++j) zf[j] = magic_zero(_mm512_loadu_si512(zs + (I0 + j) * kTileWords), I0 + j, magic);
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NI; ++j) acc[m][j] = _mm512_setzero_ps();
   auto [pf, pf_step] = w.ahead(t, k0, k1);
@@ -126,8 +127,7 @@ void tile_row1_tiled_n(const Problem<T>& p, const float* x, int64_t t, int64_t g
     const __m512i zw = zero_words(p, t, gi, nwords);
     __m512 zf[NI], acc[1][NI];
     for (int i = 0; i < NI; ++i) {
-      const __m512i zi = tiled_zero_points(zw, i);
-      zf[i] = _mm512_castsi512_ps(_mm512_or_si512(_mm512_sllv_epi32(zi, _mm512_set1_epi32(kShift[i])), magic));
+      zf[i] = magic_zero(tiled_zero_points(zw, i), i, magic);
       acc[0][i] = _mm512_setzero_ps();
     }
     const int64_t k0 = gi * p.g, k1 = k0 + p.g;
@@ -182,7 +182,8 @@ inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
 // Tile t's 128 values in lane order (lane i * 16 + w: column p.w.lane_column(t, i, w)) into a row
 // of y in column order, + bias. column_tiled lanes are already in column order: a copy.
 template <typename T>
-inline void store_tile(const Problem<T>& p, int64_t t, int nwords, const float* lanes, float* yr) {
+inline void store_tile(const Problem<T>& p, int64_t t, const float* lanes, float* yr) {
+  const int nwords = p.w.tile_words(t);
   if (p.w.tiled) {
     const int64_t c0 = kTileCols * t;
     for (int l = 0; l < 8 * nwords; ++l) yr[c0 + l] = p.bias ? lanes[l] + p.bias[c0 + l] : lanes[l];
@@ -211,10 +212,10 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
   if (MR == 1 && p.w.tiled) {
     tile_row1_tiled(p, xr[0], t, g0, g1, ybuf);
   } else {
+    const __mmask16 mask = static_cast<__mmask16>((1u << p.w.row_words(t)) - 1u);
     for (int64_t gi = g0; gi < g1; ++gi) {
       group_params(p, t, gi, nwords, zs, ss);
       if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
-      const __mmask16 mask = static_cast<__mmask16>((1u << p.w.row_words(t)) - 1u);
       group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, mask, zs, ss, ybuf);
     }
   }
@@ -228,7 +229,7 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
     for (int m = 0; m < MR; ++m) std::memcpy(part + (m0 + m) * lanes + t * kTileCols, ybuf + m * kTileCols, sizeof(ybuf) / MR);
     return;
   }
-  for (int m = 0; m < MR; ++m) store_tile(p, t, nwords, ybuf + m * kTileCols, p.y + (m0 + m) * p.N);
+  for (int m = 0; m < MR; ++m) store_tile(p, t, ybuf + m * kTileCols, p.y + (m0 + m) * p.N);
 }
 
 template <typename T>
@@ -283,8 +284,7 @@ void run_rows(const Problem<T>& p) {
     for (int64_t t = 0; t < tiles; ++t) {
       alignas(64) float sum[kTileCols];
       for (int64_t l = 0; l < kTileCols; ++l) sum[l] = lo[t * kTileCols + l] + hi[t * kTileCols + l];
-      const int nwords = p.w.tile_words(t);
-      store_tile(p, t, nwords, sum, p.y + m * p.N);
+      store_tile(p, t, sum, p.y + m * p.N);
     }
   }
 }
