@@ -1,8 +1,9 @@
 """Building the cpu vendor's C++ kernels (once per machine type, cached).
 
 The kernels (`csrc/*.cpp`) are compiled on first use with torch's own extension builder
-(`torch.utils.cpp_extension.load`) against the installed torch, and registered as
-`torch.ops.dlinfer_cpu.*`. The builder caches the build (torch's extension directory,
+(`torch.utils.cpp_extension.load`) against the installed torch, into one extension module whose
+functions the vendor calls (`module()`; csrc/bindings.cpp: no dispatcher on the hot path), each
+also registered as `torch.ops.dlinfer_cpu.*` for tests and tools. The builder caches the build (torch's extension directory,
 `TORCH_EXTENSIONS_DIR` to move it) and redoes it only when a source, header or flag changes: about
 a minute the first time, a fraction of a second after. A build that takes more than a moment says
 so on stderr; a machine without a C++ compiler or ninja gets a one-line `VendorError` before
@@ -32,10 +33,12 @@ import torch
 from dlinfer.errors import VendorError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("linear.cpp", "linear_16bit.cpp", "attention.cpp", "kv_cache.cpp", "norm.cpp", "rotary.cpp", "activation.cpp",
+SOURCES = ("bindings.cpp", "linear.cpp", "linear_16bit.cpp", "attention.cpp", "kv_cache.cpp", "norm.cpp", "rotary.cpp", "activation.cpp",
            "int8_gemm.cpp", "quant_w8.cpp", "moe_w8.cpp", "quant_w4.cpp", "quant_w4_tiles.cpp", "prefill_attention.cpp")
 COMPILERS = ("c++", "g++", "clang++")  # looked for in this order when $CXX is not set
 _ANNOUNCE_AFTER_S = 2.0  # a load still running after this long is compiling: say so
+_loaded = None  # the extension module, once built and imported
+_load_lock = threading.Lock()
 
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-mf16c",
@@ -108,11 +111,23 @@ def _log(msg: str) -> None:
     print(f"[dlinfer] {msg}", file=sys.stderr, flush=True)
 
 
-def build() -> None:
-    """Compile (or find in the cache) and load the kernels; a one-line VendorError when no compiler
-    or no ninja can build them."""
-    if hasattr(torch.ops.dlinfer_cpu, "linear_few_rows"):
-        return
+def module():
+    """The kernels' extension module (built and loaded by `build()` first if need be): its functions
+    are csrc/entry_points.h's."""
+    return _loaded if _loaded is not None else build()
+
+
+def build():
+    """Compile (or find in the cache) and load the kernels, returning their extension module; a
+    one-line VendorError when no compiler or no ninja can build them."""
+    global _loaded
+    with _load_lock:
+        if _loaded is None:
+            _loaded = _build()
+    return _loaded
+
+
+def _build():
     compiler, ninja = find_compiler(), _ninja_folder()
     if compiler is None:
         looked = f"$CXX={os.environ['CXX']}" if os.environ.get("CXX") else "$CXX, " + ", ".join(COMPILERS)
@@ -139,15 +154,16 @@ def build() -> None:
     timer.start()
     try:
         with _environ(**env):
-            load(
+            loaded = load(
                 name=module_name(),
                 sources=[str(CSRC / s) for s in SOURCES],
                 extra_cflags=flags(),
                 extra_include_paths=[str(CSRC)],
-                is_python_module=False,
+                is_python_module=True,
                 verbose=os.environ.get("DLINFER_BUILD_VERBOSE", "0") not in ("", "0"),
             )
     finally:
         timer.cancel()
     if announced.is_set():
         _log(f"cpu vendor kernels built in {time.perf_counter() - start:.0f} s")
+    return loaded

@@ -1,7 +1,7 @@
-"""The cpu vendor's op functions: each binds a C++ kernel (`csrc/<family>.cpp`, registered as
-`torch.ops.dlinfer_cpu.*`) to its canonical signature (dlinfer/vendor/op_table.py).
+"""The cpu vendor's op functions: each binds a C++ kernel (`csrc/<family>.cpp`, a function of the
+extension module `build.module()`, csrc/bindings.cpp) to its canonical signature (dlinfer/vendor/op_table.py).
 
-Importing this module needs the kernels loaded (`build.build()`). Shapes: T tokens, N rows, H
+Importing this module builds the kernels if need be (`build.module()`). Shapes: T tokens, N rows, H
 hidden size, Hq / Hkv heads, D / Dv head dims, NB blocks, BS block size, B sequences, M max blocks
 per sequence, R rotary dims. The caches reach the kernels as `kv_layouts.canonical` views,
 [NB, BS, Hkv, D] whatever the layout, so no kernel knows about layouts.
@@ -17,21 +17,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from dlinfer.vendor.cpu import build
 from dlinfer.vendor.kv_layouts import canonical
 from dlinfer.vendor.torch import attention as torch_attention
 from dlinfer.vendor.torch import kv_cache as torch_kv_cache
 from dlinfer.vendor.torch import linear as torch_linear
 
-_rms_norm = torch.ops.dlinfer_cpu.rms_norm.default
-_add_rms_norm = torch.ops.dlinfer_cpu.add_rms_norm.default
-_rotary = torch.ops.dlinfer_cpu.apply_rotary_pos_emb.default
-_silu_and_mul = torch.ops.dlinfer_cpu.silu_and_mul.default
-_fill = torch.ops.dlinfer_cpu.fill_kv_cache.default
-_decode = torch.ops.dlinfer_cpu.paged_decode_attention.default
-_prefill = torch.ops.dlinfer_cpu.prefill_attention.default
-_paged_prefill = torch.ops.dlinfer_cpu.paged_prefill_attention.default
-_few_rows = torch.ops.dlinfer_cpu.linear_few_rows.default
-_few_rows_16bit = torch.ops.dlinfer_cpu.linear_few_rows_16bit.default
+_kernels = build.module()
+_rms_norm = _kernels.rms_norm
+_add_rms_norm = _kernels.add_rms_norm
+_rotary = _kernels.apply_rotary_pos_emb
+_silu_and_mul = _kernels.silu_and_mul
+_fill = _kernels.fill_kv_cache
+_decode = _kernels.paged_decode_attention
+_prefill = _kernels.prefill_attention
+_paged_prefill = _kernels.paged_prefill_attention
+_few_rows = _kernels.linear_few_rows
+_few_rows_16bit = _kernels.linear_few_rows_16bit
 MAX_ROWS = torch.ops.dlinfer_cpu.max_few_rows()  # linear's C++ kernels up to this many rows
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -149,17 +151,17 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     if uses_few_rows(x, weight, bias):
         if x.dtype == torch.float32:
             return _few_rows(x, weight, bias)
-        return _few_rows_16bit(x, weight, bias)
+        return _few_rows_16bit(x, weight, bias, -1)  # -1: the best path for the dtype
     return torch_linear.linear(x, weight, bias)
 
 
 # W8A8 (csrc/quant_w8.cpp, csrc/moe_w8.cpp, csrc/int8_gemm.cpp): results bit-identical to the torch
 # vendor's, except fused_moe_w8a8's silu (ATen's vectorised exp).
-_dynamic_quant = torch.ops.dlinfer_cpu.dynamic_quant.default
-_linear_w8a8 = torch.ops.dlinfer_cpu.linear_w8a8.default
-_rms_norm_w8a8 = torch.ops.dlinfer_cpu.rms_norm_w8a8.default
-_add_rms_norm_w8a8 = torch.ops.dlinfer_cpu.add_rms_norm_w8a8.default
-_fused_moe_w8a8 = torch.ops.dlinfer_cpu.fused_moe_w8a8.default
+_dynamic_quant = _kernels.dynamic_quant
+_linear_w8a8 = _kernels.linear_w8a8
+_rms_norm_w8a8 = _kernels.rms_norm_w8a8
+_add_rms_norm_w8a8 = _kernels.add_rms_norm_w8a8
+_fused_moe_w8a8 = _kernels.fused_moe_w8a8
 
 
 def dynamic_quant(x: Tensor):
@@ -171,7 +173,7 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, o
                 bias: Optional[Tensor]) -> Tensor:
     """a [M, K] int8, b [N, K] int8, rms_scale [M], linear_scale [N] float32, bias [N]? -> [M, N] out_dtype.
     The int8 product: a weight-streaming VNNI / AVX-512 kernel up to 8 rows, oneDNN's int8 GEMM beyond."""
-    return _linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, bias)
+    return _linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, bias, -1)  # -1: the best path
 
 
 def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float):

@@ -8,7 +8,7 @@ VM, the register kernel is 2-3x faster than the dequantise + BLAS path at every 
 (docs/benchmarks.md), so the switch sits at the kernel's own limit. Both read the canonical AWQ layout and the column_tiled one
 (dlinfer/vendor/w4_layouts.py); `repack_weight_quant` is this vendor's load-time hook.
 
-Importing this module needs the kernels loaded (`build.build()`).
+Importing this module builds the kernels if need be (`build.module()`).
 """
 
 from typing import Optional
@@ -17,10 +17,12 @@ import torch
 from torch import Tensor
 
 from dlinfer.vendor import w4_layouts
+from dlinfer.vendor.cpu import build
 
-_w4_matmul = torch.ops.dlinfer_cpu.w4_matmul.default
-_dequantise_tiles = torch.ops.dlinfer_cpu.w4_dequantise_tiles.default
-_column_tiled = torch.ops.dlinfer_cpu.w4_column_tiled.default
+_kernels = build.module()
+_w4_matmul = _kernels.w4_matmul
+_dequantise_tiles = _kernels.w4_dequantise_tiles
+_column_tiled = _kernels.w4_column_tiled
 GEMV_MAX_ROWS = torch.ops.dlinfer_cpu.w4_max_rows()  # w4_matmul up to this M (the measured switch: see above)
 _BLOCK_BYTES = 2 << 20  # float32 weight bytes per GEMM block of the prefill path
 TILE_COLS = 128

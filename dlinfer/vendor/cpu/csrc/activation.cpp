@@ -2,6 +2,7 @@
 //   silu(g) = g / (1 + exp(-g)), rounded to the activation dtype (F.silu stores it), times up,
 //   rounded to the activation dtype.
 #include "common.h"
+#include "entry_points.h"
 
 #include <cmath>
 #include <vector>
@@ -33,6 +34,8 @@ void silu_mul_rows(const T* x, int64_t ldx, T* out, int64_t N, int64_t I) {
   at::parallel_for(0, N, grain_for(N, N * I * 2 * static_cast<int64_t>(sizeof(T))), rows);
 }
 
+}  // namespace
+
 at::Tensor silu_and_mul(const at::Tensor& x_in) {
   const at::Tensor x = dense_rows(x_in);
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [N, 2I]");
@@ -43,8 +46,6 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");

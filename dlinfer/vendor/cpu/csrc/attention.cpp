@@ -27,6 +27,7 @@
 // block, slot and head strides; block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B].
 #include "attention_block.h"
 #include "common.h"
+#include "entry_points.h"
 
 #include <cmath>
 #include <vector>
@@ -207,6 +208,8 @@ CacheView cache_view(const at::Tensor& cache) {
   return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
+}  // namespace
+
 void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                             const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
@@ -287,8 +290,6 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
   }
   if (!out.is_same(out_in)) out_in.copy_(out);  // an output whose last dim was strided
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(

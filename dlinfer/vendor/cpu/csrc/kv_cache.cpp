@@ -9,6 +9,7 @@
 // has no fast-math), a float32 addition, std::nearbyint in the default rounding mode (ties to
 // even); NaN stores 0 (dlinfer/ops/kv_quant.py).
 #include "common.h"
+#include "entry_points.h"
 
 #include <cmath>
 
@@ -73,6 +74,8 @@ void check_quant(const at::Tensor& t, int64_t H) {
               "fill_kv_cache: scales and zeros must be float32 [H]");
 }
 
+}  // namespace
+
 void fill_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const at::Tensor& key_cache,
                    const at::Tensor& value_cache, const at::Tensor& kv_indices,
                    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,
@@ -107,8 +110,6 @@ void fill_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const a
   fill_one(key, key_cache, slots);
   fill_one(value, value_cache, slots);
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(

@@ -10,6 +10,7 @@
 // 16 KB ahead of the loads (measured on Zen 5: M = 8 from 13 to 28 GB/s, M = 1 unchanged at
 // ~28 GB/s, the machine's read bandwidth). Bigger M is compute-bound: the caller uses BLAS.
 #include "common.h"
+#include "entry_points.h"
 
 namespace dlinfer_cpu {
 namespace {
@@ -63,6 +64,8 @@ void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, fl
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { rows_band<M, R>(x, ldx, w, bias, y, b, e, K, N); });
 }
 
+}  // namespace
+
 at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_few_rows: shapes");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear_few_rows: float32 only");
@@ -92,8 +95,6 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const 
   }
   return y;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("linear_few_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");

@@ -13,6 +13,7 @@
 //    float32 in registers (bf16: a 16-bit shift; fp16: vcvtph2ps where the build has F16C),
 //    then fmadd, as in the float32 kernel.
 #include "common.h"
+#include "entry_points.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -162,6 +163,8 @@ void run(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t M, int64_
   }
 }
 
+}  // namespace
+
 // x [M, K] (rows dense), weight [N, K] contiguous, bias [N]? (x's dtype or float32), all
 // bfloat16 or float16 -> [M, N] in x's dtype. path: -1 the best for the dtype, else that path.
 at::Tensor linear_few_rows_16bit(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -198,8 +201,6 @@ at::Tensor linear_few_rows_16bit(const at::Tensor& x, const at::Tensor& weight, 
   }
   return y;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("linear_few_rows_16bit(Tensor x, Tensor weight, Tensor? bias, int path=-1) -> Tensor");

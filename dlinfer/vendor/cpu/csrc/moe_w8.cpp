@@ -15,6 +15,7 @@
 // kernel, parallel over output channels, up to 8 tokens; oneDNN's int8 GEMM beyond), which at
 // decode sizes is where the time goes: streaming the active experts' weights. Ids outside [0, E)
 // contribute nothing (the op's value checks reject them first when enabled).
+#include "entry_points.h"
 #include "int8_gemm.h"
 
 #include <vector>
@@ -32,6 +33,8 @@ inline void silu_mul(const float* g, const float* u, float* act, int64_t n) {
   }
   for (; i < n; ++i) act[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
+
+}  // namespace
 
 at::Tensor fused_moe_w8a8(const at::Tensor& hidden_in, const at::Tensor& gate_up_in, const at::Tensor& gate_up_scales_in,
                           const at::Tensor& down_in, const at::Tensor& down_scales_in, const at::Tensor& topk_weights_in,
@@ -130,8 +133,6 @@ at::Tensor fused_moe_w8a8(const at::Tensor& hidden_in, const at::Tensor& gate_up
   }
   return out_f.to(hidden.scalar_type());
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("fused_moe_w8a8(Tensor hidden_states, Tensor gate_up_weights, Tensor gate_up_scales, Tensor down_weights, "

@@ -5,6 +5,7 @@
 //                                      read as stored, float32 or the activation dtype, and
 //                                      widened in registers, so a float32 weight of a bf16 model
 //                                      multiplies unrounded, as in PyTorch's type promotion)
+#include "entry_points.h"
 #include "norm_row.h"
 
 namespace dlinfer_cpu {
@@ -55,6 +56,8 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden_in, const std::
   return {out, summed};
 }
 
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   return std::get<0>(norm(hidden, std::nullopt, weight, eps));
 }
@@ -63,8 +66,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const 
                                                 const at::Tensor& weight, double eps) {
   return norm(hidden, residual, weight, eps);
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("rms_norm(Tensor hidden_states, Tensor weight, float epsilon) -> Tensor");

@@ -22,6 +22,7 @@
 // (M * BS); a token before its sequence's first position (kv_len < n) sees no key and is zero.
 // Nothing outside the tensors is read or written.
 #include "common.h"
+#include "entry_points.h"
 #include "prefill_tile.h"
 
 #include <atomic>
@@ -269,6 +270,8 @@ void finish(const at::Tensor& out, const at::Tensor& out_in) {
   if (!out.is_same(out_in)) out_in.copy_(out);  // an output whose last dim was strided
 }
 
+}  // namespace
+
 void prefill_attention(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                        const at::Tensor& cu_seqlens_q, double softmax_scale,
                        const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in) {
@@ -350,8 +353,6 @@ void paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& key_c
   }
   finish(out, out_in);
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(

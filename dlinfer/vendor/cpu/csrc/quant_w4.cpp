@@ -24,6 +24,7 @@
 // caller, weight_quant.py, walks N in blocks: never the whole float weight). Measured on one core
 // of the Zen 5 VM, w4_matmul beats that path 2-3x at every M from 1 to 512 (docs/benchmarks.md):
 // 8 rows share each decoded nibble, and the FMAs run from registers like a GEMM micro-kernel's.
+#include "entry_points.h"
 #include "quant_w4.h"
 
 #include <memory>
@@ -289,6 +290,8 @@ void run_rows(const Problem<T>& p) {
   }
 }
 
+}  // namespace
+
 // x [M, K] (M <= kMaxRowsW4), qweight, scale [K/g, N] (x's dtype or float16: widened exactly), offset?, bias?
 // -> [M, N] in x's dtype.
 at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
@@ -313,8 +316,6 @@ at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::T
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("w4_matmul(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, int group_size) "

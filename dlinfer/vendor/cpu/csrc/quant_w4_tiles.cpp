@@ -1,13 +1,12 @@
 // W4A16 helpers beside the register kernel (quant_w4.cpp): the float32 weight a block of
 // 128-column tiles at a time, for the GEMM path of many rows (weight_quant.py), and the
 // canonical -> column_tiled repack, the cpu vendor's load-time hook. Layouts: quant_w4.h.
+#include "entry_points.h"
 #include "quant_w4.h"
 
 #include <ATen/ops/zeros.h>
 
 namespace dlinfer_cpu {
-namespace {
-
 using namespace w4;
 
 // Tiles t0..t1 of the float32 weight in lane order, [K, (t1 - t0) * 128]: column (t - t0) * 128 +
@@ -87,8 +86,6 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight) {
   });
   return out;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("w4_dequantise_tiles(Tensor qweight, Tensor scale, Tensor? offset, int group_size, int t0, int t1) -> Tensor");

@@ -7,14 +7,13 @@
 //    (norm_row.h), read back as float32, in the same pass over the row;
 //  - linear_w8a8: the exact int32 product (int8_gemm.cpp), then ((float)acc * rms_scale[m]) *
 //    linear_scale[n] (+ (float)bias[n]) in float32, one rounding to out_dtype: PyTorch's order.
+#include "entry_points.h"
 #include "int8_gemm.h"
 #include "norm_row.h"
 
 #include <vector>
 
 namespace dlinfer_cpu {
-namespace {
-
 std::tuple<at::Tensor, at::Tensor> dynamic_quant(const at::Tensor& x_in) {
   const at::Tensor x = dense_rows(x_in);
   TORCH_CHECK(x.dim() == 2, "dynamic_quant: x must be [N, K]");
@@ -43,6 +42,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_quant(const at::Tensor& x_in) {
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return {q, scale};
 }
+
+namespace {
 
 // rms_norm (+ residual) then quantisation, row by row: (xq, scale, h + r or an undefined tensor).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(const at::Tensor& hidden_in,
@@ -93,6 +94,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(const at::Tensor& hidd
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return {q, scale, summed};
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_w8a8(const at::Tensor& hidden, const at::Tensor& weight, double eps) {
   auto out = norm_quant(hidden, std::nullopt, weight, eps);
@@ -160,8 +163,8 @@ at::Tensor linear_w8a8(const at::Tensor& a, const at::Tensor& b, const at::Tenso
   return out;
 }
 
+namespace {
 int64_t int8_best_path() { return best_int8_path(); }
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {

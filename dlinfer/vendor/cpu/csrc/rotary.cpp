@@ -7,6 +7,7 @@
 // (cos / sin float32 or the activation dtype) and widened in registers; nothing is staged in
 // float32 memory.
 #include "common.h"
+#include "entry_points.h"
 
 namespace dlinfer_cpu {
 namespace {
@@ -40,6 +41,8 @@ void rotate(const T* x, int64_t s_tok, int64_t s_head, T* out, int64_t T_, int64
   at::parallel_for(0, T_, grain_for(T_, T_ * H * D * static_cast<int64_t>(sizeof(T))), tokens);
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query_in, const at::Tensor& key_in,
                                                         const at::Tensor& cos, const at::Tensor& sin) {
   const at::Tensor query = dense_rows(query_in), key = dense_rows(key_in);
@@ -70,8 +73,6 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query_
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return {q_out, k_out};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin) -> (Tensor, Tensor)");

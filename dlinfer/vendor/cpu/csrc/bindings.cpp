@@ -1,0 +1,63 @@
+// The kernels as functions of the extension module (what kernels.py and weight_quant.py call).
+//
+// A call through torch.ops.dlinfer_cpu.* goes through the dispatcher: the arguments boxed into
+// IValues against the schema, then unboxed for the kernel, about 0.8 us a call on the Zen 5 VM,
+// and a decode step makes ~300 kernel calls (docs/benchmarks.md, "Kernel calls without the
+// dispatcher"). These bindings call the same functions directly, as torch does its own: CPU tensors
+// checked, the GIL released while the kernel runs, C++ errors raised as torch raises them. The
+// torch.ops registrations stay (tests and tools call them by name); the vendor's hot path does not.
+#include <torch/csrc/Exceptions.h>
+#include <torch/extension.h>
+
+#include "entry_points.h"
+
+namespace dlinfer_cpu {
+namespace {
+
+void check_cpu(const char* op, const at::Tensor& t) {
+  TORCH_CHECK(!t.defined() || t.device().is_cpu(), "dlinfer_cpu.", op, ": expected CPU tensors, got one on ",
+              t.device());
+}
+void check_cpu(const char* op, const std::optional<at::Tensor>& t) {
+  if (t.has_value()) check_cpu(op, *t);
+}
+template <typename A>
+void check_cpu(const char*, const A&) {}
+
+// m.name(args...) -> fn(args...), its tensor arguments checked to be on the CPU first.
+template <typename R, typename... A>
+void bind(pybind11::module_& m, const char* name, R (*fn)(A...)) {
+  m.def(name, [name, fn](A... args) -> R {
+    HANDLE_TH_ERRORS
+    (check_cpu(name, args), ...);
+    pybind11::gil_scoped_release no_gil;
+    return fn(args...);
+    END_HANDLE_TH_ERRORS_PYBIND
+  });
+}
+
+}  // namespace
+}  // namespace dlinfer_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace dlinfer_cpu;
+  bind(m, "silu_and_mul", &silu_and_mul);
+  bind(m, "rms_norm", &rms_norm);
+  bind(m, "add_rms_norm", &add_rms_norm);
+  bind(m, "apply_rotary_pos_emb", &apply_rotary_pos_emb);
+  bind(m, "fill_kv_cache", &fill_kv_cache);
+  bind(m, "paged_decode_attention", &paged_decode_attention);
+  bind(m, "prefill_attention", &prefill_attention);
+  bind(m, "paged_prefill_attention", &paged_prefill_attention);
+  bind(m, "linear_few_rows", &linear_few_rows);
+  bind(m, "linear_few_rows_16bit", &linear_few_rows_16bit);
+  bind(m, "dynamic_quant", &dynamic_quant);
+  bind(m, "rms_norm_w8a8", &rms_norm_w8a8);
+  bind(m, "add_rms_norm_w8a8", &add_rms_norm_w8a8);
+  bind(m, "int8_matmul", &int8_matmul);
+  bind(m, "linear_w8a8", &linear_w8a8);
+  bind(m, "fused_moe_w8a8", &fused_moe_w8a8);
+  bind(m, "w4_matmul", &w4_matmul);
+  bind(m, "w4_dequantise_tiles", &w4_dequantise_tiles);
+  bind(m, "w4_column_tiled", &w4_column_tiled);
+}

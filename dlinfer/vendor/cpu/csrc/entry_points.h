@@ -1,0 +1,82 @@
+// The cpu vendor's kernel entry points: the functions each csrc/*.cpp registers as
+// torch.ops.dlinfer_cpu.* and bindings.cpp binds as functions of the extension module, which
+// kernels.py and weight_quant.py call (no dispatcher: see bindings.cpp). Every tensor is a CPU
+// tensor; shapes and dtypes are checked inside and documented at each definition. T tokens, N rows,
+// H hidden size, Hq / Hkv heads, D head size, NB blocks of BS slots, g the 4-bit group size.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace dlinfer_cpu {
+
+// activation.cpp: x [N, 2I] -> silu(x[:, :I]) * x[:, I:]  [N, I].
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// norm.cpp: [N, H] rows, weight [H] (float32 or the rows' dtype).
+at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+
+// rotary.cpp: query [T, Hq, D], key [T, Hkv, D], cos / sin [T, R] -> new (q, k).
+std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query, const at::Tensor& key,
+                                                        const at::Tensor& cos, const at::Tensor& sin);
+
+// kv_cache.cpp: key / value [T, Hkv, D] into the canonical caches [NB, BS, Hkv, D] at slots
+// kv_indices [T], in place; with scales (float32 [Hkv]) the caches are int8.
+void fill_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& kv_indices,
+                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,
+                   const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_zero);
+
+// attention.cpp: one query token per sequence, written into out [T, Hq, Dv].
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                            const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
+                            const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                            const std::optional<at::Tensor>& v_zero);
+
+// prefill_attention.cpp: causal attention over packed sequences, written into out.
+void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const at::Tensor& cu_seqlens_q, double softmax_scale,
+                       const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out);
+void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
+                             const at::Tensor& kv_seq_len, double softmax_scale,
+                             const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out,
+                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                             const std::optional<at::Tensor>& v_zero);
+
+// linear.cpp / linear_16bit.cpp: x [M, K] @ weight [N, K]^T (+ bias [N]) at few rows.
+at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+at::Tensor linear_few_rows_16bit(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 int64_t path);
+
+// quant_w8.cpp: the W8A8 family.
+std::tuple<at::Tensor, at::Tensor> dynamic_quant(const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> rms_norm_w8a8(const at::Tensor& hidden, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_w8a8(const at::Tensor& hidden, const at::Tensor& residual,
+                                                                 const at::Tensor& weight, double eps);
+at::Tensor int8_matmul(const at::Tensor& a, const at::Tensor& b, int64_t path);
+at::Tensor linear_w8a8(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rms_scale,
+                       const at::Tensor& linear_scale, at::ScalarType out_dtype,
+                       const std::optional<at::Tensor>& bias, int64_t path);
+
+// moe_w8.cpp: top-k routed int8 experts.
+at::Tensor fused_moe_w8a8(const at::Tensor& hidden, const at::Tensor& gate_up, const at::Tensor& gate_up_scales,
+                          const at::Tensor& down, const at::Tensor& down_scales, const at::Tensor& topk_weights,
+                          const at::Tensor& topk_ids, bool renormalize);
+
+// quant_w4.cpp / quant_w4_tiles.cpp: W4A16 (layouts in quant_w4.h).
+at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                     const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
+                     int64_t group_size);
+at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scale,
+                               const std::optional<at::Tensor>& offset, int64_t group_size, int64_t t0, int64_t t1);
+at::Tensor w4_column_tiled(const at::Tensor& qweight);
+
+}  // namespace dlinfer_cpu
