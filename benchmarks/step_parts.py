@@ -4,6 +4,7 @@ and the median over every decode step of a generation.
 
     .venv/bin/python benchmarks/step_parts.py                       # eager, graph; batch 1 and 8
     .venv/bin/python benchmarks/step_parts.py --sides graph,graph-bf16 --batches 1 --tokens 256
+    .venv/bin/python benchmarks/step_parts.py --sides graph-w8a8 --batches 1 --functions   # + host functions
 
 `benchmarks/e2e_cpu.py`'s op budget times each `dlinfer.ops` call, which only exist in eager mode
 (a compiled graph calls the vendor kernels directly); this times what both modes share, at
@@ -12,6 +13,11 @@ LMDeploy's own seams: `model_forward` (agent.py: context, inputs, the model or i
 engine (scheduling, inputs, sampling, outputs). The minimum over steps is what a step costs when
 nothing else runs on the machine; the median shows the machine's noise. Each side runs in a
 process of its own (sides in one process share OpenMP pools, docs/lmdeploy.md "Threads").
+
+`--functions` also times the host-side functions in `FUNCTIONS` (LMDeploy's engine and dlinfer's
+adaptor; each wrapped where its caller looks it up) and prints their mean microseconds per decode
+step, inclusive of what they call: the engine's part of a step, broken down. The averages include
+the prefill step's share (one in `--tokens`).
 """
 
 from __future__ import annotations
@@ -30,9 +36,50 @@ sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 PARTS = ("step", "forward", "LM head", "engine")
 
+# (module, attribute path) of each host function `--functions` times, where its callers look it up.
+FUNCTIONS = (
+    ("lmdeploy.pytorch.engine.inputs_maker", "InputsMakerAsync._make_forward_inputs"),
+    ("lmdeploy.pytorch.engine.inputs_maker", "InputsMakerAsync.create_model_inputs_delta"),
+    ("lmdeploy.pytorch.strategies.ar.sampling", "ARSamplingStrategy.make_sampling_inputs"),
+    ("lmdeploy.pytorch.engine.logits_process", "FusedLogitsProcessor.sampling"),
+    ("lmdeploy.pytorch.engine.engine_loop", "EngineLoop._make_infer_outputs"),
+    ("lmdeploy.pytorch.engine.model_agent.agent", "BaseModelAgent._get_inputs_from_delta"),
+    ("lmdeploy.pytorch.engine.model_agent.agent", "BatchedOutputs.to_cpu"),
+    ("dlinfer.framework.lmdeploy_ext.backend.op_backend", "build_attention_metadata"),
+    ("dlinfer.framework.lmdeploy_ext.backend.step_context", "last_token_slots"),
+    ("dlinfer.framework.lmdeploy_ext.graph_runner", "DlinferGraphRunner._pad"),
+    ("dlinfer.framework.lmdeploy_ext.graph_replay", "GraphReplay.__call__"),
+)
 
-def measure(side: str, batch: int, tokens: int, repeats: int) -> dict:
-    """{part: [ms of every decode step]} over `repeats` generations of `tokens` new tokens."""
+
+def _timed_functions(totals: dict) -> list:
+    """Wrap every FUNCTIONS entry to add its wall seconds to totals[name]; returns the undo list."""
+    import functools
+    import importlib
+
+    undo = []
+    for module_name, path in FUNCTIONS:
+        owner = importlib.import_module(module_name)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name)
+        original = getattr(owner, attr)
+
+        def timed(*args, __f=original, __name=path, **kwargs):
+            start = time.perf_counter()
+            try:
+                return __f(*args, **kwargs)
+            finally:
+                totals[__name] = totals.get(__name, 0.0) + time.perf_counter() - start
+
+        setattr(owner, attr, functools.wraps(original)(timed))
+        undo.append((owner, attr, original))
+    return undo
+
+
+def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = False) -> dict:
+    """{part: [ms of every decode step]} over `repeats` generations of `tokens` new tokens; with
+    `functions`, also "functions": {FUNCTIONS name: mean us per decode step}."""
     import lmdeploy.pytorch.engine.model_agent.agent as agent
     from e2e_cpu import chat_prompts
     from e2e_sides import make_side
@@ -58,6 +105,8 @@ def measure(side: str, batch: int, tokens: int, repeats: int) -> dict:
 
     agent.model_forward, agent.BaseModelAgent.get_logits = timed_forward, timed_logits
     parts = {p: [] for p in PARTS}
+    totals: dict = {}
+    undo = _timed_functions(totals) if functions else []
     try:
         for _ in range(repeats):
             events.clear()
@@ -72,7 +121,12 @@ def measure(side: str, batch: int, tokens: int, repeats: int) -> dict:
                 parts["engine"].append((step - (fwd[i][2] - fwd[i][1]) - (head[i][2] - head[i][1])) * 1e3)
     finally:
         agent.model_forward, agent.BaseModelAgent.get_logits = forward, logits
+        for target, attr, original in undo:
+            setattr(target, attr, original)
         owner.close()
+    if functions:
+        steps = repeats * tokens
+        parts["functions"] = {name: totals.get(name, 0.0) / steps * 1e6 for _, name in FUNCTIONS}
     return parts
 
 
@@ -82,21 +136,31 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--functions", action="store_true", help="also time FUNCTIONS (us per decode step)")
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "BATCH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         side, batch, tokens = args.worker[0], int(args.worker[1]), int(args.worker[2])
-        print(json.dumps(measure(side, batch, tokens, args.repeats)), flush=True)
+        print(json.dumps(measure(side, batch, tokens, args.repeats, args.functions)), flush=True)
         return 0
     print("| side | batch | " + " | ".join(f"{p}: min / median ms" for p in PARTS) + " |")
     print("|---|---|" + "---|" * len(PARTS))
+    details = []
     for side in args.sides.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             done = subprocess.run([sys.executable, __file__, "--worker", side, str(batch), str(args.tokens),
-                                   "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
+                                   "--repeats", str(args.repeats)] + (["--functions"] if args.functions else []),
+                                  capture_output=True, text=True, check=True)
             parts = json.loads(done.stdout.strip().splitlines()[-1])
             cells = [f"{min(parts[p]):.2f} / {statistics.median(parts[p]):.2f}" for p in PARTS]
             print(f"| {side} | {batch} | " + " | ".join(cells) + " |", flush=True)
+            if args.functions:
+                details.append((f"{side} batch {batch}", parts["functions"]))
+    if details:
+        print("\n| host function (inclusive) | " + " | ".join(f"{label}: us/step" for label, _ in details) + " |")
+        print("|---|" + "---|" * len(details))
+        for _, name in FUNCTIONS:
+            print(f"| `{name}` | " + " | ".join(f"{us[name]:.1f}" for _, us in details) + " |")
     return 0
 
 
