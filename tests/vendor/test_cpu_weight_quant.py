@@ -135,3 +135,25 @@ def test_a_row_has_the_same_bits_in_any_batch(m, k, n, group):
     for rows in (1, 8, 9):
         part = _w4(x[:rows].contiguous(), packed, group)
         assert torch.equal(part.view(torch.int32), whole[:rows].view(torch.int32)), rows
+
+
+@pytest.mark.parametrize("m", [1, 4100])  # the register kernel and the dequantise + GEMM path
+def test_strided_weight_tensors_give_the_dense_ones_bits(m):
+    """The kernels make qweight, scale and offset dense themselves (the vendor's wrapper no longer
+    does): strided views of the same values give the same output bits."""
+    g = torch.Generator().manual_seed(m)
+    k, n, group = 128, 136, 32
+    qweight, scale, offset, bias = weights(W4Case("strided", (m,), k, n, group, True, True), torch.float32, g)
+    x = torch.randn(m, k, generator=g)
+
+    def strided(t):  # the same values, every other column of a twice-as-wide tensor
+        wide = torch.zeros(t.shape[0], 2 * t.shape[1], dtype=t.dtype)
+        wide[:, ::2] = t
+        view = wide[:, ::2]
+        assert not view.is_contiguous() and torch.equal(view, t)
+        return view
+
+    with dlinfer.vendor.using("cpu"):
+        want = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, group)
+        got = ops.weight_quant_matmul(x, strided(qweight), strided(scale), strided(offset), bias, False, group)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -56,10 +56,7 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
                         group_size: int) -> Tensor:
     """x [M, K], qweight int32 [K, N/8] or column_tiled [ceil(N/128), K, 16], scale [K/g, N] (x's
     dtype or float16), offset int32 [K/g, N/8]?, bias [N]?, group_size g -> [M, N] in x's dtype."""
-    scale = scale.contiguous()
-    offset = None if offset is None else offset.contiguous()
-    qweight = qweight.contiguous()
-    if x.shape[0] <= GEMV_MAX_ROWS:
+    if x.shape[0] <= GEMV_MAX_ROWS:  # the kernels make qweight, scale and offset dense (C++, no copy if they are)
         return _w4_matmul(x, qweight, scale, offset, bias, group_size)
     return _gemm(x, qweight, scale, offset, bias, group_size).to(x.dtype)
 

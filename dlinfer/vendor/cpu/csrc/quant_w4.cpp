@@ -294,9 +294,13 @@ void run_rows(const Problem<T>& p) {
 
 // x [M, K] (M <= kMaxRowsW4), qweight, scale [K/g, N] (x's dtype or float16: widened exactly), offset?, bias?
 // -> [M, N] in x's dtype.
-at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
-                              const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                              int64_t group_size) {
+at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight_in, const at::Tensor& scale_in,
+                     const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& bias,
+                     int64_t group_size) {
+  const DenseWeights d = dense_weights(qweight_in, scale_in, offset_in);
+  const at::Tensor& qweight = d.qweight;
+  const at::Tensor& scale = d.scale;
+  const std::optional<at::Tensor>& offset = d.offset;
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRowsW4, "w4_matmul: x [M <= 4096, K]");
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(1);
   check_common(scale, offset, K, group_size);

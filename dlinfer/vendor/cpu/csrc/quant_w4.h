@@ -175,6 +175,19 @@ inline Packed packed_of(const at::Tensor& qweight, int64_t K, int64_t N) {
   return Packed{qweight.data_ptr<int32_t>(), K, N / 8, tiled};
 }
 
+// The weight's tensors as the kernels read them, dense (copied only when one is not): the vendor's
+// Python wrapper then makes no call of its own before the kernel's.
+struct DenseWeights {
+  at::Tensor qweight, scale;
+  std::optional<at::Tensor> offset;
+};
+
+inline DenseWeights dense_weights(const at::Tensor& qweight, const at::Tensor& scale,
+                                  const std::optional<at::Tensor>& offset) {
+  return {qweight.contiguous(), scale.contiguous(),
+          offset.has_value() ? std::optional<at::Tensor>(offset->contiguous()) : std::nullopt};
+}
+
 inline void check_common(const at::Tensor& scale, const std::optional<at::Tensor>& offset, int64_t K, int64_t g) {
   TORCH_CHECK(g > 0 && K % g == 0, "w4: group size must divide K");
   TORCH_CHECK(scale.dim() == 2, "w4: scale [K/g, N]");

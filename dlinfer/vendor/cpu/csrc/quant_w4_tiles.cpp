@@ -13,8 +13,12 @@ using namespace w4;
 // i * 16 + w holds W[k, w.lane_column(t, i, w)] = float(q - z) * s (zero past N): column order for
 // column_tiled, the words' interleaved order for canonical, which the caller puts back in order
 // after the GEMM (a GEMM does not care about their order; a scatter would cost more than the decode).
-at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scale,
-                               const std::optional<at::Tensor>& offset, int64_t group_size, int64_t t0, int64_t t1) {
+at::Tensor w4_dequantise_tiles(const at::Tensor& qweight_in, const at::Tensor& scale_in,
+                               const std::optional<at::Tensor>& offset_in, int64_t group_size, int64_t t0, int64_t t1) {
+  const DenseWeights d = dense_weights(qweight_in, scale_in, offset_in);
+  const at::Tensor& qweight = d.qweight;
+  const at::Tensor& scale = d.scale;
+  const std::optional<at::Tensor>& offset = d.offset;
   const int64_t N = scale.size(1);
   const int64_t K = qweight.dim() == 3 ? qweight.size(1) : qweight.size(0);
   check_common(scale, offset, K, group_size);
