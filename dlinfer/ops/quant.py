@@ -93,7 +93,9 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, o
     check_dtype(vendor, op, out_dtype)
     rows = math.prod(lead)
     a2 = a if ndim == 2 else a.reshape(rows, k)
-    out = kernel(a2, b, rms_scale.reshape(rows), linear_scale.reshape(n), out_dtype, bias)
+    # linear_scale as LMDeploy holds it ([N] or [N, 1]): a reshape here would be one more call per
+    # linear and step in a replayed graph (docs/benchmarks.md, "Kernel calls without the dispatcher").
+    out = kernel(a2, b, rms_scale.reshape(rows), linear_scale, out_dtype, bias)
     return out if ndim == 2 else out.view(*lead, n)
 
 

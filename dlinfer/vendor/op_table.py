@@ -222,7 +222,8 @@ _TABLE = (
         "linear_w8a8",
         "(Tensor a, Tensor b, Tensor rms_scale, Tensor linear_scale, ScalarType out_dtype, Tensor? bias) -> Tensor",
         _linear_w8a8_fake,
-        "a [N, K] int8, b [Nout, K] int8, rms_scale [N] float32, linear_scale [Nout] float32, bias [Nout]? float "
+        "a [N, K] int8, b [Nout, K] int8, rms_scale [N] float32, linear_scale [Nout] or [Nout, 1] float32 "
+        "(contiguous), bias [Nout]? float "
         "-> [N, Nout] out_dtype = (a @ b.T, exact int32) * rms_scale[:, None] * linear_scale (+ bias)",
     ),
     OpSpec(

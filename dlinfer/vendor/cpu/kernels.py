@@ -171,7 +171,7 @@ def dynamic_quant(x: Tensor):
 
 def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype,
                 bias: Optional[Tensor]) -> Tensor:
-    """a [M, K] int8, b [N, K] int8, rms_scale [M], linear_scale [N] float32, bias [N]? -> [M, N] out_dtype.
+    """a [M, K] int8, b [N, K] int8, rms_scale [M], linear_scale [N] or [N, 1] float32, bias [N]? -> [M, N] out_dtype.
     The int8 product: a weight-streaming VNNI / AVX-512 kernel up to 8 rows, oneDNN's int8 GEMM beyond."""
     return _linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, bias, -1)  # -1: the best path
 

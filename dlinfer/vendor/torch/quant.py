@@ -33,9 +33,10 @@ def int8_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype, bias=None):
-    """(a @ b.T as int32) * rms_scale[:, None] * linear_scale (+ bias), in float32, cast to out_dtype."""
+    """(a @ b.T as int32) * rms_scale[:, None] * linear_scale (+ bias), in float32, cast to out_dtype.
+    linear_scale: [N] or [N, 1]."""
     acc = int8_matmul(a, b).float()
-    out = acc * rms_scale.unsqueeze(-1) * linear_scale
+    out = acc * rms_scale.unsqueeze(-1) * linear_scale.reshape(-1)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)

@@ -144,7 +144,8 @@ def _linear_w8a8_kernel(a_ptr, b_ptr, rs_ptr, ls_ptr, bias_ptr, out_ptr, M, N, K
 
 
 def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype, bias=None):
-    """a [M, K] int8, b [N, K] int8, rms_scale [M], linear_scale [N] float32, bias [N]? -> [M, N] out_dtype."""
+    """a [M, K] int8, b [N, K] int8, rms_scale [M], linear_scale [N] or [N, 1] float32 (read as N values),
+    bias [N]? -> [M, N] out_dtype."""
     a, b = unit_stride(a), unit_stride(b)
     m, k = a.shape
     n = b.shape[0]

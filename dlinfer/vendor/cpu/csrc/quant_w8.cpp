@@ -136,7 +136,7 @@ at::Tensor linear_w8a8(const at::Tensor& a, const at::Tensor& b, const at::Tenso
   const int64_t M = acc.size(0), N = acc.size(1);
   TORCH_CHECK(rms_scale.scalar_type() == at::kFloat && rms_scale.numel() == M &&
                   linear_scale.scalar_type() == at::kFloat && linear_scale.numel() == N,
-              "linear_w8a8: rms_scale float32 [M], linear_scale float32 [N]");
+              "linear_w8a8: rms_scale float32 [M], linear_scale float32 [N] or [N, 1]");
   std::vector<float> bias(bias_in.has_value() ? N : 0);
   if (bias_in.has_value()) {
     const at::Tensor bf = bias_in->to(at::kFloat).contiguous();  // the exact float32 value of each bias
