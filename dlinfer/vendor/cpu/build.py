@@ -3,11 +3,11 @@
 The kernels (`csrc/*.cpp`) are compiled on first use with torch's own extension builder
 (`torch.utils.cpp_extension.load`) against the installed torch, into one extension module whose
 functions the vendor calls (`module()`; csrc/bindings.cpp: no dispatcher on the hot path), each
-also registered as `torch.ops.dlinfer_cpu.*` for tests and tools. The builder caches the build (torch's extension directory,
-`TORCH_EXTENSIONS_DIR` to move it) and redoes it only when a source, header or flag changes: about
-a minute the first time, a fraction of a second after. A build that takes more than a moment says
-so on stderr; a machine without a C++ compiler or ninja gets a one-line `VendorError` before
-anything runs.
+also registered as `torch.ops.dlinfer_cpu.*` for tests and tools. The builder caches the build
+(torch's extension directory, `TORCH_EXTENSIONS_DIR` to move it) and redoes it only when a source,
+header or flag changes: about a minute the first time, a fraction of a second after. A build that
+takes more than a moment says so on stderr; a machine without a C++ compiler or ninja gets a
+one-line `VendorError` before anything runs.
 
 The instruction set is chosen from what this torch detects at run time
 (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or plain), not `-march=native`, and it is
@@ -33,8 +33,9 @@ import torch
 from dlinfer.errors import VendorError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "linear.cpp", "linear_16bit.cpp", "attention.cpp", "kv_cache.cpp", "norm.cpp", "rotary.cpp", "activation.cpp",
-           "int8_gemm.cpp", "quant_w8.cpp", "moe_w8.cpp", "quant_w4.cpp", "quant_w4_tiles.cpp", "prefill_attention.cpp")
+SOURCES = ("bindings.cpp", "linear.cpp", "linear_16bit.cpp", "attention.cpp", "kv_cache.cpp", "norm.cpp", "rotary.cpp",
+           "activation.cpp", "int8_gemm.cpp", "quant_w8.cpp", "moe_w8.cpp", "quant_w4.cpp", "quant_w4_tiles.cpp",
+           "prefill_attention.cpp")
 COMPILERS = ("c++", "g++", "clang++")  # looked for in this order when $CXX is not set
 _ANNOUNCE_AFTER_S = 2.0  # a load still running after this long is compiling: say so
 _loaded = None  # the extension module, once built and imported
