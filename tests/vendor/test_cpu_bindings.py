@@ -11,8 +11,6 @@ import torch
 
 from dlinfer.vendor.cpu import build
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
 
 @pytest.fixture(scope="module")
 def kernels():
@@ -43,7 +41,10 @@ def _cases():
     ]
 
 
-@pytest.mark.parametrize("name,args", _cases(), ids=[c[0] for c in _cases()])
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name,args", CASES, ids=[name for name, _ in CASES])
 def test_module_function_equals_the_registered_op(kernels, name, args):
     got = getattr(kernels, name)(*args)
     want = getattr(torch.ops.dlinfer_cpu, name)(*args)
