@@ -87,6 +87,26 @@ def test_linear_w8a8_bit_identical_to_the_torch_vendor(dtype, rows):
         assert torch.equal(out, tq.linear_w8a8(a, b, rs, ls, dtype, bias))
 
 
+@pytest.mark.parametrize("rows", [1, 8, 9])
+def test_linear_w8a8_strided_rows_and_paths_agree(rows):
+    """a with strided rows (a slice of a wider tensor) gives a's dense result, on the default path
+    (rows <= 8: the product in a plain buffer; more: int8_matmul_rows) and on every explicit one."""
+    g = torch.Generator().manual_seed(100 + rows)
+    wide, b = _i8(rows, 150, g=g), _i8(33, 70, g=g)
+    a = wide[:, 3:73]
+    rs, ls = torch.rand(rows, generator=g) / 100, torch.rand(33, 1, generator=g) / 100
+    want = _ops().linear_w8a8(a.contiguous(), b, rs, ls, torch.float32, None, -1)
+    assert torch.equal(_ops().linear_w8a8(a, b, rs, ls, torch.float32, None, -1), want)
+    for path in range(_ops().int8_best_path() + 1):
+        assert torch.equal(_ops().linear_w8a8(a, b, rs, ls, torch.float32, None, path), want)
+
+
+def test_linear_w8a8_kernel_refuses_mismatched_k_by_name():
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(RuntimeError, match=r"linear_w8a8: a \[M, K\] int8, b \[N, K\] int8"):
+        _ops().linear_w8a8(_i8(1, 16, g=g), _i8(4, 15, g=g), torch.ones(1), torch.ones(4), torch.float32, None, -1)
+
+
 def _rows(dtype, g, n=37, h=77):
     x = torch.randn(n, h, generator=g).to(dtype)
     x[0] = 0

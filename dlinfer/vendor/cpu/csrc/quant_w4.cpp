@@ -306,9 +306,10 @@ at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight_in, const at
   check_common(scale, offset, K, group_size);
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
               "w4_matmul: scale in x's dtype or float16");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  // float32 x as it is when dense (Tensor::to goes through the dispatcher even when it returns x)
+  const at::Tensor xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   at::Tensor bf;
-  if (bias.has_value()) bf = bias->to(at::kFloat).contiguous();
+  if (bias.has_value()) bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const Packed w = packed_of(qweight, K, N);
   AT_DISPATCH_V2(scale.scalar_type(), "w4_matmul", AT_WRAP([&] {

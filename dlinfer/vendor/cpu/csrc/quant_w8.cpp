@@ -128,12 +128,15 @@ at::Tensor int8_matmul(const at::Tensor& a_in, const at::Tensor& b_in, int64_t p
   return out;
 }
 
-at::Tensor linear_w8a8(const at::Tensor& a, const at::Tensor& b, const at::Tensor& rms_scale_in,
+at::Tensor linear_w8a8(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& rms_scale_in,
                        const at::Tensor& linear_scale_in, at::ScalarType out_dtype,
                        const std::optional<at::Tensor>& bias_in, int64_t path) {
-  const at::Tensor acc = int8_matmul(a, b, path);
+  const at::Tensor a = dense_rows(a_in), b = b_in.contiguous();
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.scalar_type() == at::kChar &&
+                  b.scalar_type() == at::kChar,
+              "linear_w8a8: a [M, K] int8, b [N, K] int8");
   const at::Tensor rms_scale = rms_scale_in.contiguous(), linear_scale = linear_scale_in.contiguous();
-  const int64_t M = acc.size(0), N = acc.size(1);
+  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
   TORCH_CHECK(rms_scale.scalar_type() == at::kFloat && rms_scale.numel() == M &&
                   linear_scale.scalar_type() == at::kFloat && linear_scale.numel() == N,
               "linear_w8a8: rms_scale float32 [M], linear_scale float32 [N] or [N, 1]");
@@ -142,10 +145,24 @@ at::Tensor linear_w8a8(const at::Tensor& a, const at::Tensor& b, const at::Tenso
     const at::Tensor bf = bias_in->to(at::kFloat).contiguous();  // the exact float32 value of each bias
     std::copy(bf.data_ptr<float>(), bf.data_ptr<float>() + N, bias.begin());
   }
+  // The exact int32 product: at decode sizes (the weight-streaming kernel) into a plain buffer, no
+  // tensor of its own (a call's fixed cost counts: 120 of them a step); else int8_matmul's.
+  std::vector<const int8_t*> rows(M);
+  for (int64_t m = 0; m < M; ++m) rows[m] = a.data_ptr<int8_t>() + m * a.stride(0);
+  at::Tensor acc_tensor;
+  std::vector<int32_t> acc_buffer;
+  const int32_t* ap;
+  if (path < 0 && M <= kGemvRows) {
+    acc_buffer.resize(M * N);
+    int8_gemm(rows.data(), M, b.data_ptr<int8_t>(), N, K, acc_buffer.data(), N, best_int8_path());
+    ap = acc_buffer.data();
+  } else {
+    acc_tensor = path < 0 ? int8_matmul_rows(rows.data(), M, b) : int8_matmul(a, b, path);
+    ap = acc_tensor.data_ptr<int32_t>();
+  }
   at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
   AT_DISPATCH_V2(out_dtype, "linear_w8a8", AT_WRAP([&] {
     using T = scalar_t;
-    const int32_t* ap = acc.data_ptr<int32_t>();
     const float* rs = rms_scale.data_ptr<float>();
     const float* ls = linear_scale.data_ptr<float>();
     T* op = out.data_ptr<T>();
