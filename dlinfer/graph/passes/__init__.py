@@ -20,10 +20,12 @@ from dlinfer.graph.passes.cse import cse_pass
 from dlinfer.graph.passes.rms_norm import add_rms_norm_pass, rms_norm_pass
 from dlinfer.graph.passes.rotary import rotary_pass
 from dlinfer.graph.passes.silu_and_mul import silu_and_mul_pass
+from dlinfer.graph.passes.split_heads import split_heads_pass
 from dlinfer.graph.passes.view_chains import view_chain_pass
 
 # cse first (fewer nodes to match); add_rms_norm after rms_norm: it fuses adds into the rms_norm
-# nodes the latter wrote; view_chains last (the fusions' patterns are matched through the views
+# nodes the latter wrote; split_heads after rotary (whose pattern starts at the unflattened heads);
+# view_chains last (the fusions' patterns are matched through the views
 # as the model wrote them).
 PASSES: Dict[str, Callable[[fx.GraphModule], int]] = {
     "cse": cse_pass,
@@ -31,6 +33,7 @@ PASSES: Dict[str, Callable[[fx.GraphModule], int]] = {
     "silu_and_mul": silu_and_mul_pass,
     "rms_norm": rms_norm_pass,
     "add_rms_norm": add_rms_norm_pass,
+    "split_heads": split_heads_pass,
     "view_chains": view_chain_pass,
 }
 
