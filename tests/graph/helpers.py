@@ -68,6 +68,18 @@ def flat(out) -> List[torch.Tensor]:
     return [t for o in out for t in flat(o)] if isinstance(out, (list, tuple)) else []
 
 
+def assert_graph_matches_eager(gm: fx.GraphModule, fn, args):
+    """Run gm and fn on separate clones of args: equal outputs, and equal inputs after the call
+    (what either wrote in place). Returns gm's outputs."""
+    eager_args = [a.clone() for a in args]
+    expected = fn(*eager_args)
+    graph_args = [a.clone() for a in args]
+    got = run_graph(gm, graph_args)
+    assert_same(got, expected)
+    assert_same(graph_args, eager_args, what="inputs after the call")
+    return got
+
+
 def assert_same(got, expected, atol=0.0, rtol=0.0, what="output"):
     got, expected = flat(got), flat(expected)
     assert len(got) == len(expected), f"{what}: {len(got)} tensors, expected {len(expected)}"

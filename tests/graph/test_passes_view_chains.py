@@ -5,7 +5,8 @@ import torch
 
 from dlinfer.graph.passes.view_chains import _is_view_call
 
-from .helpers import DlinferLlamaStack, assert_same, capture, clone_caches, decode_inputs, rewrite, run_graph
+from .helpers import (DlinferLlamaStack, assert_graph_matches_eager, assert_same, capture, clone_caches, decode_inputs,
+                      rewrite, run_graph)
 
 
 def _views(gm) -> int:
@@ -18,12 +19,7 @@ def _check(fn, *args):
     before = _views(gm)
     removed = rewrite(gm, "view_chains")["view_chains"]
     assert removed == before - _views(gm)
-    eager_args = [a.clone() for a in args]
-    expected = fn(*eager_args)
-    graph_args = [a.clone() for a in args]
-    got = run_graph(gm, graph_args)
-    assert_same(got, expected)
-    assert_same(graph_args, eager_args, what="inputs after the call")
+    assert_graph_matches_eager(gm, fn, args)
     return gm, removed
 
 
