@@ -107,36 +107,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_w8a8(const at::Tenso
   return norm_quant(hidden, residual, weight, eps);
 }
 
+namespace {
+
 int resolve_path(int64_t path) {
   TORCH_CHECK(int8_path_available(static_cast<int>(path)), "int8 path ", path, " is not available here");
   return static_cast<int>(path);
 }
 
+// The int8 product's operands as int8_gemm reads them: a [M, K] by row pointers (its rows may be
+// strided, each row dense), b [N, K] dense; `op` names the caller in the shape error.
+struct Int8Operands {
+  at::Tensor a, b;
+  std::vector<const int8_t*> rows;
+};
+
+Int8Operands int8_operands(const char* op, const at::Tensor& a_in, const at::Tensor& b_in) {
+  Int8Operands o{dense_rows(a_in), b_in.contiguous(), {}};
+  TORCH_CHECK(o.a.dim() == 2 && o.b.dim() == 2 && o.a.size(1) == o.b.size(1) && o.a.scalar_type() == at::kChar &&
+                  o.b.scalar_type() == at::kChar,
+              op, ": a [M, K] int8, b [N, K] int8");
+  o.rows.resize(o.a.size(0));
+  for (int64_t m = 0; m < o.a.size(0); ++m) o.rows[m] = o.a.data_ptr<int8_t>() + m * o.a.stride(0);
+  return o;
+}
+
+}  // namespace
+
 // a [M, K] int8, b [N, K] int8 -> [M, N] int32, exact. path -1: int8_matmul_rows' choice, else
 // int8_gemm on that path (the tests run each).
 at::Tensor int8_matmul(const at::Tensor& a_in, const at::Tensor& b_in, int64_t path) {
-  const at::Tensor a = dense_rows(a_in), b = b_in.contiguous();
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.scalar_type() == at::kChar &&
-                  b.scalar_type() == at::kChar,
-              "int8_matmul: a [M, K] int8, b [N, K] int8");
-  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
-  std::vector<const int8_t*> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = a.data_ptr<int8_t>() + m * a.stride(0);
-  if (path < 0) return int8_matmul_rows(rows.data(), M, b);
-  at::Tensor out = at::empty({M, N}, a.options().dtype(at::kInt));
-  int8_gemm(rows.data(), M, b.data_ptr<int8_t>(), N, K, out.data_ptr<int32_t>(), N, resolve_path(path));
+  const Int8Operands o = int8_operands("int8_matmul", a_in, b_in);
+  const int64_t M = o.a.size(0), N = o.b.size(0), K = o.a.size(1);
+  if (path < 0) return int8_matmul_rows(o.rows.data(), M, o.b);
+  at::Tensor out = at::empty({M, N}, o.a.options().dtype(at::kInt));
+  int8_gemm(o.rows.data(), M, o.b.data_ptr<int8_t>(), N, K, out.data_ptr<int32_t>(), N, resolve_path(path));
   return out;
 }
 
 at::Tensor linear_w8a8(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& rms_scale_in,
                        const at::Tensor& linear_scale_in, at::ScalarType out_dtype,
                        const std::optional<at::Tensor>& bias_in, int64_t path) {
-  const at::Tensor a = dense_rows(a_in), b = b_in.contiguous();
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.scalar_type() == at::kChar &&
-                  b.scalar_type() == at::kChar,
-              "linear_w8a8: a [M, K] int8, b [N, K] int8");
+  const Int8Operands o = int8_operands("linear_w8a8", a_in, b_in);
   const at::Tensor rms_scale = rms_scale_in.contiguous(), linear_scale = linear_scale_in.contiguous();
-  const int64_t M = a.size(0), N = b.size(0), K = a.size(1);
+  const int64_t M = o.a.size(0), N = o.b.size(0), K = o.a.size(1);
   TORCH_CHECK(rms_scale.scalar_type() == at::kFloat && rms_scale.numel() == M &&
                   linear_scale.scalar_type() == at::kFloat && linear_scale.numel() == N,
               "linear_w8a8: rms_scale float32 [M], linear_scale float32 [N] or [N, 1]");
@@ -145,22 +158,22 @@ at::Tensor linear_w8a8(const at::Tensor& a_in, const at::Tensor& b_in, const at:
     const at::Tensor bf = bias_in->to(at::kFloat).contiguous();  // the exact float32 value of each bias
     std::copy(bf.data_ptr<float>(), bf.data_ptr<float>() + N, bias.begin());
   }
-  // The exact int32 product: at decode sizes (the weight-streaming kernel) into a plain buffer, no
-  // tensor of its own (a call's fixed cost counts: 120 of them a step); else int8_matmul's.
-  std::vector<const int8_t*> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = a.data_ptr<int8_t>() + m * a.stride(0);
+  // The exact int32 product, int8_matmul's choice of kernel: the weight-streaming one (up to
+  // kGemvRows rows, or on an explicit path) into a plain buffer, no tensor of its own (a call's
+  // fixed cost counts: 120 of them a decode step); else int8_matmul_rows'.
   at::Tensor acc_tensor;
   std::vector<int32_t> acc_buffer;
   const int32_t* ap;
-  if (path < 0 && M <= kGemvRows) {
+  if (path >= 0 || M <= kGemvRows) {
     acc_buffer.resize(M * N);
-    int8_gemm(rows.data(), M, b.data_ptr<int8_t>(), N, K, acc_buffer.data(), N, best_int8_path());
+    int8_gemm(o.rows.data(), M, o.b.data_ptr<int8_t>(), N, K, acc_buffer.data(), N,
+              path < 0 ? best_int8_path() : resolve_path(path));
     ap = acc_buffer.data();
   } else {
-    acc_tensor = path < 0 ? int8_matmul_rows(rows.data(), M, b) : int8_matmul(a, b, path);
+    acc_tensor = int8_matmul_rows(o.rows.data(), M, o.b);
     ap = acc_tensor.data_ptr<int32_t>();
   }
-  at::Tensor out = at::empty({M, N}, a.options().dtype(out_dtype));
+  at::Tensor out = at::empty({M, N}, o.a.options().dtype(out_dtype));
   AT_DISPATCH_V2(out_dtype, "linear_w8a8", AT_WRAP([&] {
     using T = scalar_t;
     const float* rs = rms_scale.data_ptr<float>();
