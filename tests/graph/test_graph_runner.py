@@ -135,6 +135,23 @@ def test_warm_steps_replay_their_bucket_graph(model_and_runner, kv_lens, monkeyp
     assert runner.compiles == len(runner.buckets) and runner.graph_steps == steps + 1
 
 
+@pytest.mark.parametrize("kv_lens,pads", [([9, 4], False), ([5, 6, 7, 8], False), ([7, 3, 12], True), ([2], True)])
+def test_a_full_bucket_replays_the_steps_own_tensors(model_and_runner, kv_lens, pads, monkeypatch):
+    """A batch that fills its bucket (block table of 2 columns or more) replays on the step's own
+    tensors, no copies; a partial bucket ([7, 3, 12] in 4) or a one-column table ([2]) is padded.
+    Either way the results and caches are eager mode's."""
+    model, runner = model_and_runner
+    assert sorted(runner._replays) == runner.buckets
+    calls = []
+    pad = runner._pad
+    monkeypatch.setattr(runner, "_pad", lambda *args: calls.append(args) or pad(*args))
+    step = _step(kv_lens, seed=len(kv_lens) + 11)
+    got, expected, graph_caches, eager_caches = _both(runner, model, step, _caches())
+    assert bool(calls) == pads
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kv_lens", [[7, 3, 12], [2], [9, 4]])
 def test_warm_guards_pick_the_right_graph(model_and_runner, kv_lens, monkeypatch):
     """Without replays (a graph they cannot serve), warm steps go through Dynamo evaluating only

@@ -198,6 +198,23 @@ class DlinferGraphRunner(GraphRunner):
         out["attn_metadata"] = new_meta
         return out
 
+    def _replay_inputs(self, kwargs: Dict[str, Any], batch: int, bucket: int) -> Dict[str, Any]:
+        """What a replayed graph reads: `_pad`'s inputs, or, when the batch fills its bucket (token
+        ids and positions [1, bucket]) and the block table has the 2 columns `_pad` guarantees, the
+        step's own tensors with the bucket's constant metadata (the same values, in the dtypes the
+        graph was traced with). A replay evaluates no guards, so the fresh tensors `_pad` makes
+        for Dynamo are not needed: this saves its copies (docs/benchmarks.md)."""
+        meta: DlinferAttentionMetadata = kwargs["attn_metadata"]
+        shaped = kwargs["input_ids"].shape == kwargs["position_ids"].shape == (1, bucket)
+        if batch != bucket or not shaped or meta.block_offsets.shape[1] < 2:
+            return self._pad(kwargs, batch, bucket)
+        consts = self._constants_for(bucket, meta)
+        out = dict(kwargs)
+        out["attn_metadata"] = dataclasses.replace(
+            meta, q_start_loc=consts["cu_seqlens_q"][:-1], q_seqlens=consts["q_seqlens"],
+            cu_seqlens_q=consts["cu_seqlens_q"], cu_seqlens_q_cpu=consts["cu_seqlens_q_cpu"])
+        return out
+
     # -- the forward -----------------------------------------------------------------------------
 
     def __call__(self, **kwargs):
@@ -205,11 +222,11 @@ class DlinferGraphRunner(GraphRunner):
         if batch is None:
             return self.model(**kwargs)
         bucket = self.bucket_for(batch)
-        padded = self._pad(kwargs, batch, bucket)
         replay = self._replays.get(bucket)
         if replay is not None:
             self.graph_steps += 1
-            return _real_rows(replay(padded, self.model), batch)
+            return _real_rows(replay(self._replay_inputs(kwargs, batch, bucket), self.model), batch)
+        padded = self._pad(kwargs, batch, bucket)
         warm = not self._all_guards and self.compiles >= len(self.buckets)
         stance = (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if warm
                   else contextlib.nullcontext())
