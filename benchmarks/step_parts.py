@@ -18,6 +18,11 @@ process of its own (sides in one process share OpenMP pools, docs/lmdeploy.md "T
 adaptor; each wrapped where its caller looks it up) and prints their mean microseconds per decode
 step, inclusive of what they call: the engine's part of a step, broken down. The averages include
 the prefill step's share (one in `--tokens`).
+
+The timing wrappers add a frame above the model's forward, which moves where the forward's frames
+sit on CPython's data stack: costs that depend on that position (docs/graph.md, "The graph's
+frame") can show up in `benchmarks/e2e_cpu.py`'s tokens/s and not here. The end-to-end rate is
+the measure; this says where a step's time goes.
 """
 
 from __future__ import annotations
