@@ -110,6 +110,7 @@ def forward_with_own_stack_chunk(gm: fx.GraphModule) -> Callable:
     if words <= _STACK_CHUNK_WORDS:
         code = code.replace(co_stacksize=code.co_stacksize + _STACK_CHUNK_WORDS + 1 - words)
     padded = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    padded.__kwdefaults__, padded.__qualname__ = fn.__kwdefaults__, fn.__qualname__
     return types.MethodType(padded, gm)
 
 
