@@ -160,9 +160,15 @@ class DlinferGraphRunner(GraphRunner):
             self._constants[bucket] = consts
         return consts
 
+    def _bucket_metadata(self, bucket: int, meta: DlinferAttentionMetadata, **fields) -> DlinferAttentionMetadata:
+        """`meta` with the bucket's constant query metadata (and `fields`) in place of its own."""
+        consts = self._constants_for(bucket, meta)
+        return dataclasses.replace(meta, q_start_loc=consts["cu_seqlens_q"][:-1], q_seqlens=consts["q_seqlens"],
+                                   cu_seqlens_q=consts["cu_seqlens_q"], cu_seqlens_q_cpu=consts["cu_seqlens_q_cpu"],
+                                   **fields)
+
     def _pad(self, kwargs: Dict[str, Any], batch: int, bucket: int) -> Dict[str, Any]:
         meta: DlinferAttentionMetadata = kwargs["attn_metadata"]
-        consts = self._constants_for(bucket, meta)
         pad = bucket - batch
         blocks = meta.block_offsets
         # At least 2 columns: Dynamo specialises a dimension of size 1 (dynamic_sources or not).
@@ -176,14 +182,11 @@ class DlinferGraphRunner(GraphRunner):
             return torch.cat([t, t.new_full((pad, *t.shape[1:]), value)])
 
         kv_seqlens = padded(meta.kv_seqlens, 1)
-        new_meta = dataclasses.replace(
+        new_meta = self._bucket_metadata(
+            bucket,
             meta,
             block_offsets=table,
-            q_start_loc=consts["cu_seqlens_q"][:-1],
-            q_seqlens=consts["q_seqlens"],
             kv_seqlens=kv_seqlens,
-            cu_seqlens_q=consts["cu_seqlens_q"],
-            cu_seqlens_q_cpu=consts["cu_seqlens_q_cpu"],
             kv_seqlens_cpu=kv_seqlens if kv_seqlens.device.type == "cpu" else padded(meta.kv_seqlens_cpu, 1),
             kv_start_indices=padded(meta.kv_start_indices.view(-1), -1),
             kv_flatten_size=meta.kv_flatten_size + pad,
@@ -208,11 +211,8 @@ class DlinferGraphRunner(GraphRunner):
         shaped = kwargs["input_ids"].shape == kwargs["position_ids"].shape == (1, bucket)
         if batch != bucket or not shaped or meta.block_offsets.shape[1] < 2:
             return self._pad(kwargs, batch, bucket)
-        consts = self._constants_for(bucket, meta)
         out = dict(kwargs)
-        out["attn_metadata"] = dataclasses.replace(
-            meta, q_start_loc=consts["cu_seqlens_q"][:-1], q_seqlens=consts["q_seqlens"],
-            cu_seqlens_q=consts["cu_seqlens_q"], cu_seqlens_q_cpu=consts["cu_seqlens_q_cpu"])
+        out["attn_metadata"] = self._bucket_metadata(bucket, meta)
         return out
 
     # -- the forward -----------------------------------------------------------------------------
