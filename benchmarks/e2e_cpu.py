@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -192,6 +193,12 @@ def worker_main(side: str) -> int:
     return 0
 
 
+LLAMA_CPP_SEGFAULT_HINT = (
+    ": on a CPU with AMX-INT8 a native llama-cpp-python build runs its quantised matmuls through ggml's AMX "
+    "path, which crashed on a Xeon VM (ggml-org/llama.cpp#20824); rebuild it without AMX, "
+    "docs/benchmarks.md \"llama.cpp on a CPU with AMX\"")
+
+
 class Worker:
     """One side in its own process (this file with --worker)."""
 
@@ -204,7 +211,9 @@ class Worker:
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"benchmark worker {self.side!r} died (exit code {self.proc.wait()})")
+            code = self.proc.wait()
+            hint = LLAMA_CPP_SEGFAULT_HINT if self.side.startswith("llama.cpp") and code == -signal.SIGSEGV else ""
+            raise RuntimeError(f"benchmark worker {self.side!r} died (exit code {code}){hint}")
         return json.loads(line)
 
     def ask(self, **request) -> dict:
@@ -308,7 +317,9 @@ class ForeignLoad:
         self._start = (time.perf_counter(), self._machine_busy_s(), self._own_busy_s())
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:  # a side failed (a worker may be gone): measuring now would hide why
+            return
         wall = time.perf_counter() - self._start[0]
         foreign = (self._machine_busy_s() - self._start[1]) - (self._own_busy_s() - self._start[2])
         self.share = max(0.0, foreign / (wall * os.cpu_count()))
