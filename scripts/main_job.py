@@ -100,8 +100,8 @@ def _run(folder: Path, label: str, args) -> tuple[float, float]:
 def _awq_folder(folder: Path) -> Path:
     """SmolLM2 quantised to AWQ 4-bit (group 64: its K=576 is not a multiple of 128) by
     `python -m dlinfer quantize`, once, next to the float folder (delete it to quantise again).
-    The folder's name carries the method's recipe tag (`SmolLM2-135M-Instruct-awq-g64-duo-clip`), so a
-    folder written before the method changed is not reused."""
+    The folder's name carries the method's recipe tag (`SmolLM2-135M-Instruct-awq-g64-duo-clip-tune`),
+    so a folder written before the method changed is not reused."""
     from dlinfer.quantize.cli import quantize
     from dlinfer.quantize.writer import cache_name
 
@@ -109,7 +109,7 @@ def _awq_folder(folder: Path) -> Path:
     if (dst / "config.json").exists():
         print(f"[main] 4-bit model: {dst} (cached)", flush=True)
         return dst
-    print(f"[main] quantising {folder.name} to AWQ 4-bit (once, progress per layer) -> {dst}", flush=True)
+    print(f"[main] quantising {folder.name} to AWQ 4-bit (once, some minutes: progress per layer, then per tuning step) -> {dst}", flush=True)
     quantize(folder, dst, "awq", group_size=64)
     return dst
 

@@ -1,26 +1,49 @@
-"""Calibration samples: token windows cut from a local text file (never downloaded)."""
+"""Calibration and tuning samples: token windows cut from local text files (never downloaded)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 DEFAULT_CORPUS = Path(__file__).with_name("data") / "calibration.txt"
+# Written for the project (narrative, dialogue, explanations, instructions, news, lists, Markdown,
+# code in several languages; none of it in the held-out texts of benchmarks/data): the norms'
+# tuning reads it after DEFAULT_CORPUS (docs/quantize.md, "The tuning (awq)").
+TUNING_CORPUS = Path(__file__).with_name("data") / "tuning.txt"
+
+
+def _read(path: Path) -> str:
+    from dlinfer.quantize.source import QuantizeInputError
+
+    if not path.is_file():
+        raise QuantizeInputError(f"quantize: --calib {str(path)!r} is not a file.")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _windows(tokenizer, text: str, where: str, seqlen: int, max_samples: int):
+    import torch
+
+    from dlinfer.quantize.source import QuantizeInputError
+
+    # verbose=False: a text longer than the model's context is expected here (it is cut into windows)
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    count = min(max_samples, len(ids) // seqlen)
+    if count < 1:
+        raise QuantizeInputError(f"quantize: the calibration text {where} has {len(ids)} tokens, fewer than "
+                                 f"one sample of --calib-seqlen {seqlen}.")
+    return torch.tensor(ids[:count * seqlen], dtype=torch.long).view(count, seqlen)
 
 
 def samples(tokenizer, path: Path | None, seqlen: int, max_samples: int):
     """Token ids `[S, seqlen]` (int64): consecutive windows of the tokenised text, S <= max_samples.
     The default corpus (data/calibration.txt, written for this project) is used when `path` is None."""
-    import torch
-
-    from dlinfer.quantize.source import QuantizeInputError
-
     path = DEFAULT_CORPUS if path is None else Path(path)
-    if not path.is_file():
-        raise QuantizeInputError(f"quantize: --calib {str(path)!r} is not a file.")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    count = min(max_samples, len(ids) // seqlen)
-    if count < 1:
-        raise QuantizeInputError(f"quantize: the calibration text {str(path)!r} has {len(ids)} tokens, fewer than "
-                                 f"one sample of --calib-seqlen {seqlen}.")
-    return torch.tensor(ids[:count * seqlen], dtype=torch.long).view(count, seqlen)
+    return _windows(tokenizer, _read(path), repr(str(path)), seqlen, max_samples)
+
+
+def tuning_samples(tokenizer, path: Path | None, seqlen: int, max_samples: int):
+    """The tuning samples (scales and norms), `[S, seqlen]`: the windows of `path` when given (the calibration
+    text a user passed), else of the default corpus followed by data/tuning.txt."""
+    if path is not None:
+        return samples(tokenizer, path, seqlen, max_samples)
+    text = _read(DEFAULT_CORPUS) + "\n\n" + _read(TUNING_CORPUS)
+    return _windows(tokenizer, text, f"{DEFAULT_CORPUS.name} + {TUNING_CORPUS.name}", seqlen, max_samples)

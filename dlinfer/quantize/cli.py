@@ -1,5 +1,5 @@
 """`python -m dlinfer quantize SRC DST --method awq|rtn|smooth_quant [--group-size 128]
-[--calib FILE] [--kv-int8]` (docs/quantize.md)."""
+[--calib FILE] [--kv-int8] [--no-clip] [--no-tune]` (docs/quantize.md)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-samples", type=int, default=64, help="at most this many samples (default 64)")
     parser.add_argument("--no-clip", action="store_true",
                         help="awq: skip the weight-clipping search that follows the scale search")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="awq: skip the tuning of the group scales and norms (distillation from the float "
+                             "model) that ends it")
+    parser.add_argument("--tune-steps", type=int, default=None,
+                        help="awq: steps of that tuning (default 30; 0 skips it like --no-tune)")
     parser.add_argument("--kv-int8", action="store_true",
                         help="also write static per-layer per-head int8 KV-cache scales (kv_int8_scales.safetensors)")
 
@@ -35,11 +40,13 @@ def _tensor_name(layer_index: int, linear: str, key: str) -> str:
 
 def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Path | None = None,
              kv_int8: bool = False, calib_seqlen: int = 128, calib_samples: int = 64, log=None,
-             clip: bool = True) -> dict:
-    """Quantise SRC into DST; returns {"layers": [per-layer report lines], "seconds": ...}."""
+             clip: bool = True, tune_steps: int | None = None) -> dict:
+    """Quantise SRC into DST; returns {"layers": [per-layer report lines], "seconds": ...}.
+    tune_steps: the tuning that ends AWQ (None: distil.STEPS; 0: none; other methods: none)."""
     import torch
 
-    from dlinfer.quantize import awq, awq_clip, calib as calibration, kv_scales, pack, smooth_quant, source, walk, writer
+    from dlinfer.quantize import (awq, awq_clip, calib as calibration, distil, kv_scales, pack, smooth_quant, source,
+                                  walk, writer)
 
     log = log or (lambda text: print(text, flush=True))
     start = time.perf_counter()
@@ -50,6 +57,9 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     if method != "smooth_quant":
         source.check_dense(config, method)
         source.check_group_size(config, group_size)
+    tune_steps = (distil.STEPS if tune_steps is None else tune_steps) if method == "awq" else 0
+    if tune_steps < 0:
+        raise source.QuantizeInputError(f"quantize: --tune-steps must be 0 or more, got {tune_steps}.")
     writer.check_destination(dst)
     log(f"quantize: loading {src} ({config['architectures'][0]}, {config['num_hidden_layers']} layers)")
     model, tokenizer = source.load(src)
@@ -58,9 +68,15 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
         f"{calib or calibration.DEFAULT_CORPUS}")
     store_dtype = getattr(torch, config.get("torch_dtype") or config.get("dtype") or "float32")
     scale_dtype = torch.float16  # AWQ checkpoints keep their scales in float16 (LMDeploy loads them so)
+    tuning = None
+    if tune_steps:
+        tune_ids = calibration.tuning_samples(tokenizer, calib, calib_seqlen, calib_samples)
+        tuning = (tune_ids,) + distil.teacher_targets(model, tune_ids)  # the float model's, before any change
+        log(f"quantize: {tune_ids.shape[0]} tuning samples x {tune_ids.shape[1]} tokens; the float model's "
+            f"next-token distributions kept for the tuning of the scales and norms")
     hidden, kwargs = walk.first_layer_inputs(model, ids)
     num_kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    tensors, ranges, report = {}, [], []
+    tensors, ranges, report, to_tune = {}, [], [], {}
     layers = model.model.layers
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
@@ -92,8 +108,13 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
             del seen
         for name in walk.linears(layer):
             linear = layer.get_submodule(name)
-            packed = (smooth_quant.int8_tensors(linear.weight) if method == "smooth_quant"
-                      else pack.awq_tensors(linear.weight, group_size, scale_dtype))
+            if method == "smooth_quant":
+                packed = smooth_quant.int8_tensors(linear.weight)
+            else:
+                codes = awq.quant_params(linear.weight, group_size, scale_dtype)
+                packed = pack.awq_packed(*codes, scale_dtype)
+                if tuning is not None:
+                    to_tune[f"model.layers.{i}.{name}"] = codes
             for key, value in packed.items():
                 tensors[_tensor_name(i, name, key)] = value
             if linear.bias is not None:
@@ -102,6 +123,16 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
         line = f"quantize: layer {i + 1}/{len(layers)} {method} {time.perf_counter() - t0:.1f} s: {detail}"
         report.append(line)
         log(line)
+    tuned = None
+    if tuning is not None:
+        t0 = time.perf_counter()
+        scales, *tuned = distil.tune(model, to_tune, scale_dtype, *tuning, steps=tune_steps, log=log)
+        for path, scale in scales.items():
+            tensors[path + ".scales"] = scale.T.contiguous()
+        log(f"quantize: tuned the scales and norms in {time.perf_counter() - t0:.1f} s: KL to the float model on "
+            f"the tuning samples {tuned[0]:.4f} -> {tuned[1]:.4f}"
+            + ("" if tuned[1] < tuned[0] else " (no gain: AWQ's values kept)"))
+        del to_tune
     quantized = {f"model.layers.{i}.{name}." for i, layer in enumerate(layers) for name in walk.linears(layer)}
     for name, value in model.state_dict().items():
         if name.rsplit(".", 1)[0] + "." in quantized:
@@ -112,7 +143,8 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     out_config = dict(config)
     out_config["quantization_config"] = writer.quantization_config(method, group_size)
     extra = {writer.STAMP_FILE: lambda path: path.write_text(
-        json.dumps(writer.stamp(method, group_size, clip, tuple(ids.shape)), sort_keys=True) + "\n")}
+        json.dumps(writer.stamp(method, group_size, clip, tuple(ids.shape), tune_steps,
+                                tuple(tuning[0].shape) if tuning else None, tuned), sort_keys=True) + "\n")}
     if kv_int8:
         extra[kv_scales.FILE_NAME] = lambda path: kv_scales.save(path, ranges)
     writer.write(src, dst, out_config, tensors, extra)
@@ -126,7 +158,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         quantize(args.src, args.dst, args.method, args.group_size, args.calib, args.kv_int8,
-                 args.calib_seqlen, args.calib_samples, clip=not args.no_clip)
+                 args.calib_seqlen, args.calib_samples, clip=not args.no_clip,
+                 tune_steps=0 if args.no_tune else args.tune_steps)
     except QuantizeInputError as exc:
         print(f"error: {exc}")
         return 2

@@ -5,12 +5,18 @@ place that knows the layout."""
 
 from __future__ import annotations
 
+
 def awq_tensors(weight, group_size: int, scale_dtype):
     """{qweight, qzeros, scales} of a float `weight [N, K]` (torch.nn.Linear's layout)."""
     from dlinfer.quantize.awq import quant_params
+
+    return awq_packed(*quant_params(weight, group_size, scale_dtype), scale_dtype)
+
+
+def awq_packed(q, zero, scale, scale_dtype):
+    """{qweight, qzeros, scales} of `awq.quant_params`' (q [N, K], zero [N, K/g], scale [N, K/g])."""
     from dlinfer.vendor.w4_layouts import pack
 
-    q, zero, scale = quant_params(weight, group_size, scale_dtype)
     return {
         "qweight": pack(q.T.contiguous()),          # [K, N/8]
         "qzeros": pack(zero.T.contiguous()),        # [K/g, N/8]

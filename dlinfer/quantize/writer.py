@@ -13,10 +13,11 @@ from dlinfer.quantize.source import QuantizeInputError
 
 STAMP_FILE = "dlinfer_quantize.json"
 # A tag per method, changed whenever what the method writes changes (awq: "clip" with the
-# weight-clipping search, "duo-clip" since the duo scales and the clipping of q/k too), so that
-# callers caching a checkpoint under `cache_name` (scripts/main_job.py --w4a16,
-# benchmarks/e2e_sides.py) never reuse a folder the older code wrote.
-RECIPE_TAGS = {"awq": "duo-clip", "rtn": "", "smooth_quant": ""}
+# weight-clipping search, "duo-clip" since the duo scales and the clipping of q/k too,
+# "duo-clip-tune" since the tuning of the scales and norms), so that callers caching a checkpoint under
+# `cache_name` (scripts/main_job.py --w4a16, benchmarks/e2e_sides.py) never reuse a folder the
+# older code wrote. The default options' recipe; `stamp` records the one a run used.
+RECIPE_TAGS = {"awq": "duo-clip-tune", "rtn": "", "smooth_quant": ""}
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SKIPPED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
@@ -35,16 +36,19 @@ def cache_name(src_name: str, method: str, group_size: int = 64) -> str:
     return "-".join(parts + ([RECIPE_TAGS[method]] if RECIPE_TAGS[method] else []))
 
 
-def stamp(method: str, group_size: int, clip: bool, calib_shape: tuple) -> dict:
-    """What DST/dlinfer_quantize.json records: how the checkpoint was made."""
+def stamp(method: str, group_size: int, clip: bool, calib_shape: tuple, tune_steps: int = 0,
+          tune_shape: tuple | None = None, tune_kl: tuple | None = None) -> dict:
+    """What DST/dlinfer_quantize.json records: how the checkpoint was made (for awq: the recipe
+    tag of the options used, "duo-clip-tune" with the defaults)."""
     out = {"method": method, "recipe": RECIPE_TAGS[method], "calib_samples": list(calib_shape)}
     if method in ("awq", "rtn"):
         out["group_size"] = group_size
     if method == "awq":
         out["clip"] = clip
         out["scales"] = "duo"
-        if not clip:
-            out["recipe"] = "duo-noclip"
+        out["recipe"] = "duo-" + ("clip" if clip else "noclip") + ("-tune" if tune_steps else "")
+        out["tune"] = ({"steps": tune_steps, "samples": list(tune_shape), "kl_before": round(tune_kl[0], 6),
+                        "kl_after": round(tune_kl[1], 6)} if tune_steps else None)
     return out
 
 

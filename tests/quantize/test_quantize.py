@@ -145,10 +145,10 @@ def test_written_awq_folder(written, capsys):
 
 
 def test_cache_names_carry_the_recipe_tag():
-    """Callers cache checkpoints under these names; awq's changed with the clipping search and
-    again with the duo scales, so a folder older code wrote (`...-awq-g64`, `...-awq-g64-clip`)
-    is never taken for a current one."""
-    assert writer.cache_name("M", "awq", 64) == "M-awq-g64-duo-clip"
+    """Callers cache checkpoints under these names; awq's changed with the clipping search, with
+    the duo scales and with the tuning, so a folder older code wrote (`...-awq-g64`,
+    `...-awq-g64-clip`, `...-awq-g64-duo-clip`) is never taken for a current one."""
+    assert writer.cache_name("M", "awq", 64) == "M-awq-g64-duo-clip-tune"
     assert writer.cache_name("M", "rtn", 32) == "M-rtn-g32"
     assert writer.cache_name("M", "smooth_quant") == "M-smooth_quant"
 
