@@ -6,8 +6,8 @@ from pathlib import Path
 
 DEFAULT_CORPUS = Path(__file__).with_name("data") / "calibration.txt"
 # Written for the project (narrative, dialogue, explanations, instructions, news, lists, Markdown,
-# code in several languages; none of it in the held-out texts of benchmarks/data): the norms'
-# tuning reads it after DEFAULT_CORPUS (docs/quantize.md, "The tuning (awq)").
+# code in several languages; none of it in the held-out texts of benchmarks/data): the tuning of
+# the scales and norms reads it after DEFAULT_CORPUS (docs/quantize.md, "The tuning (awq)").
 TUNING_CORPUS = Path(__file__).with_name("data") / "tuning.txt"
 
 
@@ -41,8 +41,8 @@ def samples(tokenizer, path: Path | None, seqlen: int, max_samples: int):
 
 
 def tuning_samples(tokenizer, path: Path | None, seqlen: int, max_samples: int):
-    """The tuning samples (scales and norms), `[S, seqlen]`: the windows of `path` when given (the calibration
-    text a user passed), else of the default corpus followed by data/tuning.txt."""
+    """The tuning's samples, `[S, seqlen]`: the windows of `path` when given (the calibration text a
+    user passed), else of the default corpus followed by data/tuning.txt."""
     if path is not None:
         return samples(tokenizer, path, seqlen, max_samples)
     text = _read(DEFAULT_CORPUS) + "\n\n" + _read(TUNING_CORPUS)
