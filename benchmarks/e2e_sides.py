@@ -5,7 +5,8 @@ A side is named `engine[-variant]`:
 - `eager`, `graph`, `inductor`: LMDeploy + dlinfer on `device_type="cpu"` (eager mode, graph mode,
   graph mode with Inductor), float32; `-bf16` runs `dtype="bfloat16"`; `-w8a8` / `-w4a16` run the
   SmoothQuant / AWQ checkpoint `python -m dlinfer quantize` makes from the same folder; a
-  `+int8-head` / `+float-head` suffix sets DLINFER_LM_HEAD=int8 / float in that side's process
+  `+int8-head` / `+float-head` suffix sets DLINFER_LM_HEAD=int8 / float in that side's process, a
+  `+4k-pages` suffix DLINFER_HUGE_PAGES=0 (the weights left on the pages they were allocated on)
   (without one the engine's default, `auto`: int8 for the quantised checkpoints, float otherwise);
 - `llama.cpp-f32`, `-bf16`, `-q8_0`: llama.cpp on GGUFs written from the same folder
   (`benchmarks/gguf_from_hf.py`); `llama.cpp-q4_1`: the shipped GGUF the folder was made from.
@@ -27,7 +28,12 @@ from pathlib import Path
 LMDEPLOY_MODES = ("eager", "graph", "inductor")
 LMDEPLOY_VARIANTS = {"": "float32", "bf16": "bfloat16", "w8a8": "W8A8 (SmoothQuant)", "w4a16": "W4A16 (AWQ)"}
 LLAMA_CPP_KINDS = ("f32", "bf16", "q8_0", "q4_1")
-HEAD_SUFFIXES = {"+int8-head": "int8", "+float-head": "float"}  # -> DLINFER_LM_HEAD
+# side-name suffix -> (environment variable set in that side's process, value, label)
+ENV_SUFFIXES = {
+    "+int8-head": ("DLINFER_LM_HEAD", "int8", "int8 LM head"),
+    "+float-head": ("DLINFER_LM_HEAD", "float", "float LM head"),
+    "+4k-pages": ("DLINFER_HUGE_PAGES", "0", "weights on 4 KB pages"),
+}
 
 
 def all_sides() -> dict[str, str]:
@@ -37,8 +43,8 @@ def all_sides() -> dict[str, str]:
         for variant, label in LMDEPLOY_VARIANTS.items():
             name = f"{mode}-{variant}" if variant else mode
             sides[name] = f"LMDeploy + dlinfer {mode}, {label}"
-            for suffix, head in HEAD_SUFFIXES.items():
-                sides[name + suffix] = f"LMDeploy + dlinfer {mode}, {label}, {head} LM head"
+            for suffix, (_, _, what) in ENV_SUFFIXES.items():
+                sides[name + suffix] = f"LMDeploy + dlinfer {mode}, {label}, {what}"
     for kind in LLAMA_CPP_KINDS:
         sides[f"llama.cpp-{kind}"] = f"llama.cpp, {kind}"
     return sides
@@ -151,9 +157,9 @@ def make_side(side: str, folder: Path, prompts: list[str]):
     """(run(b, n) -> token ids, closable or None) for the side named `side`."""
     if side == "hf":
         return hf_side(folder, prompts), None
-    for suffix, head in HEAD_SUFFIXES.items():
+    for suffix, (variable, value, _) in ENV_SUFFIXES.items():
         if side.endswith(suffix):
-            os.environ["DLINFER_LM_HEAD"] = head  # read when the engine is built
+            os.environ[variable] = value  # read when the engine is built
             side = side[:-len(suffix)]
     engine, _, variant = side.partition("-")
     if engine in LMDEPLOY_MODES:

@@ -12,7 +12,7 @@ import torch
 from dlinfer.vendor.op_table import OP_NAMES
 
 PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "awq_linear", "backend_selector", "env_check", "cuda_calls",
-                 "model_agent", "lm_head", "openmp_pool", "mp_engine", "mp_executor", "vl_preprocess")
+                 "model_agent", "lm_head", "huge_pages", "openmp_pool", "mp_engine", "mp_executor", "vl_preprocess")
 
 
 def _run(args, env=None, timeout=300) -> subprocess.CompletedProcess:

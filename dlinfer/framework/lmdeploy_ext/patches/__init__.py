@@ -15,6 +15,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     device_queries,
     engine_config,
     env_check,
+    huge_pages,
     lm_head,
     model_agent,
     model_dtype,
@@ -34,6 +35,7 @@ PATCHES = (
     cuda_calls,        # streams/events/"cuda" strings in the engine modules
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
     lm_head,           # DLINFER_LM_HEAD: the LM head quantised to int8 after loading (quantised checkpoints)
+    huge_pages,        # DLINFER_HUGE_PAGES: the built model's weights moved onto 2 MB pages (CPU)
     openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up
     mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
     mp_executor,       # tp > 1: ranks import the adaptor, share the cores, end the engine when one dies
