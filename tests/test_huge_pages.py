@@ -63,6 +63,11 @@ def test_the_kernel_backs_the_arena_with_huge_pages_when_its_mode_allows():
     report = huge_pages.move_to_huge_pages(tensors)
     start = min(t.data_ptr() for t in tensors)
     assert report.huge == huge_pages.huge_bytes(start, start + (32 << 20) + huge_pages.HUGE_PAGE)
+    assert (report.problem is None) == (report.huge >= report.bytes - huge_pages.HUGE_PAGE), report
+    if report.huge == 0:
+        # the kernel's choice, not ours: seen on a CI machine in THP mode madvise (no free 2 MB
+        # pages, or a sandboxed kernel); the report said so, which is what the adaptor logs
+        pytest.skip(f"the kernel gave this process no huge pages: {report.problem}")
     assert report.huge >= report.bytes // 2, report.problem  # free 2 MB pages can run short, not out
 
 

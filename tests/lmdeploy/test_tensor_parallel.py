@@ -27,6 +27,7 @@ from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
 
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.backend.op_backend import backend_for
+from dlinfer.framework.lmdeploy_ext.patches import mp_executor
 from dlinfer.framework.lmdeploy_ext.patches.mp_executor import THREADS_ENV, threads_per_rank
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,6 +152,67 @@ class Child:
             self.proc.wait()
         for proc in _tagged_processes(self.tag):
             proc.kill()
+
+
+class _Rank:
+    """What `watch_ranks` reads of LMDeploy's ExecutorProc: a rank number and its process."""
+
+    def __init__(self, proc_id, proc):
+        self.proc_id, self._proc = proc_id, proc
+
+
+def _watched_executor(exit_code: int):
+    """An executor stand-in with one rank process that exits with `exit_code` at once, and one
+    that lives until it is terminated."""
+    import multiprocessing
+    import threading
+    import types
+
+    ctx = multiprocessing.get_context("fork")
+    quick, lasting = ctx.Process(target=os._exit, args=(exit_code,)), ctx.Process(target=time.sleep, args=(60,))
+    return types.SimpleNamespace(procs=[_Rank(0, lasting), _Rank(1, quick)],
+                                 _dlinfer_releasing=threading.Event(), _dlinfer_rank_signalled=threading.Event())
+
+
+def _watch(executor, after_exit=None):
+    """Run `watch_ranks` over `executor`'s processes; `after_exit(executor)` runs once the quick
+    rank has ended. Returns the statuses the watcher ended the process with."""
+    exits = []
+    lasting, quick = (rank._proc for rank in executor.procs)
+    lasting.start()
+    quick.start()
+    try:
+        thread = mp_executor.watch_ranks(executor, exit_process=exits.append)
+        quick.join()
+        if after_exit is not None:
+            after_exit(executor)
+        thread.join(mp_executor.SIGNAL_ARRIVAL_S + mp_executor.SIGNAL_GRACE_S + 5)
+        assert not thread.is_alive()
+    finally:
+        lasting.kill()
+        lasting.join()
+    return exits
+
+
+def test_the_watcher_ends_the_engine_when_a_rank_dies_without_a_word(caplog):
+    executor = _watched_executor(exit_code=3)
+    with caplog.at_level("ERROR", logger="dlinfer.lmdeploy"):
+        assert _watch(executor) == [1]
+    assert "tensor-parallel rank 1" in caplog.text and "exited with code 3" in caplog.text
+    assert not executor.procs[0]._proc.is_alive()  # the other rank is ended too
+
+
+def test_the_watcher_leaves_the_caller_to_raise_when_the_signal_is_seen_after_the_exit():
+    """The failing rank signals, then exits; the parent's handler may run after the watcher has
+    seen the exit (the race CI hit): the watcher waits for it, and for the caller to release."""
+
+    def signal_late_then_release(executor):
+        time.sleep(mp_executor.SIGNAL_ARRIVAL_S / 4)
+        executor._dlinfer_rank_signalled.set()
+        time.sleep(0.2)
+        executor._dlinfer_releasing.set()  # what collective_rpc does before it raises RankFailedError
+
+    assert _watch(_watched_executor(exit_code=0), after_exit=signal_late_then_release) == []
 
 
 @pytest.mark.slow

@@ -71,6 +71,10 @@ JOIN_TIMEOUT_S = 10.0
 # Seconds the rank watcher leaves a call that waits on a rank which signalled its failure to raise
 # `RankFailedError` in the caller before it ends the process instead.
 SIGNAL_GRACE_S = 5.0
+# Seconds the rank watcher waits, once a rank has ended, for that rank's SIGUSR1 to be seen: the
+# rank signals and then exits, but Python runs the handler in the main thread, which may get to
+# it after the watcher thread has seen the exit (seen in CI on a loaded 2-core machine).
+SIGNAL_ARRIVAL_S = 1.0
 
 logger = logging.getLogger("dlinfer.lmdeploy")
 
@@ -211,14 +215,16 @@ class RankFailedError(RuntimeError):
 def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
     """Start a daemon thread that, when a rank process of `executor` (an MPExecutor) ends before
     the executor releases its ranks, logs it, ends the other ranks and calls `exit_process(1)`.
-    A rank that signalled its failure first gives a call waiting on it (`_patch_collective_rpc`)
-    `SIGNAL_GRACE_S` to raise instead."""
+    A rank that signalled its failure (its SIGUSR1 seen within `SIGNAL_ARRIVAL_S` of its exit)
+    gives a call waiting on it (`_patch_collective_rpc`) `SIGNAL_GRACE_S` to raise instead."""
     procs = [(p.proc_id, p._proc) for p in executor.procs]
 
     def watch():
         sentinels = {proc.sentinel: (rank, proc) for rank, proc in procs}
         ended = wait(list(sentinels))
-        if executor._dlinfer_rank_signalled.is_set():
+        if executor._dlinfer_releasing.is_set():
+            return
+        if executor._dlinfer_rank_signalled.wait(SIGNAL_ARRIVAL_S):
             executor._dlinfer_releasing.wait(SIGNAL_GRACE_S)
         if executor._dlinfer_releasing.is_set():
             return
