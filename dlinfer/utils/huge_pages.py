@@ -36,8 +36,8 @@ _ALIGN = 64
 
 
 class Report(NamedTuple):
-    """bytes: the storages' bytes moved; huge: bytes of the arena the kernel backs with huge
-    pages (from /proc/self/smaps); problem: why not all of it is (None when all is)."""
+    """bytes: the storages' bytes moved; huge: bytes of them the kernel backs with huge pages
+    (from /proc/self/smaps; at most `bytes`); problem: why not all of it is (None when all is)."""
     bytes: int
     huge: int
     problem: Optional[str]
@@ -117,7 +117,7 @@ def move_to_huge_pages(tensors: Iterable) -> Report:
             base = skip + offset  # byte offset of the copy in raw's storage
             t.set_(arena_storage, (base + t.storage_offset() * t.element_size()) // t.element_size(),
                    t.shape, t.stride())
-    huge = huge_bytes(arena.data_ptr(), arena.data_ptr() + span)
+    huge = min(size, huge_bytes(arena.data_ptr(), arena.data_ptr() + span))  # the last page's tail is not the tensors'
     if problem is None and huge < size - HUGE_PAGE:
         problem = (f"the kernel backed {huge / 2**20:.0f} of {size / 2**20:.0f} MB with huge pages (THP mode "
                    f"{mode or 'unknown'}; free 2 MB pages may be short)")
