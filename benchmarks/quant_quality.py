@@ -8,8 +8,10 @@ The quantised models are evaluated as HF transformers running exactly what LMDep
 computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): the weights
 dequantised from the written files, and for SmoothQuant each quantised linear's input
 fake-quantised per token (tests/lmdeploy/quantized_models.py builds both). The held-out texts
-(benchmarks/data/heldout.txt, 832 tokens, and heldout_long.txt, 3942 tokens on other topics, both
-written for this project) are not the calibration corpus (dlinfer/quantize/data/calibration.txt).
+(benchmarks/data/heldout.txt, 832 tokens, heldout_long.txt, 3942 tokens on other topics, and
+heldout_fresh.txt, 1957 tokens written after the AWQ recipe was fixed and never used to choose it,
+all three written for this project) are not the calibration or tuning texts
+(dlinfer/quantize/data/calibration.txt, tuning.txt).
 Perplexity over non-overlapping windows of --window tokens, one column per text.
 
 Each model is evaluated with the float LM head and with the int8 LM head (DLINFER_LM_HEAD, which
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
                         help="comma-separated METHOD[:GROUP] (4-bit methods need a group dividing SmolLM2's "
                              "K = 576: 64 or 32); awq-noclip is awq without the clipping search")
     parser.add_argument("--text", type=Path, action="append", default=None,
-                        help="held-out text (repeatable; default: benchmarks/data/heldout.txt and heldout_long.txt)")
+                        help="held-out text (repeatable; default: benchmarks/data/heldout.txt, heldout_long.txt and "
+                             "heldout_fresh.txt)")
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--work", type=Path, default=None, help="where the quantised folders go (default: a temp dir)")
     parser.add_argument("--calib", type=Path, default=None,
@@ -77,7 +80,8 @@ def main(argv=None) -> int:
         args.model = build_smollm2()
     from quantized_models import FakeQuantReference, fake_quant_lm_head
 
-    texts = args.text or [ROOT / "benchmarks" / "data" / name for name in ("heldout.txt", "heldout_long.txt")]
+    texts = args.text or [ROOT / "benchmarks" / "data" / name for name in ("heldout.txt", "heldout_long.txt",
+                                                                                  "heldout_fresh.txt")]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     ids = [tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] for text in texts]
     print(f"machine: {machine.cpu_model()}; torch threads {torch.get_num_threads()}")
