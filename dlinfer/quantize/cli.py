@@ -45,8 +45,8 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     tune_steps: the tuning that ends AWQ (None: distil.STEPS; 0: none; other methods: none)."""
     import torch
 
-    from dlinfer.quantize import (awq, awq_clip, calib as calibration, distil, kv_scales, pack, smooth_quant, source,
-                                  walk, writer)
+    from dlinfer.quantize import (awq, awq_clip, calib as calibration, distil, head_stats, kv_scales, pack,
+                                  smooth_quant, source, walk, writer)
 
     log = log or (lambda text: print(text, flush=True))
     start = time.perf_counter()
@@ -133,6 +133,9 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
             f"the tuning samples {tuned[0]:.4f} -> {tuned[1]:.4f}"
             + ("" if tuned[1] < tuned[0] else " (no gain: AWQ's values kept)"))
         del to_tune
+    with torch.no_grad():  # the int8 LM head's smoothing reads these (head_stats.py)
+        head_input_absmax = head_stats.absmax(model.model.norm(hidden))
+    del hidden
     quantized = {f"model.layers.{i}.{name}." for i, layer in enumerate(layers) for name in walk.linears(layer)}
     for name, value in model.state_dict().items():
         if name.rsplit(".", 1)[0] + "." in quantized:
@@ -145,6 +148,7 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     extra = {writer.STAMP_FILE: lambda path: path.write_text(
         json.dumps(writer.stamp(method, group_size, clip, tuple(ids.shape), tune_steps,
                                 tuple(tuning[0].shape) if tuning else None, tuned), sort_keys=True) + "\n")}
+    extra[head_stats.FILE_NAME] = lambda path: head_stats.save(path, head_input_absmax)
     if kv_int8:
         extra[kv_scales.FILE_NAME] = lambda path: kv_scales.save(path, ranges)
     writer.write(src, dst, out_config, tensors, extra)

@@ -100,15 +100,40 @@ def _fake_quant_per_token(module, args):
     return (torch.clamp(torch.round(x / s), -128, 127) * s,) + tuple(args[1:])
 
 
-def fake_quant_lm_head(model) -> None:
+def head_input_ranges(folder: Path):
+    """The float32 [H] ranges a quantised folder's `lm_head_input_absmax.safetensors` holds, or None.
+    Read here with safetensors directly (the file's layout: docs/quantize.md)."""
+    from safetensors.torch import load_file
+
+    path = Path(folder) / "lm_head_input_absmax.safetensors"
+    return load_file(str(path))["input_absmax"] if path.is_file() else None
+
+
+def fake_quant_lm_head(model, input_absmax=None) -> None:
     """Make an HF model's LM head compute what the int8 head computes: the weight rounded per output
     row, w -> q * s with s = float32(max|w_row| / 127), q = clamp(round(w / s), -128, 127) (half to
     even; a zero row stays zero), and the head's input fake-quantised per token. A tied head gets
-    its own rounded copy: the embedding table used for lookups stays float."""
-    w = model.lm_head.weight.detach().double()
+    its own rounded copy: the embedding table used for lookups stays float.
+
+    With `input_absmax` ([H], the head input's calibration ranges) the head is smoothed first:
+    c_j = xmax_j^0.5 / wmax_j^0.5 in float32 (1 where either is 0), the weight's column j times c_j
+    (float32) before the rounding, the input times float32(1 / c_j) before its quantisation."""
+    w = model.lm_head.weight.detach().float()
+    pre = []
+    if input_absmax is not None:
+        xmax, wmax = input_absmax.float(), w.abs().amax(0)
+        c = torch.ones_like(wmax)
+        live = (xmax > 0) & (wmax > 0)
+        c[live] = xmax[live] ** 0.5 / wmax[live] ** 0.5
+        w = w * c
+        inv = 1.0 / c
+        pre.append(lambda module, args: (args[0] * inv,) + tuple(args[1:]))
+    w = w.double()
     s = (w.abs().amax(-1, keepdim=True) / 127).float().double()
     q = torch.clamp(torch.round(w / torch.where(s == 0, torch.ones_like(s), s)), -128, 127)
     model.lm_head.weight = torch.nn.Parameter((q * s).float(), requires_grad=False)
+    for hook in pre:
+        model.lm_head.register_forward_pre_hook(hook)
     model.lm_head.register_forward_pre_hook(_fake_quant_per_token)
 
 
@@ -141,7 +166,7 @@ class FakeQuantReference(HFReference):
                 for linear in layer_linears(config):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
         if int8_head:
-            fake_quant_lm_head(model)
+            fake_quant_lm_head(model, head_input_ranges(folder))
         model.generation_config.eos_token_id = None
         self.model = model.eval()
         self._memo = {}

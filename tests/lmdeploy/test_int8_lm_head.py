@@ -110,6 +110,55 @@ def test_quantize_rows_is_the_per_row_rule():
     assert q[3, :2].tolist() == [127, 0] and q[4, :3].tolist() == [-127, 2, 2] and not q[2].any()
 
 
+def _int8_logits_fp64(x, weight, c=None):
+    """The int8 head's logits, by this test's own rules: with factors c [H], the weight's columns
+    times c and the input times float32(1 / c) (both float32), then each row of the weight and
+    each token rounded to int8 (max|.|/127 in float32, half to even), the integer product exact."""
+    x, w = x.float(), weight.float()
+    if c is not None:
+        x, w = x * (1.0 / c), w * c
+
+    def rows(t):
+        s = (t.double().abs().amax(-1) / 127).float().double()
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        return torch.clamp(torch.round(t.double() / safe[:, None]), -128, 127), s
+
+    (xq, xs), (wq, ws) = rows(x), rows(w)
+    return (xq @ wq.T) * xs[:, None] * ws[None, :]
+
+
+def test_a_smoothed_head_is_the_smoothed_integer_product():
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(40, 24, generator=g), torch.randn(5, 24, generator=g)
+    c = torch.rand(24, generator=g) * 4 + 0.25
+    head = lm_head.Int8LMHead(weight, None, tied=False, smooth=c)
+    torch.testing.assert_close(head(x).double(), _int8_logits_fp64(x, weight, c), rtol=1e-6, atol=1e-6)
+    assert "smoothed=True" in repr(head)
+    plain = lm_head.Int8LMHead(weight, None, tied=False)
+    torch.testing.assert_close(plain(x).double(), _int8_logits_fp64(x, weight), rtol=1e-6, atol=1e-6)
+
+
+def test_smoothing_cuts_the_heads_error_where_one_channel_dominates_the_input():
+    """The final norm's output has a few large channels; per-token rounding then loses the rest.
+    Smoothed by the input's ranges (head_stats.smoothing), the head's error against the float
+    logits falls."""
+    from dlinfer.quantize import head_stats
+
+    g = torch.Generator().manual_seed(4)
+    weight, x = torch.randn(200, 64, generator=g) * 0.05, torch.randn(16, 64, generator=g)
+    x[:, 7] *= 60.0
+    exact = x.double() @ weight.double().T
+    plain = lm_head.Int8LMHead(weight, None, tied=False)(x).double()
+    smooth = lm_head.Int8LMHead(weight, None, tied=False, smooth=head_stats.smoothing(head_stats.absmax(x), weight))
+    err_plain, err_smooth = (plain - exact).abs().mean(), (smooth(x).double() - exact).abs().mean()
+    assert err_smooth < 0.5 * err_plain, (err_smooth, err_plain)
+
+
+def test_a_smoothing_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match=r"Int8LMHead: smooth must be \[24\].*got \[23\]"):
+        lm_head.Int8LMHead(torch.randn(40, 24), None, tied=False, smooth=torch.ones(23))
+
+
 def test_bad_value_refused_when_the_engine_is_built(monkeypatch):
     monkeypatch.setenv(lm_head.ENV, "int4")
     with pytest.raises(ValueError, match=r"DLINFER_LM_HEAD='int4': expected one of int8, float, auto"):
@@ -179,6 +228,13 @@ def test_auto_quantises_the_head_of_a_quantised_checkpoint(name, method, monkeyp
     folder = quantized_model(name, method, **({"group_size": 64} if method == "awq" else {}))
     results, head, embedding = _run(folder, "auto", monkeypatch, prompts=QUANTIZED_PROMPTS)
     _assert_int8(head, embedding, head_calls, tied=False)
+    # smoothed by the ranges `quantize` wrote: sqrt(max|x_j|) / sqrt(max|w_j|) of the stored head
+    from safetensors.torch import load_file
+
+    ranges = load_file(str(folder / "lm_head_input_absmax.safetensors"))["input_absmax"].double()
+    wmax = load_file(str(folder / "model.safetensors"))["lm_head.weight"].double().abs().amax(0)
+    assert head.smooth is not None
+    torch.testing.assert_close(head.smooth.double(), ranges.sqrt() / wmax.sqrt(), rtol=1e-6, atol=0)
     assert_matches_hf(results, _reference("quant-int8", folder), NEW_TOKENS)
 
 

@@ -32,7 +32,8 @@ def _patch_build_model(original):
         option = lm_head.read_option()
         original(self)
         lm_head.apply_for_engine(self.patched_model, self.model_config, option,
-                                 weights_loaded=not self.misc_config.empty_init)
+                                 weights_loaded=not self.misc_config.empty_init,
+                                 model_path=getattr(self, "model_path", None))
 
     return _build_model
 
