@@ -74,7 +74,7 @@ SIGNAL_GRACE_S = 5.0
 # Seconds the rank watcher waits, once a rank has ended, for that rank's SIGUSR1 to be seen: the
 # rank signals and then exits, but Python runs the handler in the main thread, which may get to
 # it after the watcher thread has seen the exit (seen in CI on a loaded 2-core machine).
-SIGNAL_ARRIVAL_S = 1.0
+SIGNAL_ARRIVAL_S = 2.0
 
 logger = logging.getLogger("dlinfer.lmdeploy")
 
