@@ -136,6 +136,8 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     with torch.no_grad():  # the int8 LM head's smoothing reads these (head_stats.py)
         head_input_absmax = head_stats.absmax(model.model.norm(hidden))
     del hidden
+    log(f"quantize: the LM head's input ranges recorded for the int8 head's smoothing ({head_stats.FILE_NAME}; "
+        f"max |x| per channel {head_input_absmax.min():.3g} .. {head_input_absmax.max():.3g})")
     quantized = {f"model.layers.{i}.{name}." for i, layer in enumerate(layers) for name in walk.linears(layer)}
     for name, value in model.state_dict().items():
         if name.rsplit(".", 1)[0] + "." in quantized:

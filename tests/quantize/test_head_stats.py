@@ -17,7 +17,7 @@ from dlinfer.__main__ import main  # noqa: E402
 from dlinfer.quantize import calib, head_stats  # noqa: E402
 
 
-def test_quantize_writes_the_ranges_of_the_float_heads_input(tmp_path):
+def test_quantize_writes_the_ranges_of_the_float_heads_input(tmp_path, capsys):
     """RTN leaves the float model as it is, so the file holds max |x_j| of the float model's LM head
     input over the calibration tokens, as HF transformers computes it (captured at the head)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,6 +25,7 @@ def test_quantize_writes_the_ranges_of_the_float_heads_input(tmp_path):
     src, dst = tiny_model("llama"), tmp_path / "rtn"
     assert main(["quantize", str(src), str(dst), "--method", "rtn", "--group-size", "64",
                  "--calib-samples", "4"]) == 0
+    assert "the LM head's input ranges recorded" in capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     ids = calib.samples(AutoTokenizer.from_pretrained(src), None, 128, 4)
     seen = []
