@@ -9,7 +9,7 @@ computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): 
 dequantised from the written files, and for SmoothQuant each quantised linear's input
 fake-quantised per token (tests/lmdeploy/quantized_models.py builds both). The held-out texts
 (benchmarks/data/heldout.txt, 832 tokens, heldout_long.txt, 3942 tokens on other topics, and
-heldout_fresh.txt, 1957 tokens written after the AWQ recipe was fixed and never used to choose it,
+heldout_fresh.txt, 1914 tokens written after the AWQ recipe was fixed and never used to choose it,
 all three written for this project) are not the calibration or tuning texts
 (dlinfer/quantize/data/calibration.txt, tuning.txt).
 Perplexity over non-overlapping windows of --window tokens, one column per text.

@@ -9,7 +9,7 @@ rounding. The weight side is known when the head is built; the input side needs 
 activations, which only `python -m dlinfer quantize` has: it writes them here.
 
 Measured on SmolLM2-135M float32 (docs/quantize.md): the int8 head's perplexity cost on the three
-held-out texts +1.20% / +0.57% / +0.89% plain, +0.30% / +0.13% / -0.11% smoothed this way (the
+held-out texts +1.20% / +0.57% / +0.30% plain, +0.30% / +0.13% / -0.16% smoothed this way (the
 norm weight standing in for the input range instead: worse than plain).
 
 The file `DST/lm_head_input_absmax.safetensors` holds float32 `input_absmax` [hidden_size]: the
