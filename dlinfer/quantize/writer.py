@@ -16,7 +16,9 @@ STAMP_FILE = "dlinfer_quantize.json"
 # weight-clipping search, "duo-clip" since the duo scales and the clipping of q/k too,
 # "duo-clip-tune" since the tuning of the scales and norms), so that callers caching a checkpoint under
 # `cache_name` (scripts/main_job.py --w4a16, benchmarks/e2e_sides.py) never reuse a folder the
-# older code wrote. The default options' recipe; `stamp` records the one a run used.
+# older code wrote. The default options' recipe; `stamp` records the one a run used. The tag
+# follows the weights written: a folder from before the LM head's input ranges were recorded
+# (lm_head_input_absmax.safetensors) has the same weights and runs with an unsmoothed int8 head.
 RECIPE_TAGS = {"awq": "duo-clip-tune", "rtn": "", "smooth_quant": ""}
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
