@@ -266,15 +266,15 @@ def linear_16bit_cases(bw, rounds=3):
 
 def w4_cases(bw):
     """W4A16 `weight_quant_matmul` on the cpu vendor at SmolLM2-135M's shapes (K 576: group 64, as
-    576 is no multiple of 128; K 1536: group 128), canonical AWQ layout and column_tiled (what the
-    vendor's load-time repack gives), against the float32 `linear` of the same shape. Each weight
+    576 is no multiple of 128; K 1536: group 128), canonical AWQ layout and the layout the
+    vendor's load-time repack gives (column_tiled or k_interleaved, dlinfer/vendor/w4_layouts.py), against the float32 `linear` of the same shape. Each weight
     is cycled over copies of >= 64 MB in all, so every call streams it from memory; the three are
     timed interleaved, three rounds, best median kept. GB/s: packed weight + scale + zero-point
     bytes per second, against the read bandwidth measured in the same run."""
     from dlinfer.conformance.suites.weight_quant import W4Case, weights
 
-    print("\n| M | K | N | g | W4 canonical ms | W4 column_tiled ms | GB/s (tiled) | of read bw | "
-          "f32 linear ms | f32 / W4 tiled |")
+    print("\n| M | K | N | g | W4 canonical ms | W4 repacked ms | GB/s (repacked) | of read bw | "
+          "f32 linear ms | f32 / W4 repacked |")
     print("|---" * 10 + "|", flush=True)
     for k, n, g in ((576, 1536, 64), (576, 576, 64), (576, 49152, 64), (1536, 576, 128)):
         wbytes = k * n // 2 + (k // g) * n * 4 + (k // g) * n // 2

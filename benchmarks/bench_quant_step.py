@@ -176,7 +176,9 @@ def main(argv=None) -> int:
                       + (f" ({report.problem})" if report.problem else ""), file=sys.stderr)
         # after the move: its float32 views of the W4 weights must see the moved storages
         first_w4 = next(iter(sides.values()))[2]
-        packed = [t for t in first_w4 if t.dtype == torch.int32 and t.dim() == 3]  # column_tiled qweights
+        from dlinfer.vendor import w4_layouts
+
+        packed = [t for t in first_w4 if w4_layouts.is_repacked(t)]  # the qweights, as the vendor's hook left them
         sides["reference: float32 sum of each W4A16 packed weight (torch.sum)"] = weight_sums(packed,
                                                                                                LAYERS * len(SHAPES))
         sum_bytes = max(512 << 20, max(nbytes for _, nbytes, _ in sides.values()) * args.copies)

@@ -3,8 +3,8 @@ calls it (`kernels/dlinfer/awq_kernels.py`: `weight_quant_matmul(x.squeeze(0), q
 offset=qzeros, bias=bias, all_reduce=all_reduce, group_size=group_size)`).
 
 `W[k, c] = (q[k, c] - z[k // g, c]) * s[k // g, c]`, q and z unsigned 4-bit; the packing is
-dlinfer/vendor/w4_layouts.py's (canonical, or the column_tiled layout `repack_weight_quant` may
-return once at load time).
+dlinfer/vendor/w4_layouts.py's (canonical, or a layout the vendor's `repack_weight_quant` returns
+once at load time: column_tiled, k_interleaved).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dlinfer.vendor import w4_layouts as L
 from dlinfer.vendor.selection import resolve
 
 I32 = (torch.int32,)
+_REPACKED = "column_tiled int32 [ceil(N/128), K, 16], or k_interleaved uint8 [ceil(N/64), K/8, 4, 64]"
 
 
 def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int], dtype, device):
@@ -31,12 +32,14 @@ def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int]
     n = scale.shape[1]
     if n % 8:
         raise C.InvalidArgumentError(op, "scale", "N (dim 1 of [K/g, N]) a multiple of 8", C.describe(scale))
-    if not isinstance(qweight, Tensor) or qweight.dim() not in (2, 3):
-        raise C.InvalidArgumentError(op, "qweight", "a tensor int32 [K, N/8] (or column_tiled [ceil(N/128), K, 16])",
-                                     C.describe(qweight))
+    if not isinstance(qweight, Tensor) or qweight.dim() not in (2, 3, 4):
+        raise C.InvalidArgumentError(op, "qweight", f"a tensor int32 [K, N/8] (or {_REPACKED})", C.describe(qweight))
     if L.is_column_tiled(qweight):
         C.tensor(op, "qweight", qweight, (L.num_tiles(n), "K", L.TILE_WORDS), I32, device)
         k_w = qweight.shape[1]
+    elif qweight.dim() == 4:
+        C.tensor(op, "qweight", qweight, (L.ki_num_tiles(n), "K/8", L.KI_VECTORS, L.KI_LINE_BYTES), (torch.uint8,), device)
+        k_w = qweight.shape[1] * L.KI_BLOCK_K
     else:
         C.tensor(op, "qweight", qweight, ("K", n // 8), I32, device)
         k_w = qweight.shape[0]
@@ -62,7 +65,8 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
 
     x: [..., K] float32/float16/bfloat16, not modified.
     qweight: int32 [K, N/8], output column 8*j + [0, 2, 4, 6, 1, 3, 5, 7][i] at bits 4i..4i+3 of
-        qweight[:, j] (or the column_tiled int32 [ceil(N/128), K, 16] of `repack_weight_quant`).
+        qweight[:, j] (or what `repack_weight_quant` returned: column_tiled int32 [ceil(N/128), K, 16]
+        or k_interleaved uint8 [ceil(N/64), K/8, 4, 64], dlinfer/vendor/w4_layouts.py).
     scale: [K/g, N] in x's dtype, or float16 (AWQ checkpoints' own dtype, widened exactly to float32
         in the kernel; what the cpu vendor's `repack_weight_quant` returns).
     offset: the zero points, int32 [K/g, N/8] packed like qweight, or None (zero point 8).
@@ -101,15 +105,16 @@ def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor]
     qweight: int32 [K, N/8] (canonical AWQ gemm layout).  scale: [K/g, N] float.
     offset: int32 [K/g, N/8] or None.  group_size: g (0: one group of K).  All on one device.
     Returns (qweight', scale', offset'): the vendor's `repack_weight_quant` hook's result (the cpu
-    vendor: qweight column_tiled int32 [ceil(N/128), K, 16], and float32 scales as float16 when every
-    one of them is a float16 value, so the same numbers in half the bytes), or the arguments
+    vendor: qweight k_interleaved uint8 [ceil(N/64), K/8, 4, 64] on a CPU with AVX-512 VNNI, else
+    column_tiled int32 [ceil(N/128), K, 16], and float32 scales as float16 when every one of them
+    is a float16 value, so the same numbers in half the bytes), or the arguments
     themselves when the vendor has none or qweight is repacked already. A hook may change the
     scales' dtype only to float16, and only without changing a value (checked here).
     """
     op = "repack_weight_quant"
     device = qweight.device if isinstance(qweight, Tensor) else None
     _, g = _check_weights(op, qweight, scale, offset, group_size, None, None, device)
-    if L.is_column_tiled(qweight):
+    if L.is_repacked(qweight):
         return qweight, scale, offset
     vendor = resolve("weight_quant_matmul", device.type)[1]
     if vendor.repack_weight_quant is None:

@@ -1,5 +1,5 @@
 """W4A16 (`weight_quant_matmul`, LMDeploy's AWQ gemm layout): parity against the fp64 reference,
-strided x, the column_tiled layout, float16 scales, bad inputs (graph mode: tests/graph/test_weight_quant_graph.py).
+strided x, the column_tiled and k_interleaved layouts, float16 scales, bad inputs (graph mode: tests/graph/test_weight_quant_graph.py).
 
 The checks: dlinfer/conformance/suites/weight_quant.py (shared with `python -m dlinfer conformance`).
 """
@@ -25,6 +25,11 @@ def test_weight_quant_matmul_strided(vendor, check):
 
 @pytest.mark.parametrize("vendor,check", suite_params(weight_quant.weight_quant_matmul_column_tiled))
 def test_weight_quant_matmul_column_tiled(vendor, check):
+    run(vendor, check)
+
+
+@pytest.mark.parametrize("vendor,check", suite_params(weight_quant.weight_quant_matmul_k_interleaved))
+def test_weight_quant_matmul_k_interleaved(vendor, check):
     run(vendor, check)
 
 

@@ -1,6 +1,8 @@
 """The cpu vendor's W4A16 load-time repack: canonical and column_tiled weights give the same
 output bits (few-rows kernel and the GEMM path), the hook is what `dlinfer.ops.
-repack_weight_quant` returns on CPU, and the torch vendor has none."""
+repack_weight_quant` returns on CPU, and the torch vendor has none; thread counts and batches do
+not change a row's bits in either repacked layout (the k_interleaved kernel's own tests:
+test_cpu_w4_k_interleaved.py)."""
 
 import pytest
 import torch
@@ -20,7 +22,8 @@ pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason=
                                                (3, 160, 264, 0, True), (7, 80, 48, 16, True),
                                                (8, 1536, 576, 128, True), (9, 256, 392, 128, False),
                                                (33, 192, 128, 64, True), (4100, 64, 136, 32, True)])
-def test_repacked_and_canonical_identical_bits(dtype, m, k, n, group, zeros):
+def test_repacked_and_canonical_identical_bits(dtype, m, k, n, group, zeros, monkeypatch):
+    monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "column_tiled")
     g = torch.Generator().manual_seed(m * 1000 + n)
     qweight, scale, offset, bias = weights(W4Case("bits", (m,), k, n, group, zeros, True), dtype, g)
     x = (torch.randn(m, k, generator=g)).to(dtype)
@@ -37,9 +40,11 @@ def test_repacked_and_canonical_identical_bits(dtype, m, k, n, group, zeros):
 
 
 @pytest.mark.parametrize("m,k,n,group", [(1, 576, 576, 64), (1, 96, 136, 32), (9, 1536, 576, 64), (4100, 64, 136, 32)])
-def test_repack_keeps_float16_exact_scales_as_float16(m, k, n, group):
+@pytest.mark.parametrize("layout", ["column_tiled", "k_interleaved"])
+def test_repack_keeps_float16_exact_scales_as_float16(m, k, n, group, layout, monkeypatch):
     """AWQ checkpoints' scales are float16 values held as float32: the hook stores them as float16,
     and the outputs keep their bits (the kernels widen them back exactly)."""
+    monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", layout)
     g = torch.Generator().manual_seed(k + n)
     qweight, scale, offset, bias = weights(W4Case("half", (m,), k, n, group, True, True), torch.float32, g)
     scale = scale.to(torch.float16).to(torch.float32)
@@ -47,7 +52,7 @@ def test_repack_keeps_float16_exact_scales_as_float16(m, k, n, group):
     with dlinfer.vendor.using("cpu"):
         tiled, half, offset2 = ops.repack_weight_quant(qweight, scale, offset, group)
         assert half.dtype == torch.float16 and torch.equal(half.to(torch.float32), scale)
-        a = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, group)
+        a = ops.weight_quant_matmul(x, tiled, scale, offset, bias, False, group)
         b = ops.weight_quant_matmul(x, tiled, half, offset2, bias, False, group)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
@@ -93,6 +98,17 @@ _SHAPES = [(1, 576, 576, 64), (1, 1536, 576, 64), (8, 576, 392, 32), (9, 576, 57
            (3, 576, 1536, 64)]
 
 
+@pytest.fixture(params=["column_tiled", "k_interleaved"])
+def layout(request, monkeypatch):
+    """The hook's layout for the test (k_interleaved where the VNNI kernel runs, else skipped)."""
+    from dlinfer.vendor.cpu import weight_quant as cpu_w4
+
+    if request.param == "k_interleaved" and not cpu_w4.VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: the hook never gives k_interleaved here")
+    monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", request.param)
+    return request.param
+
+
 def _repacked(m, k, n, group, seed):
     g = torch.Generator().manual_seed(seed)
     qweight, scale, offset, bias = weights(W4Case("bits", (m,), k, n, group, True, True), torch.float32, g)
@@ -108,11 +124,12 @@ def _w4(x, packed, group):
 
 
 @pytest.mark.parametrize("m,k,n,group", _SHAPES)
-def test_same_bits_at_every_thread_count(m, k, n, group):
+def test_same_bits_at_every_thread_count(m, k, n, group, layout):
     """Few-tile shapes split each tile's groups into two work items (csrc/quant_w4.cpp,
     kSplitBelowTiles): the split follows the shape, not the threads, so 1, 2 and 3 threads give
     the same bits."""
     x, packed = _repacked(m, k, n, group, k + n + m)
+    assert packed[0].dtype == (torch.uint8 if layout == "k_interleaved" else torch.int32)
     saved = torch.get_num_threads()
     outs = []
     try:
@@ -126,11 +143,12 @@ def test_same_bits_at_every_thread_count(m, k, n, group):
 
 
 @pytest.mark.parametrize("m,k,n,group", _SHAPES)
-def test_a_row_has_the_same_bits_in_any_batch(m, k, n, group):
+def test_a_row_has_the_same_bits_in_any_batch(m, k, n, group, layout):
     """A row's output does not depend on the other rows of the call: alone, in the first row
     block, or in a batch of several blocks (the kernel's split and its row blocks never change a
     row's arithmetic)."""
     x, packed = _repacked(max(m, 17), k, n, group, k + n)
+    assert packed[0].dtype == (torch.uint8 if layout == "k_interleaved" else torch.int32)
     whole = _w4(x, packed, group)
     for rows in (1, 8, 9):
         part = _w4(x[:rows].contiguous(), packed, group)

@@ -1,6 +1,6 @@
 """W4A16 (`weight_quant_matmul`, LMDeploy's AWQ gemm layout) against the fp64 reference: parity,
 a strided x, the column_tiled layout (built here, and as the vendor's `repack_weight_quant`
-returns it), bad inputs.
+returns it), the k_interleaved layout (built here), bad inputs.
 
 The weights are packed here, from the contract's words (nibble i of word j holds column
 8 * j + [0, 2, 4, 6, 1, 3, 5, 7][i]), and unpacked by the reference's own code
@@ -105,6 +105,24 @@ def column_tile(qweight):
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
+def k_interleave(qweight):
+    """canonical int32 [K, N/8] -> k_interleaved uint8 [ceil(N/64), K/8, 4, 64] (the layout's
+    nibbles regrouped: line (t, b, v), byte 4l + r: row 8b + r of column 64t + 16v + l in the low
+    nibble, row 8b + 4 + r in the high one; zero past N)."""
+    k, words = qweight.shape
+    n = 8 * words
+    q = qweight.to(torch.int64) & 0xFFFFFFFF
+    values = torch.zeros(k, n, dtype=torch.int64, device=qweight.device)
+    for p, col in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+        values[:, col::8] = (q >> (4 * p)) & 15
+    out = torch.zeros(-(-n // 64), k // 8, 4, 64, dtype=torch.int64, device=qweight.device)
+    for c in range(n):
+        t, v, lane = c // 64, (c % 64) // 16, c % 16
+        for r in range(4):
+            out[t, :, v, 4 * lane + r] = values[r::8, c] | (values[4 + r::8, c] << 4)
+    return out.to(torch.uint8)
+
+
 def _check(out, expected, case, dtype, what=OP):
     expect(out.dtype == dtype and tuple(out.shape) == (*case.lead, case.n),
            f"{what}: output {tuple(out.shape)} {out.dtype}, expected {(*case.lead, case.n)} {dtype}")
@@ -124,6 +142,8 @@ def _parity(vendor, case, dtype, strided=False, tiled=False, half_scales=False):
     expected = ref.weight_quant_matmul(x, qweight, scale, offset, bias, case.group)
     if tiled == "suite":  # the column_tiled layout, built here
         qweight = column_tile(qweight)
+    elif tiled == "suite_k_interleaved":  # the k_interleaved layout, built here
+        qweight = k_interleave(qweight)
     elif tiled == "vendor":  # whatever the active vendor's load-time repack returns
         qweight, scale, offset = ops.repack_weight_quant(qweight, scale, offset, case.group)
     out = ops.weight_quant_matmul(x, qweight, scale, offset=offset, bias=bias, all_reduce=False,
@@ -149,13 +169,28 @@ def weight_quant_matmul_column_tiled(layouts):
             for how in ("suite", "vendor") for c in TILED_CASES for dt in DTYPES]
 
 
+# the k_interleaved layout needs K % 8 == 0 (every case but g0 at K = 80 has it too, which is kept:
+# a group the cpu vendor's integer kernel cannot take, so it reads the weight as canonical)
+KI_CASES = TILED_CASES + [c for c in CASES if c.id in ("m2_k192_n128_g64_nozero", "b1_t5_k128_n40_g0_nozero",
+                                                       "m33_k4096_n520_g128_bias", "m0_k64_n64_g64")]
+
+
+@suite("weight_quant_matmul_k_interleaved")
+def weight_quant_matmul_k_interleaved(layouts):
+    """qweight in the k_interleaved layout (built by the suite): every vendor reads it (the cpu
+    vendor with its integer kernel, the others as canonical)."""
+    return [Check("weight_quant_matmul_k_interleaved", params(c.id, dt), OP, PARITY,
+                  partial(_parity, case=c, dtype=dt, tiled="suite_k_interleaved"), case=c.id, dtype=dt, small=c.small)
+            for c in KI_CASES for dt in DTYPES]
+
+
 @suite("weight_quant_matmul_half_scales")
 def weight_quant_matmul_half_scales(layouts):
     """float16 scales with x in every dtype (the op widens them exactly), canonical and column_tiled."""
     return [Check("weight_quant_matmul_half_scales", params(how, c.id, dt), OP, PARITY,
                   partial(_parity, case=c, dtype=dt, tiled=how, half_scales=True), case=f"{how}-{c.id}", dtype=dt,
                   small=c.small)
-            for how in ("canonical", "suite") for c in TILED_CASES for dt in DTYPES]
+            for how in ("canonical", "suite", "suite_k_interleaved") for c in TILED_CASES for dt in DTYPES]
 
 
 STRIDED_CASES = [c for c in CASES if c.id in ("m7_k96_n136_g32_bias", "b1_t5_k128_n40_g0_nozero")]
@@ -187,6 +222,10 @@ def _i32(*shape):
     return torch.zeros(shape, dtype=I32, device=device())
 
 
+def _u8(*shape):
+    return torch.zeros(shape, dtype=torch.uint8, device=device())
+
+
 # (argument, what, new value: fn(good kwargs) -> value); each breaks one argument against the others
 BAD = [
     ("x", "dtype", lambda a: a["x"].to(I32)),
@@ -200,6 +239,10 @@ BAD = [
     ("qweight", "tiled_tiles", lambda a: _i32(2, 64, 16)),
     ("qweight", "tiled_words", lambda a: _i32(1, 64, 8)),
     ("qweight", "tiled_rows", lambda a: _i32(1, 65, 16)),
+    ("qweight", "k_interleaved_tiles", lambda a: _u8(2, 8, 4, 64)),
+    ("qweight", "k_interleaved_rows", lambda a: _u8(1, 9, 4, 64)),
+    ("qweight", "k_interleaved_line", lambda a: _u8(1, 8, 4, 32)),
+    ("qweight", "k_interleaved_int32", lambda a: _i32(1, 8, 4, 64)),
     ("scale", "dtype", lambda a: a["scale"].to(torch.bfloat16)),  # float16 is allowed, bfloat16 is not
     ("scale", "float64", lambda a: a["scale"].to(torch.float64)),
     ("scale", "int", lambda a: a["scale"].to(I32)),

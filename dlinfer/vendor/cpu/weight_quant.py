@@ -1,16 +1,27 @@
-"""The cpu vendor's W4A16 (`weight_quant_matmul`): C++ kernels of csrc/quant_w4.cpp.
+"""The cpu vendor's W4A16 (`weight_quant_matmul`): C++ kernels of csrc/quant_w4*.cpp.
 
-Up to GEMV_MAX_ROWS rows (decode and prefill chunks alike): the weight is dequantised in
-registers and streamed once per 8 rows (`w4_matmul`). More rows: the float32 weight is built a
-block of 128-column tiles at a time (`w4_dequantise_tiles`, at most _BLOCK_BYTES) and multiplied
-by BLAS, so the whole float weight never exists. The switch: measured on one core of the Zen 5
-VM, the register kernel is 2-3x faster than the dequantise + BLAS path at every M from 1 to 512
-(docs/benchmarks.md), so the switch sits at the kernel's own limit. Both read the canonical AWQ layout and the column_tiled one
-(dlinfer/vendor/w4_layouts.py); `repack_weight_quant` is this vendor's load-time hook.
+Two register kernels, one per load-time layout (dlinfer/vendor/w4_layouts.py), both streaming the
+weight once per call and never storing it as floats:
+- k_interleaved (`w4_matmul_k_interleaved`, csrc/quant_w4_int.cpp): exact integer dot products
+  of the 4-bit weight with each group's activations as 31-bit fixed point, one row on AVX-512 VNNI
+  (vpdpbusd), more rows on AMX (tdpbssd), the same bits on every path and at every M
+  (docs/design.md, "W4A16 as integer dot products"). `repack_weight_quant` gives this layout on
+  CPUs with VNNI and AMX-INT8 (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
+  a decode step's 120 GEMVs 1.19x faster than column_tiled's at one row, 0.96-1.8x per call from 2
+  to 512 rows, and closer to the exact result.
+- canonical and column_tiled (`w4_matmul`, csrc/quant_w4.cpp): float32 FMAs on the weight
+  dequantised in registers, 8 rows per decode, up to GEMV_MAX_ROWS rows; more rows: the float32
+  weight is built a block of 128-column tiles at a time (`w4_dequantise_tiles`, at most
+  _BLOCK_BYTES) and multiplied by BLAS, so the whole float weight never exists (measured on one
+  core of the Zen 5 VM, the register kernel is 2-3x faster than that path at every M from 1 to 512,
+  docs/benchmarks.md, so the switch sits at the kernel's own limit).
+`repack_weight_quant` is this vendor's load-time hook; it reads DLINFER_CPU_W4_LAYOUT (auto,
+column_tiled, k_interleaved) when it runs.
 
 Importing this module builds the kernels if need be (`build.module()`).
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -23,6 +34,12 @@ _kernels = build.module()
 _w4_matmul = _kernels.w4_matmul
 _dequantise_tiles = _kernels.w4_dequantise_tiles
 _column_tiled = _kernels.w4_column_tiled
+_k_interleaved = _kernels.w4_k_interleaved
+_w4_matmul_k_interleaved = _kernels.w4_matmul_k_interleaved
+VNNI = _kernels.w4_vnni_available()  # this CPU runs the k_interleaved kernel's VNNI path
+AMX = _kernels.w4_amx_available()  # ... and its AMX path (AMX-INT8, tile state granted by Linux)
+KI_MAX_GROUP = 1024  # the k_interleaved kernel's largest group (its int32 sums stay exact)
+LAYOUT_ENV = "DLINFER_CPU_W4_LAYOUT"
 GEMV_MAX_ROWS = torch.ops.dlinfer_cpu.w4_max_rows()  # w4_matmul up to this M (the measured switch: see above)
 _BLOCK_BYTES = 2 << 20  # float32 weight bytes per GEMM block of the prefill path
 TILE_COLS = 128
@@ -54,8 +71,13 @@ def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], b
 
 def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
                         group_size: int) -> Tensor:
-    """x [M, K], qweight int32 [K, N/8] or column_tiled [ceil(N/128), K, 16], scale [K/g, N] (x's
-    dtype or float16), offset int32 [K/g, N/8]?, bias [N]?, group_size g -> [M, N] in x's dtype."""
+    """x [M, K], qweight int32 [K, N/8], column_tiled [ceil(N/128), K, 16] or k_interleaved uint8
+    [ceil(N/64), K/8, 4, 64], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
+    bias [N]?, group_size g -> [M, N] in x's dtype."""
+    if w4_layouts.is_k_interleaved(qweight):
+        if group_size % w4_layouts.KI_BLOCK_K == 0 and group_size <= KI_MAX_GROUP:
+            return _w4_matmul_k_interleaved(x, qweight, scale, offset, bias, group_size, -1)
+        qweight = w4_layouts.canonical(qweight, scale.shape[1])  # a group the kernel cannot take (not from our hook)
     if x.shape[0] <= GEMV_MAX_ROWS:  # the kernels make qweight, scale and offset dense (C++, no copy if they are)
         return _w4_matmul(x, qweight, scale, offset, bias, group_size)
     return _gemm(x, qweight, scale, offset, bias, group_size).to(x.dtype)
@@ -76,10 +98,43 @@ def half_scales(scale: Tensor) -> Tensor:
     return half if torch.equal(half.to(torch.float32), scale) else scale
 
 
+def k_interleaved(qweight: Tensor) -> Tensor:
+    """canonical int32 [K, N/8] (K % 8 == 0) -> k_interleaved uint8 [ceil(N/64), K/8, 4, 64] (C++, one pass)."""
+    return _k_interleaved(qweight)
+
+
+def amx_fits(group_size: int) -> bool:
+    """Whether the k_interleaved kernel's AMX path takes this group size (one tile instruction
+    spans 64 rows of k, or the whole group below 64)."""
+    return group_size % 64 == 0 or group_size < 64
+
+
+def layout_for(k: int, group_size: int) -> str:
+    """The layout the hook gives a weight of K rows at group size g. $DLINFER_CPU_W4_LAYOUT: auto
+    (unset), column_tiled or k_interleaved. k_interleaved needs a CPU with AVX-512 VNNI, K % 8 == 0,
+    g % 8 == 0 and g <= KI_MAX_GROUP (else column_tiled); auto picks it where the CPU also has
+    AMX-INT8 and g fits its tiles (`amx_fits`): there the integer kernel is faster at one row (VNNI)
+    and level or faster from two rows on (AMX); with VNNI alone it is slower from two rows on
+    (docs/benchmarks.md, "W4A16 as integer dot products")."""
+    choice = os.environ.get(LAYOUT_ENV, "") or "auto"
+    if choice not in ("auto", "column_tiled", "k_interleaved"):
+        raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
+    fits = VNNI and k % w4_layouts.KI_BLOCK_K == 0 and group_size % w4_layouts.KI_BLOCK_K == 0 \
+        and group_size <= KI_MAX_GROUP
+    if choice == "column_tiled" or not fits:
+        return "column_tiled"
+    if choice == "k_interleaved" or (AMX and amx_fits(group_size)):
+        return "k_interleaved"
+    return "column_tiled"
+
+
 def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], group_size: int):
-    """The vendor's load-time hook: qweight column_tiled, float32 scales as float16 where exact
-    (`half_scales`), offset as it is. The register kernel reads a tile's words as one stream instead
-    of K strided pieces: 1.2-3.6x faster at one row on SmolLM2-135M's shapes; float16 scales cut a
-    decode step's W4 bytes by 6% at group 64, 11% at group 32 (docs/benchmarks.md). Outputs
-    identical bit for bit."""
-    return column_tiled(qweight.contiguous()), half_scales(scale.contiguous()), offset
+    """The vendor's load-time hook: qweight k_interleaved or column_tiled (`layout_for`), float32
+    scales as float16 where exact (`half_scales`), offset as it is. Either kernel reads a tile as
+    one stream instead of K strided pieces: column_tiled is 1.2-3.6x faster at one row on
+    SmolLM2-135M's shapes than the canonical layout, with the same output bits; k_interleaved's
+    integer kernel 1.19x faster again over a decode step's GEMVs on the Intel Xeon VM; float16
+    scales cut a decode step's W4 bytes by 6% at group 64, 11% at group 32 (docs/benchmarks.md)."""
+    q = qweight.contiguous()
+    packed = k_interleaved(q) if layout_for(q.shape[0], group_size) == "k_interleaved" else column_tiled(q)
+    return packed, half_scales(scale.contiguous()), offset

@@ -32,7 +32,7 @@ def dequantise(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], group_s
 
 def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
                         group_size: int) -> Tensor:
-    """x [M, K], qweight int32 [K, N/8] (or column_tiled [ceil(N/128), K, 16]), scale [K/g, N],
+    """x [M, K], qweight int32 [K, N/8] (or a repacked layout of w4_layouts.py), scale [K/g, N],
     offset int32 [K/g, N/8]?, bias [N]?, group_size g (K % g == 0) -> [M, N] in x's dtype."""
     n = scale.shape[1]
     k = x.shape[1]

@@ -60,4 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind(m, "w4_matmul", &w4_matmul);
   bind(m, "w4_dequantise_tiles", &w4_dequantise_tiles);
   bind(m, "w4_column_tiled", &w4_column_tiled);
+  bind(m, "w4_k_interleaved", &w4_k_interleaved);
+  bind(m, "w4_matmul_k_interleaved", &w4_matmul_k_interleaved);
+  bind(m, "w4_vnni_available", &w4_vnni_available);
+  bind(m, "w4_amx_available", &w4_amx_available);
 }

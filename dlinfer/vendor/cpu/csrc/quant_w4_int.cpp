@@ -1,0 +1,589 @@
+// W4A16 (weight_quant_matmul) as exact integer dot products: the k_interleaved layout and its
+// kernel, the cpu vendor's path on CPUs with AVX-512 VNNI (vpdpbusd, one row) and AMX-INT8
+// (tdpbssd, more rows), with a portable loop elsewhere. Layout: dlinfer/vendor/w4_layouts.py;
+// contract: docs/ops.md, "weight_quant_matmul"; design: docs/design.md, "W4A16 as integer dot
+// products".
+//
+// Why: the float32 register kernel (quant_w4.cpp) is bound by its decode at one row, 3 vector
+// instructions per 16 weights. Here, at one row, 128 weights take 3 decode instructions and 8
+// vpdpbusd; from two rows on, AMX takes 4 rows x 4 digit planes a tile instruction (vpdpbusd
+// alone would be slower there than the float32 kernel, which shares each decode among 8 rows; so
+// the cpu vendor makes this layout by default only with AMX: weight_quant.py, docs/benchmarks.md).
+//
+// Arithmetic, per row m and group G of g rows of k (g % 8 == 0):
+//   e = the exponent of max_{k in G} |x[m, k]| (frexp: max < 2^e); every x[m, k] of the group is
+//   X_k = round_half_even(x * 2^(30 - e)), an integer with |X_k| <= 2^30, exact for every element
+//   within a factor 2^6 of the group's largest (their bits stop above 2^(e - 30)), else off by at
+//   most 2^(e - 31). X_k = ((d0 * 256 + d1) * 256 + d2) * 256 + d3 with int8 digits d_j in
+//   [-128, 127] (d3, d2, d1: balanced base-256 digits; d0 = the rest, |d0| <= 65).
+//   acc_j[c] = sum_{k in G} q[k, c] * d_j[k] (vpdpbusd: unsigned nibble times signed digit, int32:
+//   exact), D01 = acc_0 * 256 + acc_1 - z * S01, D23 = acc_2 * 256 + acc_3 - z * S23 with
+//   S01 = sum_k (d0 * 256 + d1), S23 = sum_k (d2 * 256 + d3): exact int32 (|D01| < 2^19 g),
+//   so D01 * 2^16 + D23 = sum_k (q - z) * X_k exactly. In float32: f = fma(float(D01), 2^16,
+//   float(D23)) (at most three roundings), then y += (f * 2^(e - 30)) * s (the power of two is
+//   exact barring underflow below 2^-126; one fma), groups in order.
+// Every path (portable, VNNI, AMX) computes the same exact integers and then exactly this epilogue,
+// so they give the same bits; a row's bits do not depend on M or on which path ran, and the split
+// of a tile's groups into two halves depends on N, K and g only (as in quant_w4.cpp).
+// Non-finite x: the group's factor is NaN, so the row's outputs are NaN (an inf in x gives NaN,
+// where a float32 sum gives +-inf or NaN).
+#include "entry_points.h"
+#include "quant_w4.h"
+
+#include <ATen/ops/zeros.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>  // amx_here: the CPU's AMX flags, and Linux's grant of the tile state
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+namespace dlinfer_cpu {
+namespace w4v {
+
+constexpr int64_t kCols = 64;       // output columns per tile (4 vectors of 16)
+constexpr int kVecs = 4;            // 16-column vectors per tile
+constexpr int64_t kLineBytes = 64;  // one 16-column vector's 8 rows of k: 16 lanes x 4 bytes
+constexpr int64_t kBlockK = 8;      // rows of k per line
+constexpr int64_t kMaxGroup = 1024; // D01 stays inside int32 (see above)
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline int64_t num_tiles(int64_t n) { return (n + kCols - 1) / kCols; }
+
+// The byte of column c (in the tile's vector v, lane l = c % 16) and row k in tile t: line
+// (t * K/8 + k/8) * 4 + v, byte 4 * l + k % 4, nibble k % 8 / 4 (low: k % 8 < 4).
+struct Layout {
+  const uint8_t* q;
+  int64_t K, N;
+  inline const uint8_t* line(int64_t t, int64_t kb, int v) const {
+    return q + ((t * (K / kBlockK) + kb) * kVecs + v) * kLineBytes;
+  }
+  inline const uint8_t* end() const { return q + num_tiles(N) * K * kCols / 2; }
+};
+
+// One group of g values (g % 8 == 0) into digits d[0..3][0..g) and (factor, S01, S23). The
+// scaling by 2^(30 - e) is exact in float32 (a power of two, results below 2^30), and the rounding
+// to an integer is cvtps2dq's round-half-even (the portable path: nearbyint in the default mode).
+struct GroupSplit {
+  float factor;
+  int32_t s01, s23;
+};
+
+inline void digits_of(int32_t X, int8_t* dig) {
+  for (int j = 3; j >= 1; --j) {
+    dig[j] = static_cast<int8_t>(X);  // the low byte as signed: X mod 256 in [-128, 127]
+    X = (X - dig[j]) >> 8;            // exact
+  }
+  dig[0] = static_cast<int8_t>(X);
+}
+
+GroupSplit split_group(const float* x, int64_t g, int8_t* const* d) {
+  float amax = 0.f;
+  bool finite = true;
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 vmax = _mm512_setzero_ps(), nan_if_not_finite = _mm512_setzero_ps();
+  for (; k + 16 <= g; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+    nan_if_not_finite = _mm512_add_ps(nan_if_not_finite, _mm512_mul_ps(v, _mm512_setzero_ps()));  // inf * 0, NaN * 0: NaN
+  }
+  amax = _mm512_reduce_max_ps(vmax);
+  finite = _mm512_cmp_ps_mask(nan_if_not_finite, nan_if_not_finite, _CMP_UNORD_Q) == 0;
+#endif
+  for (; k < g; ++k) {
+    const float a = std::fabs(x[k]);
+    finite = finite && std::isfinite(a);
+    amax = std::max(amax, a);
+  }
+  if (!finite || amax == 0.f) {
+    for (int j = 0; j < 4; ++j) std::memset(d[j], 0, g);
+    return {finite ? 0.f : std::numeric_limits<float>::quiet_NaN(), 0, 0};
+  }
+  int e = 0;
+  std::frexp(amax, &e);  // amax < 2^e
+  int32_t s01 = 0, s23 = 0;
+  k = 0;
+  if (e >= -90) {  // 2^(30 - e) is a float32 and every scaled value an exact one
+    const float up = std::ldexp(1.0f, 30 - e);
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512i v01 = _mm512_setzero_si512(), v23 = _mm512_setzero_si512();
+    for (; k + 16 <= g; k += 16) {
+      __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), _mm512_set1_ps(up)));
+      __m512i dj[4];
+      for (int j = 3; j >= 1; --j) {
+        dj[j] = _mm512_srai_epi32(_mm512_slli_epi32(X, 24), 24);
+        X = _mm512_srai_epi32(_mm512_sub_epi32(X, dj[j]), 8);
+      }
+      dj[0] = X;
+      for (int j = 0; j < 4; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(d[j] + k), _mm512_cvtepi32_epi8(dj[j]));
+      v01 = _mm512_add_epi32(v01, _mm512_add_epi32(_mm512_slli_epi32(dj[0], 8), dj[1]));
+      v23 = _mm512_add_epi32(v23, _mm512_add_epi32(_mm512_slli_epi32(dj[2], 8), dj[3]));
+    }
+    s01 = _mm512_reduce_add_epi32(v01);
+    s23 = _mm512_reduce_add_epi32(v23);
+#endif
+    for (; k < g; ++k) {
+      int8_t dig[4];
+      digits_of(static_cast<int32_t>(std::nearbyint(x[k] * up)), dig);
+      for (int j = 0; j < 4; ++j) d[j][k] = dig[j];
+      s01 += dig[0] * 256 + dig[1];
+      s23 += dig[2] * 256 + dig[3];
+    }
+  } else {  // tiny values: the same integers through double
+    for (; k < g; ++k) {
+      int8_t dig[4];
+      digits_of(static_cast<int32_t>(std::nearbyint(std::ldexp(static_cast<double>(x[k]), 30 - e))), dig);
+      for (int j = 0; j < 4; ++j) d[j][k] = dig[j];
+      s01 += dig[0] * 256 + dig[1];
+      s23 += dig[2] * 256 + dig[3];
+    }
+  }
+  return {std::ldexp(1.0f, e - 30), s01, s23};
+}
+
+// The activations of one call as digits: d[m][j][k] (int8), per (m, group) the factor 2^(e - 30)
+// (0 for an all-zero group, NaN for a non-finite one) and S01, S23. One allocation.
+struct Digits {
+  int64_t M, K, G, g;
+  std::unique_ptr<char[]> buffer;
+  int8_t* d;
+  GroupSplit* groups;  // [M, G]
+  const int8_t* digits(int64_t m, int j) const { return d + (m * 4 + j) * K; }
+  const GroupSplit& group(int64_t m, int64_t gi) const { return groups[m * G + gi]; }
+};
+
+Digits split_activations(const float* x, int64_t M, int64_t K, int64_t g) {
+  const int64_t G = K / g;
+  const size_t digit_bytes = static_cast<size_t>((M * 4 * K + 63) / 64 * 64);
+  Digits out{M, K, G, g, std::unique_ptr<char[]>(new char[digit_bytes + M * G * sizeof(GroupSplit)]), nullptr, nullptr};
+  out.d = reinterpret_cast<int8_t*>(out.buffer.get());
+  out.groups = reinterpret_cast<GroupSplit*>(out.buffer.get() + digit_bytes);
+  at::parallel_for(0, M, grain_for(M, M * K * 4), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t gi = 0; gi < G; ++gi) {
+        int8_t* d[4];
+        for (int j = 0; j < 4; ++j) d[j] = out.d + (m * 4 + j) * K + gi * g;
+        out.groups[m * G + gi] = split_group(x + m * K + gi * g, g, d);
+      }
+  });
+  return out;
+}
+
+// Zero points of the 16 columns c0..c0+15 (c0 % 16 == 0) of group gi from canonical qzeros
+// (column c: nibble kNibbleOf[c % 8] of word c / 8; zero past N; 8 without offsets).
+inline void zero_points16(const int32_t* zeros, int64_t words, int64_t gi, int64_t c0, int64_t N, int32_t* z) {
+  for (int l = 0; l < 16; ++l) {
+    const int64_t c = c0 + l;
+    z[l] = c >= N ? 0 : zeros ? (zeros[gi * words + c / 8] >> (4 * w4::kNibbleOf[c % 8])) & 15 : 8;
+  }
+}
+
+template <typename T>
+inline void scales16(const T* scale, int64_t N, int64_t gi, int64_t c0, float* s) {
+  for (int l = 0; l < 16; ++l) s[l] = c0 + l < N ? static_cast<float>(scale[gi * N + c0 + l]) : 0.f;
+}
+
+template <typename T>
+struct Problem {
+  Layout w;
+  const Digits* a;
+  const T* scale;        // [G, N]
+  const int32_t* zeros;  // [G, N / 8] or null
+};
+
+// The group epilogue of one 16-column vector (portable and vector paths alike, lane by lane):
+// y += (fma(float(D01), 2^16, float(D23)) * factor) * s.
+inline float epilogue_lane(int32_t a0, int32_t a1, int32_t a2, int32_t a3, int32_t z, int32_t s01, int32_t s23,
+                           float factor, float s, float y) {
+  const int32_t d01 = a0 * 256 + a1 - z * s01;
+  const int32_t d23 = a2 * 256 + a3 - z * s23;
+  const float f = std::fma(static_cast<float>(d01), 65536.0f, static_cast<float>(d23));
+  return std::fma(f * factor, s, y);
+}
+
+// Portable: row m of tile t over groups g0..g1 into lanes[64] (columns 64t..64t+63).
+template <typename T>
+void tile_row_portable(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes) {
+  const int64_t g = p.a->g;
+  for (int v = 0; v < kVecs; ++v) {
+    float y[16] = {};
+    const int64_t c0 = kCols * t + 16 * v;
+    for (int64_t gi = g0; gi < g1; ++gi) {
+      int32_t acc[4][16] = {};
+      for (int64_t kb = gi * g / kBlockK; kb < (gi + 1) * g / kBlockK; ++kb) {
+        const uint8_t* line = p.w.line(t, kb, v);
+        for (int l = 0; l < 16; ++l)
+          for (int r = 0; r < 8; ++r) {
+            const int32_t q = r < 4 ? line[4 * l + r] & 15 : line[4 * l + r - 4] >> 4;
+            for (int j = 0; j < 4; ++j) acc[j][l] += q * p.a->digits(m, j)[kb * kBlockK + r];
+          }
+      }
+      int32_t z[16];
+      float s[16];
+      zero_points16(p.zeros, p.w.N / 8, gi, c0, p.w.N, z);
+      scales16(p.scale, p.w.N, gi, c0, s);
+      const GroupSplit& gs = p.a->group(m, gi);
+      for (int l = 0; l < 16; ++l)
+        y[l] = epilogue_lane(acc[0][l], acc[1][l], acc[2][l], acc[3][l], z[l], gs.s01, gs.s23, gs.factor, s[l], y[l]);
+    }
+    std::memcpy(lanes + 16 * v, y, sizeof(y));
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+#define kVnniTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma")))
+
+template <typename T>
+kVnniTarget inline __m512 scales_vec(const T* scale, int64_t N, int64_t gi, int64_t c0) {
+  if (c0 + 16 <= N) return load_vec(scale + gi * N + c0);
+  alignas(64) float s[16];
+  scales16(scale, N, gi, c0, s);
+  return _mm512_load_ps(s);
+}
+
+alignas(64) constexpr int32_t kWordOfLane16[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+alignas(64) constexpr int32_t kShiftOfLane16[16] = {0, 16, 4, 20, 8, 24, 12, 28, 0, 16, 4, 20, 8, 24, 12, 28};
+
+kVnniTarget inline __m512i zero_vec(const int32_t* zeros, int64_t words, int64_t gi, int64_t c0, int64_t N) {
+  const int64_t n = std::min<int64_t>(16, N - c0);  // columns of the vector inside N (a multiple of 8)
+  if (!zeros) return _mm512_maskz_mov_epi32(static_cast<__mmask16>((1u << n) - 1u), _mm512_set1_epi32(8));
+  const __m512i zw = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (n / 8)) - 1u), zeros + gi * words + c0 / 8);
+  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(kWordOfLane16), zw),
+                                            _mm512_load_si512(kShiftOfLane16)),
+                          _mm512_set1_epi32(15));
+}
+
+// The group epilogue of one 16-column vector from its four int32 sums, its zero points z and its
+// scales s: the arithmetic of epilogue_lane, 16 lanes at a time; returns the new y.
+kVnniTarget inline __m512 epilogue_vec(__m512i z, __m512 s, const GroupSplit& gs, __m512i a0, __m512i a1, __m512i a2,
+                                       __m512i a3, __m512 y) {
+  const __m512i d01 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1),
+                                       _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s01)));
+  const __m512i d23 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a2, 8), a3),
+                                       _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s23)));
+  const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(d23));
+  return _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(gs.factor)), s, y);
+}
+
+// epilogue_vec for sums that already have the zero point subtracted (the AMX path's): the same
+// integers d01, d23, then the same float32 operations.
+kVnniTarget inline __m512 epilogue_corrected(__m512 s, float factor, __m512i a0, __m512i a1, __m512i a2, __m512i a3,
+                                             __m512 y) {
+  const __m512i d01 = _mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1);
+  const __m512i d23 = _mm512_add_epi32(_mm512_slli_epi32(a2, 8), a3);
+  const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(d23));
+  return _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(factor)), s, y);
+}
+
+template <typename T>
+kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes) {
+  const int64_t g = p.a->g;
+  const __m512i low = _mm512_set1_epi8(15);
+  const int32_t* dj[4];
+  for (int j = 0; j < 4; ++j) dj[j] = reinterpret_cast<const int32_t*>(p.a->digits(m, j));
+  __m512 y[kVecs];
+  for (int v = 0; v < kVecs; ++v) y[v] = _mm512_setzero_ps();
+  const uint8_t* const end = p.w.end() - kLineBytes;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    __m512i acc[4][kVecs];
+    for (int j = 0; j < 4; ++j)
+      for (int v = 0; v < kVecs; ++v) acc[j][v] = _mm512_setzero_si512();
+    for (int64_t kb = gi * g / kBlockK; kb < (gi + 1) * g / kBlockK; ++kb) {
+      const uint8_t* line = p.w.line(t, kb, 0);
+      for (int v = 0; v < kVecs; ++v)  // the 4 lines kPrefetchBytes on (past the tensor's end: its last line)
+        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + v * kLineBytes, end)), _MM_HINT_T0);
+      __m512i lo[kVecs], hi[kVecs];
+      for (int v = 0; v < kVecs; ++v) {
+        const __m512i bytes = _mm512_loadu_si512(line + v * kLineBytes);
+        lo[v] = _mm512_and_si512(bytes, low);
+        hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512i a_lo = _mm512_set1_epi32(dj[j][2 * kb]);
+        const __m512i a_hi = _mm512_set1_epi32(dj[j][2 * kb + 1]);
+        for (int v = 0; v < kVecs; ++v) {
+          acc[j][v] = _mm512_dpbusd_epi32(acc[j][v], lo[v], a_lo);
+          acc[j][v] = _mm512_dpbusd_epi32(acc[j][v], hi[v], a_hi);
+        }
+      }
+    }
+    const GroupSplit& gs = p.a->group(m, gi);
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t c0 = kCols * t + 16 * v;
+      if (c0 >= p.w.N) break;
+      y[v] = epilogue_vec(zero_vec(p.zeros, p.w.N / 8, gi, c0, p.w.N), scales_vec(p.scale, p.w.N, gi, c0), gs,
+                          acc[0][v], acc[1][v], acc[2][v], acc[3][v], y[v]);
+    }
+  }
+  for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(lanes + 16 * v, y[v]);
+}
+
+bool vnni_here() {
+  static const bool yes = __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// ---- AMX (tdpbssd): up to 4 rows x 4 digit planes against 64 rows of k x 16 columns a tile
+// instruction. The integer sums are the VNNI path's, exactly, and the epilogue is epilogue_vec in
+// the same group order, so every path gives the same bits.
+#define kAmxTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma,amx-tile,amx-int8")))
+
+bool amx_here() {
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> 25) & 1u)) return false;
+    // Linux hands the tile state out on request, once per process (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return yes;
+}
+
+// The k rows one tile instruction takes for group size g: 64, or g itself below 64; 0: none fits.
+inline int64_t amx_chunk(int64_t g) { return g % 64 == 0 ? 64 : g < 64 ? g : 0; }
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0: A, the digits of `mr` rows (row 4 m + j: row m's plane j), kc bytes; tmm1: B, kc/4 rows of
+// 64 bytes (4 rows of k x 16 columns each); tmm2..5: C, the int32 sums of the tile's 4 vectors.
+kAmxTarget inline void amx_configure(int mr, int64_t kc) {
+  TileConfig cfg;
+  cfg.rows[0] = static_cast<uint8_t>(4 * mr);
+  cfg.colsb[0] = static_cast<uint16_t>(kc);
+  cfg.rows[1] = static_cast<uint8_t>(kc / 4);
+  cfg.colsb[1] = 64;
+  for (int v = 0; v < kVecs; ++v) {
+    cfg.rows[2 + v] = static_cast<uint8_t>(4 * mr);
+    cfg.colsb[2 + v] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// B for vector v of rows k0..k0+kc of tile t into b [kc/4][64], as the signed bytes q - z (z: the
+// lane's zero point in each of its 4 bytes): line (k/8, v)'s low nibbles are rows k..k+3 (B row
+// k/4), its high nibbles rows k+4..k+7 (the next B row). With the zero point in B, the tile sums
+// are the VNNI path's corrected sums (acc_j - z * S_j), the same integers.
+kAmxTarget inline void amx_unpack(const Layout& w, int64_t t, int64_t k0, int64_t kc, int v, __m512i zb, uint8_t* b,
+                                  const uint8_t* end) {
+  const __m512i low = _mm512_set1_epi8(15);
+  for (int64_t kb = k0 / kBlockK; kb < (k0 + kc) / kBlockK; ++kb) {
+    const uint8_t* line = w.line(t, kb, v);
+    if (v == 0)
+      for (int u = 0; u < kVecs; ++u)
+        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + u * kLineBytes, end)), _MM_HINT_T0);
+    const __m512i bytes = _mm512_loadu_si512(line);
+    uint8_t* row = b + (kb - k0 / kBlockK) * 2 * kLineBytes;
+    _mm512_store_si512(row, _mm512_sub_epi8(_mm512_and_si512(bytes, low), zb));
+    _mm512_store_si512(row + kLineBytes, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low), zb));
+  }
+}
+
+// Rows 0..M-1 of tile t over groups g0..g1, into out(m) + 0..63 (row m's 64 lanes; y += per group).
+template <typename T, typename Out>
+kAmxTarget void tile_rows_amx(const Problem<T>& p, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+  const int64_t g = p.a->g, kc = amx_chunk(g), K = p.w.K;
+  const int64_t chunks = g / kc;
+  alignas(64) uint8_t b[16][kVecs][16 * 64];  // a group's B tiles: [chunk][vector] (g <= 1024: 16 chunks)
+  alignas(64) int32_t c[kVecs][16][16];
+  const uint8_t* const end = p.w.end() - kLineBytes;
+  int configured = 0;
+  const int vecs = static_cast<int>(std::min<int64_t>(kVecs, (p.w.N - kCols * t + 15) / 16));  // vectors inside N
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    __m512 sc[kVecs];  // the group's scales, shared by the rows
+    for (int v = 0; v < kVecs; ++v) {
+      // zero points past N: 0 (zero_vec), as the weight's zero padding there
+      const __m512i z = v < vecs ? zero_vec(p.zeros, p.w.N / 8, gi, kCols * t + 16 * v, p.w.N) : _mm512_setzero_si512();
+      const __m512i zb = _mm512_mullo_epi32(z, _mm512_set1_epi32(0x01010101));
+      for (int64_t ch = 0; ch < chunks; ++ch) amx_unpack(p.w, t, gi * g + ch * kc, kc, v, zb, b[ch][v], end);
+      if (v < vecs) sc[v] = scales_vec(p.scale, p.w.N, gi, kCols * t + 16 * v);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
+      if (mr != configured) {
+        amx_configure(mr, kc);
+        configured = mr;
+      }
+      _tile_zero(2);
+      _tile_zero(3);
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        _tile_loadd(0, p.a->digits(m0, 0) + gi * g + ch * kc, K);  // rows (m0 + r / 4, plane r % 4): stride K
+        _tile_loadd(1, b[ch][0], 64);
+        _tile_dpbssd(2, 0, 1);
+        _tile_loadd(1, b[ch][1], 64);
+        _tile_dpbssd(3, 0, 1);
+        _tile_loadd(1, b[ch][2], 64);
+        _tile_dpbssd(4, 0, 1);
+        _tile_loadd(1, b[ch][3], 64);
+        _tile_dpbssd(5, 0, 1);
+      }
+      _tile_stored(2, c[0], 64);
+      _tile_stored(3, c[1], 64);
+      _tile_stored(4, c[2], 64);
+      _tile_stored(5, c[3], 64);
+      for (int v = 0; v < vecs; ++v) {
+        for (int r = 0; r < mr; ++r) {
+          float* y = out(m0 + r) + 16 * v;
+          const __m512 prev = gi == g0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y);
+          _mm512_storeu_ps(y, epilogue_corrected(sc[v], p.a->group(m0 + r, gi).factor, _mm512_load_si512(c[v][4 * r]),
+                                                 _mm512_load_si512(c[v][4 * r + 1]), _mm512_load_si512(c[v][4 * r + 2]),
+                                                 _mm512_load_si512(c[v][4 * r + 3]), prev));
+        }
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)  // vectors past N: zero, as the other paths leave them
+    for (int v = 0; v < kVecs; ++v)
+      if (kCols * t + 16 * v >= p.w.N) std::memset(out(m) + 16 * v, 0, 16 * sizeof(float));
+  if (g1 == g0)
+    for (int64_t m = 0; m < M; ++m) std::memset(out(m), 0, kCols * sizeof(float));
+  _tile_release();
+}
+#else
+bool vnni_here() { return false; }
+bool amx_here() { return false; }
+inline int64_t amx_chunk(int64_t) { return 0; }
+#endif
+
+template <typename T>
+void tile_row(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes, bool vnni) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (vnni) return tile_row_vnni(p, t, m, g0, g1, lanes);
+#endif
+  tile_row_portable(p, t, m, g0, g1, lanes);
+}
+
+constexpr int64_t kSplitBelowTiles = 16;  // 64-column tiles: as quant_w4.cpp's 8 tiles of 128
+
+// The paths, best last; each gives the same bits.
+enum Path : int64_t { kPortable = 0, kVnni = 1, kAmx = 2 };
+
+template <typename T>
+void run(const Problem<T>& p, int64_t M, const float* bias, float* y, int64_t path) {
+  const int64_t N = p.w.N, tiles = num_tiles(N), G = p.a->G;
+  const int64_t halves = tiles < kSplitBelowTiles && G >= 2 ? 2 : 1;
+  const int64_t items = tiles * halves;
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max(grain_for(items, p.w.K * N / 2), (items + threads - 1) / threads);
+  const int64_t width = tiles * kCols;
+  std::unique_ptr<float[]> part(new float[halves * M * width]);  // [half][M][width]
+  at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t t = it / halves, h = it % halves;
+      const int64_t g0 = h == 0 ? 0 : G / 2, g1 = halves == 1 || h == 1 ? G : G / 2;
+      float* const lanes = part.get() + h * M * width + t * kCols;
+#if defined(CPU_CAPABILITY_AVX512)
+      if (path == kAmx) {
+        tile_rows_amx(p, t, M, g0, g1, [&](int64_t m) { return lanes + m * width; });
+        continue;
+      }
+#endif
+      for (int64_t m = 0; m < M; ++m) tile_row(p, t, m, g0, g1, lanes + m * width, path == kVnni);
+    }
+  });
+  for (int64_t m = 0; m < M; ++m) {
+    const float* lo = part.get() + m * width;
+    float* yr = y + m * N;
+    if (halves == 1) {
+      for (int64_t c = 0; c < N; ++c) yr[c] = bias ? lo[c] + bias[c] : lo[c];
+    } else {
+      const float* hi = lo + M * width;
+      for (int64_t c = 0; c < N; ++c) {
+        const float sum = lo[c] + hi[c];
+        yr[c] = bias ? sum + bias[c] : sum;
+      }
+    }
+  }
+}
+
+}  // namespace w4v
+
+// canonical int32 [K, N/8] -> k_interleaved uint8 [ceil(N/64), K/8, 4, 64] (zero past N).
+at::Tensor w4_k_interleaved(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "w4_k_interleaved: int32 [K, N/8]");
+  const at::Tensor q = qweight.contiguous();
+  const int64_t K = q.size(0), N = q.size(1) * 8, tiles = w4v::num_tiles(N);
+  TORCH_CHECK(K % w4v::kBlockK == 0, "w4_k_interleaved: K must be a multiple of 8");
+  at::Tensor out = at::zeros({tiles, K / w4v::kBlockK, w4v::kVecs, w4v::kLineBytes}, q.options().dtype(at::kByte));
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(q.data_ptr<int32_t>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t words = N / 8;
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t c = w4v::kCols * t; c < std::min(N, w4v::kCols * (t + 1)); ++c) {
+          const uint8_t v = (src[k * words + c / 8] >> (4 * w4::kNibbleOf[c % 8])) & 15u;
+          const int64_t lane = c % 16, vec = (c % w4v::kCols) / 16;
+          uint8_t* byte = dst + ((t * (K / w4v::kBlockK) + k / w4v::kBlockK) * w4v::kVecs + vec) * w4v::kLineBytes +
+                          4 * lane + k % 4;
+          *byte |= (k % 8 < 4) ? v : static_cast<uint8_t>(v << 4);
+        }
+  });
+  return out;
+}
+
+// x [M, K], qweight k_interleaved, scale [K/g, N] (x's dtype or float16), offset?, bias? -> [M, N]
+// in x's dtype. path: -1 the best this CPU runs (AMX where the group fits a tile, else VNNI, else
+// portable), or 0 portable, 1 VNNI, 2 AMX (an error where it cannot run): the same bits.
+at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_in,
+                                   const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& bias,
+                                   int64_t group_size, int64_t path) {
+  TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
+                  qweight.size(2) == w4v::kVecs && qweight.size(3) == w4v::kLineBytes,
+              "w4_matmul_k_interleaved: qweight uint8 [ceil(N/64), K/8, 4, 64]");
+  TORCH_CHECK(x.dim() == 2, "w4_matmul_k_interleaved: x [M, K]");
+  const at::Tensor scale = scale_in.contiguous();
+  const std::optional<at::Tensor> offset = offset_in.has_value() ? std::optional<at::Tensor>(offset_in->contiguous()) : std::nullopt;
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(1);
+  w4::check_common(scale, offset, K, group_size);
+  TORCH_CHECK(group_size % w4v::kBlockK == 0 && group_size <= w4v::kMaxGroup,
+              "w4_matmul_k_interleaved: group size a multiple of 8, at most 1024");
+  TORCH_CHECK(qweight.size(0) == w4v::num_tiles(N) && qweight.size(1) * w4v::kBlockK == K,
+              "w4_matmul_k_interleaved: qweight shape");
+  TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
+              "w4_matmul_k_interleaved: scale in x's dtype or float16");
+  const at::Tensor xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+  at::Tensor bf;
+  if (bias.has_value()) bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0 && N > 0) {
+    const w4v::Digits digits = w4v::split_activations(xf.data_ptr<float>(), M, K, group_size);
+    const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N};
+    const bool amx = w4v::amx_here() && w4v::amx_chunk(group_size) > 0;
+    const int64_t best = amx ? w4v::kAmx : w4v::vnni_here() ? w4v::kVnni : w4v::kPortable;
+    TORCH_CHECK(path >= -1 && path <= best, "w4_matmul_k_interleaved: path ", path, " cannot run here (best: ", best, ")");
+    // best: one row on VNNI (measured faster than a tile instruction's 4-row A at M = 1), more on AMX
+    const int64_t use = path != -1 ? path : best == w4v::kAmx && M == 1 ? w4v::kVnni : best;
+    AT_DISPATCH_V2(scale.scalar_type(), "w4_matmul_k_interleaved", AT_WRAP([&] {
+      using T = scalar_t;
+      const w4v::Problem<T> p{w, &digits, scale.data_ptr<T>(), offset.has_value() ? offset->data_ptr<int32_t>() : nullptr};
+      w4v::run(p, M, bias.has_value() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), use);
+    }), at::kFloat, at::kBFloat16, at::kHalf);
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
+bool w4_vnni_available() { return w4v::vnni_here(); }
+bool w4_amx_available() { return w4v::amx_here(); }
+
+TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
+  m.def("w4_k_interleaved(Tensor qweight) -> Tensor");
+  m.impl("w4_k_interleaved", c10::DispatchKey::CPU, &w4_k_interleaved);
+  m.def("w4_matmul_k_interleaved(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, int group_size, "
+        "int path=-1) -> Tensor");
+  m.impl("w4_matmul_k_interleaved", c10::DispatchKey::CPU, &w4_matmul_k_interleaved);
+  m.def("w4_vnni_available() -> bool", &w4_vnni_available);
+  m.def("w4_amx_available() -> bool", &w4_amx_available);
+}
+
+}  // namespace dlinfer_cpu

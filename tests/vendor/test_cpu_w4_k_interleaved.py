@@ -1,0 +1,186 @@
+"""The cpu vendor's W4A16 integer kernel on the k_interleaved layout (csrc/quant_w4_int.cpp):
+the layout against the conformance suite's own packer, the hook's choice, the portable, VNNI and
+AMX paths' identical bits, the documented error bound (exact integer products of each group's
+activations as 31-bit fixed point), non-finite inputs, and the groups it cannot take.
+Parity against the fp64 reference on every vendor: tests/ops/test_weight_quant.py."""
+
+import pytest
+import torch
+
+import dlinfer.ops as ops
+import dlinfer.vendor
+from dlinfer.conformance.reference import awq_unpack
+from dlinfer.conformance.suites.weight_quant import W4Case, k_interleave, weights
+from dlinfer.vendor import w4_layouts
+
+pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")
+
+EPS = 2.0**-23
+
+
+def _cpu():
+    from dlinfer.vendor.cpu import weight_quant as cpu_w4
+
+    return cpu_w4
+
+
+PORTABLE, VNNI, AMX = 0, 1, 2  # the kernel's paths (csrc/quant_w4_int.cpp)
+PATHS = [PORTABLE, VNNI, AMX]
+
+
+def _runs_here(path, group=64):
+    cpu = _cpu()
+    return path == PORTABLE or (path == VNNI and cpu.VNNI) or (path == AMX and cpu.AMX and cpu.amx_fits(group))
+
+
+def _kernel(x, qweight, scale, offset, group, path, bias=None):
+    if not _runs_here(path, group):
+        pytest.skip(f"path {path} does not run on this CPU (or at group {group})")
+    return torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(x, qweight, scale, offset, bias, group, path)
+
+
+@pytest.mark.parametrize("k,n", [(8, 8), (64, 200), (576, 584), (160, 264)])
+def test_packers_agree_and_round_trip(k, n):
+    """The layout module's packer, the C++ one and the suite's (written from the layout's words)
+    give the same bytes, and `canonical` gives the canonical words back."""
+    g = torch.Generator().manual_seed(k + n)
+    qweight = weights(W4Case("pack", (1,), k, n, 8, fill="extreme"), torch.float32, g)[0]
+    want = k_interleave(qweight)
+    assert want.shape == (-(-n // 64), k // 8, 4, 64) and want.dtype == torch.uint8
+    assert torch.equal(w4_layouts.k_interleaved(qweight), want)
+    assert torch.equal(_cpu().k_interleaved(qweight), want)
+    assert torch.equal(w4_layouts.canonical(want, n), qweight)
+
+
+def test_layout_refuses_k_not_a_multiple_of_8():
+    with pytest.raises(ValueError, match="K % 8"):
+        w4_layouts.k_interleaved(torch.zeros(12, 1, dtype=torch.int32))
+
+
+def test_hook_picks_the_layout_the_cpu_runs_best_and_obeys_the_variable(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    qweight, scale, offset, _ = weights(W4Case("hook", (1,), 96, 136, 32), torch.float32, g)
+    cpu = _cpu()
+    with dlinfer.vendor.using("cpu"):
+        monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)  # auto: k_interleaved with VNNI and AMX
+        packed = ops.repack_weight_quant(qweight, scale, offset, 32)[0]
+        if cpu.VNNI and cpu.AMX:
+            assert torch.equal(packed, k_interleave(qweight))
+        else:
+            assert packed.dtype == torch.int32 and packed.dim() == 3
+        monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "column_tiled")
+        assert ops.repack_weight_quant(qweight, scale, offset, 32)[0].dtype == torch.int32
+        monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "k_interleaved")  # asked: wherever VNNI runs
+        packed = ops.repack_weight_quant(qweight, scale, offset, 32)[0]
+        assert packed.dtype == (torch.uint8 if cpu.VNNI else torch.int32)
+        monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "rows")
+        with pytest.raises(ValueError, match="DLINFER_CPU_W4_LAYOUT"):
+            ops.repack_weight_quant(qweight, scale, offset, 32)
+
+
+@pytest.mark.parametrize("choice", ["k_interleaved", "auto"])
+def test_hook_keeps_column_tiled_for_groups_the_kernel_cannot_take(choice, monkeypatch):
+    monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", choice)
+    assert _cpu().layout_for(96, 12) == "column_tiled"  # 12 % 8 != 0
+    assert _cpu().layout_for(2048, 2048) == "column_tiled"  # past KI_MAX_GROUP
+    assert _cpu().layout_for(100, 4) == "column_tiled"  # K % 8 != 0
+    if choice == "auto":
+        assert _cpu().layout_for(192, 96) == "column_tiled"  # AMX tiles take g % 64 == 0 or g < 64
+
+
+@pytest.mark.parametrize("path", [VNNI, AMX])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m,k,n,group,zeros", [(1, 576, 960, 64, True), (3, 96, 136, 32, False),
+                                               (8, 1536, 576, 128, True), (2, 64, 200, 8, True),
+                                               (17, 192, 584, 64, False), (1, 1024, 72, 1024, True),
+                                               (6, 96, 64, 48, True), (5, 128, 8, 16, False)])
+def test_every_path_gives_the_portable_paths_bits(path, dtype, m, k, n, group, zeros):
+    """Every path does the same integer products (exact) and the same float32 epilogue, in the
+    same order: the portable path's bits, at any M (AMX takes 4 rows a tile instruction)."""
+    g = torch.Generator().manual_seed(m + k + n)
+    qweight, scale, offset, bias = weights(W4Case("paths", (m,), k, n, group, zeros, True), dtype, g)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]).to(dtype)
+    packed = k_interleave(qweight)
+    a = _kernel(x, packed, scale, offset, group, path, bias)
+    b = _kernel(x, packed, scale, offset, group, PORTABLE, bias)
+    view = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(a.view(view), b.view(view))
+
+
+def test_an_unavailable_path_is_refused():
+    g = torch.Generator().manual_seed(2)
+    qweight, scale, offset, _ = weights(W4Case("path", (1,), 192, 64, 96), torch.float32, g)
+    with pytest.raises(RuntimeError, match="path 2 cannot run here"):  # AMX never takes g = 96
+        torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(2, 192), k_interleave(qweight), scale, offset,
+                                                       None, 96, 2)
+
+
+def _exact(x, qweight, scale, offset, group):
+    """fp64 x @ W, and the per-group terms |s * (q - z)| (for the bounds)."""
+    n = scale.shape[1]
+    q = awq_unpack(qweight).double()
+    z = awq_unpack(offset).double() if offset is not None else torch.full_like(scale, 8, dtype=torch.float64)
+    w = (q - z.repeat_interleave(group, 0)) * scale.double().repeat_interleave(group, 0)
+    return x.double() @ w, w.abs().view(-1, group, n)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_error_within_the_documented_bound_at_a_wide_range(path):
+    """Groups whose activations span 2^24 (some elements lose bits to the group's fixed point):
+    |y - exact| <= sum over groups of 2^(e_g - 31) * sum_k |w_kc| (the fixed point's rounding,
+    e_g: the group's max |x| < 2^e_g) + 8 eps * sum_k |x_k w_kc| (the epilogue's float32 roundings),
+    per output element; and groups within a factor 2^6 are exact up to the epilogue."""
+    k, n, group = 256, 136, 64
+    g = torch.Generator().manual_seed(11)
+    qweight, scale, offset, _ = weights(W4Case("bound", (1,), k, n, group), torch.float32, g)
+    packed = k_interleave(qweight)
+    for span in (2.0**24, 2.0**5):
+        x = torch.randn(4, k, generator=g).sign() * span ** torch.rand(4, k, generator=g)
+        out = _kernel(x, packed, scale, offset, group, path).double()
+        exact, wabs = _exact(x, qweight, scale, offset, group)
+        e = torch.frexp(x.abs().view(4, -1, group).amax(-1))[1].double()  # [M, G]: max < 2^e
+        fixed = (2.0 ** (e - 31)).unsqueeze(-1) * wabs.sum(1).unsqueeze(0)  # [M, G, N]
+        epilogue = 8 * EPS * (x.abs().double() @ wabs.reshape(k, n))
+        bound = epilogue + (fixed.sum(1) if span > 2.0**6 else 0)
+        assert ((out - exact).abs() <= bound).all(), f"span {span}: worst {((out - exact).abs() / bound).max():.2f} of the bound"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_non_finite_activations_give_nan_rows(path):
+    """An inf or NaN in a row makes that row's outputs NaN (the group's factor is NaN); other rows
+    are untouched."""
+    g = torch.Generator().manual_seed(5)
+    qweight, scale, offset, _ = weights(W4Case("nan", (3,), 64, 48, 32), torch.float32, g)
+    x = torch.randn(3, 64, generator=g)
+    clean = _kernel(x, k_interleave(qweight), scale, offset, 32, path)
+    x[0, 3], x[1, 40] = float("inf"), float("nan")
+    out = _kernel(x, k_interleave(qweight), scale, offset, 32, path)
+    assert out[:2].isnan().all() and torch.equal(out[2], clean[2])
+
+
+def test_a_group_the_kernel_cannot_take_reads_the_weight_as_canonical():
+    """A k_interleaved weight with a group that is not a multiple of 8 (not from the hook, which
+    keeps column_tiled then) is read as canonical: the canonical call's bits."""
+    g = torch.Generator().manual_seed(9)
+    qweight, scale, offset, bias = weights(W4Case("g12", (2,), 96, 136, 12, bias=True), torch.float32, g)
+    x = torch.randn(2, 96, generator=g)
+    with dlinfer.vendor.using("cpu"):
+        want = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, 12)
+        got = ops.weight_quant_matmul(x, k_interleave(qweight), scale, offset, bias, False, 12)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_group_with_power_of_two_scales_is_correctly_rounded(path):
+    """The integer products are exact: with one group of 32 rows, activations within a factor of 2
+    of each other (every one exact in the fixed point) and power-of-two scales, the epilogue's one
+    fma gives the exact result rounded once: float32(exact), bit for bit (a float32 sum would be off
+    by a few ulps; dropping any digit of the fixed point would be too)."""
+    k = n = 32
+    g = torch.Generator().manual_seed(21)
+    qweight, _, offset, _ = weights(W4Case("exact", (1,), k, n, k), torch.float32, g)
+    scale = torch.full((1, n), 2.0**-4)
+    x = (torch.rand(16, k, generator=g) + 1) * torch.randint(0, 2, (16, k), generator=g).mul(2).sub(1) * 3.7
+    out = _kernel(x, k_interleave(qweight), scale, offset, k, path)
+    exact, _ = _exact(x, qweight, scale, offset, k)
+    assert torch.equal(out, exact.float())
