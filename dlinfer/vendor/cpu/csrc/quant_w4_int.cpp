@@ -50,6 +50,10 @@ constexpr int kVecs = 4;            // 16-column vectors per tile
 constexpr int64_t kLineBytes = 64;  // one 16-column vector's 8 rows of k: 16 lanes x 4 bytes
 constexpr int64_t kBlockK = 8;      // rows of k per line
 constexpr int64_t kMaxGroup = 1024; // D01 stays inside int32 (see above)
+// Lines this far ahead are prefetched into L2 (_MM_HINT_T1): from memory, one call streaming 3.8 MB
+// read at 0.81-0.83 of a float32 sum's rate with T1 against 0.73-0.76 with T0 (at 2-16 KB ahead
+// alike) and 0.58 with none (docs/benchmarks.md; why T0 is slower was not measured: perhaps its
+// misses hold L1 fill buffers for the whole trip from memory).
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline int64_t num_tiles(int64_t n) { return (n + kCols - 1) / kCols; }
@@ -296,7 +300,7 @@ kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_
     for (int64_t kb = gi * g / kBlockK; kb < (gi + 1) * g / kBlockK; ++kb) {
       const uint8_t* line = p.w.line(t, kb, 0);
       for (int v = 0; v < kVecs; ++v)  // the 4 lines kPrefetchBytes on (past the tensor's end: its last line)
-        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + v * kLineBytes, end)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + v * kLineBytes, end)), _MM_HINT_T1);
       __m512i lo[kVecs], hi[kVecs];
       for (int v = 0; v < kVecs; ++v) {
         const __m512i bytes = _mm512_loadu_si512(line + v * kLineBytes);
@@ -379,7 +383,7 @@ kAmxTarget inline void amx_unpack(const Layout& w, int64_t t, int64_t k0, int64_
     const uint8_t* line = w.line(t, kb, v);
     if (v == 0)
       for (int u = 0; u < kVecs; ++u)
-        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + u * kLineBytes, end)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + u * kLineBytes, end)), _MM_HINT_T1);
     const __m512i bytes = _mm512_loadu_si512(line);
     uint8_t* row = b + (kb - k0 / kBlockK) * 2 * kLineBytes;
     _mm512_store_si512(row, _mm512_sub_epi8(_mm512_and_si512(bytes, low), zb));
