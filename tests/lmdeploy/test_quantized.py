@@ -86,3 +86,16 @@ def test_awq_group_32_matches_fake_quant_hf():
     with cpu_pipeline(folder, enable_prefix_caching=False) as pipe:
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     assert_matches_hf(results, _reference(folder), NEW_TOKENS)
+
+
+@pytest.mark.slow
+def test_awq_at_tp2_matches_fake_quant_hf():
+    """Tensor parallel: each rank process repacks its shard of the 4-bit weights at load (on a CPU
+    with VNNI and AMX into k_interleaved, whose kernel asks Linux for the tile state in that
+    process) and the greedy tokens still match the fake-quant reference. Group 32: LMDeploy's AWQ
+    loader splits a linear's output columns in multiples of the group size, and the tiny model's
+    k/v projections have 64 columns."""
+    folder = quantized_model("llama", "awq", group_size=32)
+    with cpu_pipeline(folder, tp=2, enable_prefix_caching=False) as pipe:
+        results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert_matches_hf(results, _reference(folder), NEW_TOKENS)
