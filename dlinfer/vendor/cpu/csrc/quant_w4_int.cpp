@@ -480,6 +480,9 @@ void run(const Problem<T>& p, int64_t M, const float* bias, float* y, int64_t pa
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max(grain_for(items, p.w.K * N / 2), (items + threads - 1) / threads);
   const int64_t width = tiles * kCols;
+  // halves == 1: each thread stores its tiles' outputs (+ bias) into y as soon as they are done,
+  // from its own cache, rather than the calling thread reading every row back after the region
+  // (no difference measured above the noise); halves == 2: the two halves are added after it.
   std::unique_ptr<float[]> part(new float[halves * M * width]);  // [half][M][width]
   at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
     for (int64_t it = b; it < e; ++it) {
@@ -489,23 +492,26 @@ void run(const Problem<T>& p, int64_t M, const float* bias, float* y, int64_t pa
 #if defined(CPU_CAPABILITY_AVX512)
       if (path == kAmx) {
         tile_rows_amx(p, t, M, g0, g1, [&](int64_t m) { return lanes + m * width; });
-        continue;
-      }
+      } else
 #endif
-      for (int64_t m = 0; m < M; ++m) tile_row(p, t, m, g0, g1, lanes + m * width, path == kVnni);
+      {
+        for (int64_t m = 0; m < M; ++m) tile_row(p, t, m, g0, g1, lanes + m * width, path == kVnni);
+      }
+      if (halves == 1) {
+        const int64_t c0 = t * kCols, c1 = std::min(N, c0 + kCols);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t c = c0; c < c1; ++c) y[m * N + c] = bias ? lanes[m * width + c - c0] + bias[c] : lanes[m * width + c - c0];
+      }
     }
   });
+  if (halves == 1) return;
   for (int64_t m = 0; m < M; ++m) {
     const float* lo = part.get() + m * width;
+    const float* hi = lo + M * width;
     float* yr = y + m * N;
-    if (halves == 1) {
-      for (int64_t c = 0; c < N; ++c) yr[c] = bias ? lo[c] + bias[c] : lo[c];
-    } else {
-      const float* hi = lo + M * width;
-      for (int64_t c = 0; c < N; ++c) {
-        const float sum = lo[c] + hi[c];
-        yr[c] = bias ? sum + bias[c] : sum;
-      }
+    for (int64_t c = 0; c < N; ++c) {
+      const float sum = lo[c] + hi[c];
+      yr[c] = bias ? sum + bias[c] : sum;
     }
   }
 }
