@@ -10,7 +10,7 @@ import torch
 import dlinfer.ops as ops
 import dlinfer.vendor
 from dlinfer.conformance.reference import awq_unpack
-from dlinfer.conformance.suites.weight_quant import W4Case, k_interleave, weights
+from dlinfer.conformance.suites.weight_quant import W4Case, awq_pack, k_interleave, weights
 from dlinfer.vendor import w4_layouts
 
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")
@@ -110,7 +110,7 @@ def test_every_path_gives_the_portable_paths_bits(path, dtype, m, k, n, group, z
 def test_an_unavailable_path_is_refused():
     g = torch.Generator().manual_seed(2)
     qweight, scale, offset, _ = weights(W4Case("path", (1,), 192, 64, 96), torch.float32, g)
-    with pytest.raises(RuntimeError, match="path 2 cannot run here"):  # AMX never takes g = 96
+    with pytest.raises(RuntimeError, match=r"path 2 \(AMX\) cannot run here.*g = 96"):  # AMX never takes g = 96
         torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(2, 192), k_interleave(qweight), scale, offset,
                                                        None, 96, 2)
 
@@ -184,3 +184,27 @@ def test_one_group_with_power_of_two_scales_is_correctly_rounded(path):
     out = _kernel(x, k_interleave(qweight), scale, offset, k, path)
     exact, _ = _exact(x, qweight, scale, offset, k)
     assert torch.equal(out, exact.float())
+
+
+def test_a_bias_of_the_wrong_length_is_refused():
+    """The kernel's own check (the op checks it too; tools may call the kernel directly)."""
+    g = torch.Generator().manual_seed(4)
+    qweight, scale, offset, _ = weights(W4Case("bias", (1,), 64, 64, 32), torch.float32, g)
+    with pytest.raises(RuntimeError, match=r"bias \[N\]"):
+        torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(1, 64), k_interleave(qweight), scale, offset,
+                                                       torch.randn(3), 32, -1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_huge_activations_do_not_overflow_before_the_result(path):
+    """x near float32's largest: the fixed point's factor 2^(e - 30) meets the scale before f does
+    (one fma), so a result that fits float32 comes out finite and close to the exact one."""
+    k = n = 64
+    qweight, offset = awq_pack(torch.full((k, n), 15)), awq_pack(torch.zeros(1, n, dtype=torch.int64))
+    scale = torch.full((1, n), 1e-3)
+    x = torch.zeros(1, k)
+    x[0, :8] = 3e38
+    out = _kernel(x, k_interleave(qweight), scale, offset, 64, path)
+    exact, _ = _exact(x, qweight, scale, offset, 64)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double(), exact, rtol=1e-6, atol=0)

@@ -20,8 +20,9 @@
 //   exact), D01 = acc_0 * 256 + acc_1 - z * S01, D23 = acc_2 * 256 + acc_3 - z * S23 with
 //   S01 = sum_k (d0 * 256 + d1), S23 = sum_k (d2 * 256 + d3): exact int32 (|D01| < 2^19 g),
 //   so D01 * 2^16 + D23 = sum_k (q - z) * X_k exactly. In float32: f = fma(float(D01), 2^16,
-//   float(D23)) (at most three roundings), then y += (f * 2^(e - 30)) * s (the power of two is
-//   exact barring underflow below 2^-126; one fma), groups in order.
+//   float(D23)) (at most three roundings), then y = fma(f, 2^(e - 30) * s, y) (the product with a
+//   power of two is exact barring underflow below 2^-126, so one rounding), groups in order. f
+//   stays below 2^45, and the fma rounds once, so nothing overflows before y itself would.
 // Every path (portable, VNNI, AMX) computes the same exact integers and then exactly this epilogue,
 // so they give the same bits; a row's bits do not depend on M or on which path ran, and the split
 // of a tile's groups into two halves depends on N, K and g only (as in quant_w4.cpp).
@@ -161,12 +162,15 @@ struct Digits {
   const GroupSplit& group(int64_t m, int64_t gi) const { return groups[m * G + gi]; }
 };
 
+// The digit rows are padded with zeros to a multiple of 4 rows of x: the AMX path loads 4 rows at a
+// time, so a last block of 1-3 rows needs no tile configuration of its own.
 Digits split_activations(const float* x, int64_t M, int64_t K, int64_t g) {
-  const int64_t G = K / g;
-  const size_t digit_bytes = static_cast<size_t>((M * 4 * K + 63) / 64 * 64);
+  const int64_t G = K / g, padded = (M + 3) / 4 * 4;
+  const size_t digit_bytes = static_cast<size_t>((padded * 4 * K + 63) / 64 * 64);
   Digits out{M, K, G, g, std::unique_ptr<char[]>(new char[digit_bytes + M * G * sizeof(GroupSplit)]), nullptr, nullptr};
   out.d = reinterpret_cast<int8_t*>(out.buffer.get());
   out.groups = reinterpret_cast<GroupSplit*>(out.buffer.get() + digit_bytes);
+  std::memset(out.d + M * 4 * K, 0, static_cast<size_t>((padded - M) * 4 * K));
   at::parallel_for(0, M, grain_for(M, M * K * 4), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t gi = 0; gi < G; ++gi) {
@@ -207,7 +211,7 @@ inline float epilogue_lane(int32_t a0, int32_t a1, int32_t a2, int32_t a3, int32
   const int32_t d01 = a0 * 256 + a1 - z * s01;
   const int32_t d23 = a2 * 256 + a3 - z * s23;
   const float f = std::fma(static_cast<float>(d01), 65536.0f, static_cast<float>(d23));
-  return std::fma(f * factor, s, y);
+  return std::fma(f, factor * s, y);
 }
 
 // Portable: row m of tile t over groups g0..g1 into lanes[64] (columns 64t..64t+63).
@@ -262,6 +266,13 @@ kVnniTarget inline __m512i zero_vec(const int32_t* zeros, int64_t words, int64_t
                           _mm512_set1_epi32(15));
 }
 
+// Four digit bytes as one 32-bit lane (vpdpbusd's activation operand).
+inline int32_t four_bytes(const int8_t* d) {
+  int32_t v;
+  std::memcpy(&v, d, sizeof(v));
+  return v;
+}
+
 // The group epilogue of one 16-column vector from its four int32 sums, its zero points z and its
 // scales s: the arithmetic of epilogue_lane, 16 lanes at a time; returns the new y.
 kVnniTarget inline __m512 epilogue_vec(__m512i z, __m512 s, const GroupSplit& gs, __m512i a0, __m512i a1, __m512i a2,
@@ -271,7 +282,7 @@ kVnniTarget inline __m512 epilogue_vec(__m512i z, __m512 s, const GroupSplit& gs
   const __m512i d23 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a2, 8), a3),
                                        _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s23)));
   const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(d23));
-  return _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(gs.factor)), s, y);
+  return _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(gs.factor), s), y);
 }
 
 // epilogue_vec for sums that already have the zero point subtracted (the AMX path's): the same
@@ -281,15 +292,15 @@ kVnniTarget inline __m512 epilogue_corrected(__m512 s, float factor, __m512i a0,
   const __m512i d01 = _mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1);
   const __m512i d23 = _mm512_add_epi32(_mm512_slli_epi32(a2, 8), a3);
   const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(d23));
-  return _mm512_fmadd_ps(_mm512_mul_ps(f, _mm512_set1_ps(factor)), s, y);
+  return _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(factor), s), y);
 }
 
 template <typename T>
 kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes) {
   const int64_t g = p.a->g;
   const __m512i low = _mm512_set1_epi8(15);
-  const int32_t* dj[4];
-  for (int j = 0; j < 4; ++j) dj[j] = reinterpret_cast<const int32_t*>(p.a->digits(m, j));
+  const int8_t* dj[4];
+  for (int j = 0; j < 4; ++j) dj[j] = p.a->digits(m, j);
   __m512 y[kVecs];
   for (int v = 0; v < kVecs; ++v) y[v] = _mm512_setzero_ps();
   const uint8_t* const end = p.w.end() - kLineBytes;
@@ -308,8 +319,8 @@ kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_
         hi[v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
       }
       for (int j = 0; j < 4; ++j) {
-        const __m512i a_lo = _mm512_set1_epi32(dj[j][2 * kb]);
-        const __m512i a_hi = _mm512_set1_epi32(dj[j][2 * kb + 1]);
+        const __m512i a_lo = _mm512_set1_epi32(four_bytes(dj[j] + kBlockK * kb));
+        const __m512i a_hi = _mm512_set1_epi32(four_bytes(dj[j] + kBlockK * kb + 4));
         for (int v = 0; v < kVecs; ++v) {
           acc[j][v] = _mm512_dpbusd_epi32(acc[j][v], lo[v], a_lo);
           acc[j][v] = _mm512_dpbusd_epi32(acc[j][v], hi[v], a_hi);
@@ -399,7 +410,7 @@ kAmxTarget void tile_rows_amx(const Problem<T>& p, int64_t t, int64_t M, int64_t
   alignas(64) uint8_t b[16][kVecs][16 * 64];  // a group's B tiles: [chunk][vector] (g <= 1024: 16 chunks)
   alignas(64) int32_t c[kVecs][16][16];
   const uint8_t* const end = p.w.end() - kLineBytes;
-  int configured = 0;
+  amx_configure(static_cast<int>(std::min<int64_t>(4, M)), kc);  // 4 rows a block (the digits are padded)
   const int vecs = static_cast<int>(std::min<int64_t>(kVecs, (p.w.N - kCols * t + 15) / 16));  // vectors inside N
   for (int64_t gi = g0; gi < g1; ++gi) {
     __m512 sc[kVecs];  // the group's scales, shared by the rows
@@ -411,11 +422,7 @@ kAmxTarget void tile_rows_amx(const Problem<T>& p, int64_t t, int64_t M, int64_t
       if (v < vecs) sc[v] = scales_vec(p.scale, p.w.N, gi, kCols * t + 16 * v);
     }
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
-      if (mr != configured) {
-        amx_configure(mr, kc);
-        configured = mr;
-      }
+      const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));  // rows of the block to keep
       _tile_zero(2);
       _tile_zero(3);
       _tile_zero(4);
@@ -562,18 +569,23 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
               "w4_matmul_k_interleaved: qweight shape");
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
               "w4_matmul_k_interleaved: scale in x's dtype or float16");
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "w4_matmul_k_interleaved: bias [N]");
+  TORCH_CHECK(path >= -1 && path <= w4v::kAmx, "w4_matmul_k_interleaved: path -1 (best), 0, 1 or 2, got ", path);
+  TORCH_CHECK(path != w4v::kVnni || w4v::vnni_here(), "w4_matmul_k_interleaved: path 1 (VNNI): this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(path != w4v::kAmx || (w4v::amx_here() && w4v::amx_chunk(group_size) > 0),
+              "w4_matmul_k_interleaved: path 2 (AMX) cannot run here: it needs AMX-INT8 (with the tile state granted) "
+              "and a group size g with g % 64 == 0 or g < 64, got g = ", group_size);
   const at::Tensor xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   at::Tensor bf;
   if (bias.has_value()) bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M > 0 && N > 0) {
-    const w4v::Digits digits = w4v::split_activations(xf.data_ptr<float>(), M, K, group_size);
-    const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N};
     const bool amx = w4v::amx_here() && w4v::amx_chunk(group_size) > 0;
     const int64_t best = amx ? w4v::kAmx : w4v::vnni_here() ? w4v::kVnni : w4v::kPortable;
-    TORCH_CHECK(path >= -1 && path <= best, "w4_matmul_k_interleaved: path ", path, " cannot run here (best: ", best, ")");
     // best: one row on VNNI (measured faster than a tile instruction's 4-row A at M = 1), more on AMX
     const int64_t use = path != -1 ? path : best == w4v::kAmx && M == 1 ? w4v::kVnni : best;
+    const w4v::Digits digits = w4v::split_activations(xf.data_ptr<float>(), M, K, group_size);
+    const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N};
     AT_DISPATCH_V2(scale.scalar_type(), "w4_matmul_k_interleaved", AT_WRAP([&] {
       using T = scalar_t;
       const w4v::Problem<T> p{w, &digits, scale.data_ptr<T>(), offset.has_value() ? offset->data_ptr<int32_t>() : nullptr};
