@@ -11,7 +11,7 @@ cache, so every call streams its weight from memory, and each call is short (0.2
 start (dispatch, the parallel region, the first cache misses of each stream) counts as it does
 in a real step. The sides, timed interleaved, best median of --rounds:
 - W4A16: the cpu vendor's `weight_quant_matmul` (the function the graph binds; weights repacked
-  column_tiled by its load-time hook, as the engine does), group 64 (1536 -> 576: also 64, as the
+  by its load-time hook, column_tiled or k_interleaved, as the engine does), group 64 (1536 -> 576: also 64, as the
   AWQ checkpoints of docs/quantize.md; `--groups 64,32` adds a side per group size), float32 activations;
 - W8A8: the cpu vendor's `linear_w8a8` on int8 activations and weights, float32 output.
 GB/s counts every byte a call must read: packed weight, scales and zero points. A reference side

@@ -13,7 +13,7 @@ column_tiled: the same nibbles, regrouped so that a tile of TILE_COLS = 128 outp
     interleave their columns, [0, 2, 4, 6, 1, 3, 5, 7], which costs a kernel gathers per group).
     Rank 3 tells it from the canonical rank-2 layout. Scales and zero points keep their canonical
     layouts.
-k_interleaved: for integer dot products over k (the cpu vendor's VNNI kernel, csrc/quant_w4_int.cpp):
+k_interleaved: for integer dot products over k (the cpu vendor's integer kernel, csrc/quant_w4_int.cpp):
     `uint8 [ceil(N/64), K/8, 4, 64]`, K % 8 == 0. A tile of KI_TILE_COLS = 64 columns is
     contiguous over K, as 64-byte lines of 8 rows x 16 columns: line (t, b, v) holds rows
     8b..8b+7 of columns 64t + 16v + l (l = 0..15); its byte 4l + r holds row 8b + r in the low

@@ -75,7 +75,7 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     [ceil(N/64), K/8, 4, 64], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
     bias [N]?, group_size g -> [M, N] in x's dtype."""
     if w4_layouts.is_k_interleaved(qweight):
-        if group_size % w4_layouts.KI_BLOCK_K == 0 and group_size <= KI_MAX_GROUP:
+        if integer_kernel_takes(group_size):
             return _w4_matmul_k_interleaved(x, qweight, scale, offset, bias, group_size, -1)
         qweight = w4_layouts.canonical(qweight, scale.shape[1])  # a group the kernel cannot take (not from our hook)
     if x.shape[0] <= GEMV_MAX_ROWS:  # the kernels make qweight, scale and offset dense (C++, no copy if they are)
@@ -103,6 +103,11 @@ def k_interleaved(qweight: Tensor) -> Tensor:
     return _k_interleaved(qweight)
 
 
+def integer_kernel_takes(group_size: int) -> bool:
+    """Whether the k_interleaved kernel takes this group size (g % 8 == 0, g <= KI_MAX_GROUP)."""
+    return group_size % w4_layouts.KI_BLOCK_K == 0 and group_size <= KI_MAX_GROUP
+
+
 def amx_fits(group_size: int) -> bool:
     """Whether the k_interleaved kernel's AMX path takes this group size (one tile instruction
     spans 64 rows of k, or the whole group below 64)."""
@@ -119,8 +124,7 @@ def layout_for(k: int, group_size: int) -> str:
     choice = os.environ.get(LAYOUT_ENV, "") or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
-    fits = VNNI and k % w4_layouts.KI_BLOCK_K == 0 and group_size % w4_layouts.KI_BLOCK_K == 0 \
-        and group_size <= KI_MAX_GROUP
+    fits = VNNI and k % w4_layouts.KI_BLOCK_K == 0 and integer_kernel_takes(group_size)
     if choice == "column_tiled" or not fits:
         return "column_tiled"
     if choice == "k_interleaved" or (AMX and amx_fits(group_size)):

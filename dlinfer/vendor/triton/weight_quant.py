@@ -68,8 +68,8 @@ def _w4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, stride_xm,
 def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
                         group_size: int) -> Tensor:
     """x [M, K], qweight int32 [K, N/8] or column_tiled [ceil(N/128), K, 16] (k_interleaved: made
-    canonical first), scale [K/g, N] (x's
-    dtype or float16), offset int32 [K/g, N/8]?, bias [N]?, group_size g -> [M, N] in x's dtype."""
+    canonical first), scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?, bias [N]?,
+    group_size g -> [M, N] in x's dtype."""
     m, k = x.shape
     n = scale.shape[1]
     x = unit_stride(x)

@@ -246,24 +246,19 @@ void tile_row_portable(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, in
 #if defined(CPU_CAPABILITY_AVX512)
 #define kVnniTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma")))
 
+// The 16 scales of columns c0.. of group gi as float32 (zero past N): quant_w4.h's scales16.
 template <typename T>
 kVnniTarget inline __m512 scales_vec(const T* scale, int64_t N, int64_t gi, int64_t c0) {
-  if (c0 + 16 <= N) return load_vec(scale + gi * N + c0);
-  alignas(64) float s[16];
-  scales16(scale, N, gi, c0, s);
-  return _mm512_load_ps(s);
+  return w4::scales16(scale + gi * N, static_cast<int>(c0), static_cast<int>(N));
 }
 
-alignas(64) constexpr int32_t kWordOfLane16[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
-alignas(64) constexpr int32_t kShiftOfLane16[16] = {0, 16, 4, 20, 8, 24, 12, 28, 0, 16, 4, 20, 8, 24, 12, 28};
-
+// The zero points of columns c0..c0+15 (c0 % 16 == 0) of group gi, zero past N (8 without
+// offsets): their two canonical words, read as quant_w4.h reads a column_tiled tile's first pair.
 kVnniTarget inline __m512i zero_vec(const int32_t* zeros, int64_t words, int64_t gi, int64_t c0, int64_t N) {
-  const int64_t n = std::min<int64_t>(16, N - c0);  // columns of the vector inside N (a multiple of 8)
-  if (!zeros) return _mm512_maskz_mov_epi32(static_cast<__mmask16>((1u << n) - 1u), _mm512_set1_epi32(8));
-  const __m512i zw = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << (n / 8)) - 1u), zeros + gi * words + c0 / 8);
-  return _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(_mm512_load_si512(kWordOfLane16), zw),
-                                            _mm512_load_si512(kShiftOfLane16)),
-                          _mm512_set1_epi32(15));
+  const __mmask16 inside = static_cast<__mmask16>((1u << (std::min<int64_t>(16, N - c0) / 8)) - 1u);
+  const __m512i zw = zeros ? _mm512_maskz_loadu_epi32(inside, zeros + gi * words + c0 / 8)
+                           : _mm512_maskz_mov_epi32(inside, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
+  return w4::tiled_zero_points(zw, 0);
 }
 
 // Four digit bytes as one 32-bit lane (vpdpbusd's activation operand).
@@ -273,22 +268,11 @@ inline int32_t four_bytes(const int8_t* d) {
   return v;
 }
 
-// The group epilogue of one 16-column vector from its four int32 sums, its zero points z and its
-// scales s: the arithmetic of epilogue_lane, 16 lanes at a time; returns the new y.
-kVnniTarget inline __m512 epilogue_vec(__m512i z, __m512 s, const GroupSplit& gs, __m512i a0, __m512i a1, __m512i a2,
-                                       __m512i a3, __m512 y) {
-  const __m512i d01 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1),
-                                       _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s01)));
-  const __m512i d23 = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(a2, 8), a3),
-                                       _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s23)));
-  const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(d23));
-  return _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(gs.factor), s), y);
-}
-
-// epilogue_vec for sums that already have the zero point subtracted (the AMX path's): the same
-// integers d01, d23, then the same float32 operations.
-kVnniTarget inline __m512 epilogue_corrected(__m512 s, float factor, __m512i a0, __m512i a1, __m512i a2, __m512i a3,
-                                             __m512 y) {
+// The group epilogue of one 16-column vector from its four int32 sums with the zero point already
+// subtracted (a1 and a3 carry it: D01 = a0 * 256 + a1, D23 = a2 * 256 + a3) and its scales s: the
+// arithmetic of epilogue_lane, 16 lanes at a time; returns the new y.
+kVnniTarget inline __m512 epilogue_vec(__m512 s, float factor, __m512i a0, __m512i a1, __m512i a2, __m512i a3,
+                                       __m512 y) {
   const __m512i d01 = _mm512_add_epi32(_mm512_slli_epi32(a0, 8), a1);
   const __m512i d23 = _mm512_add_epi32(_mm512_slli_epi32(a2, 8), a3);
   const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d01), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(d23));
@@ -331,8 +315,10 @@ kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_
     for (int v = 0; v < kVecs; ++v) {
       const int64_t c0 = kCols * t + 16 * v;
       if (c0 >= p.w.N) break;
-      y[v] = epilogue_vec(zero_vec(p.zeros, p.w.N / 8, gi, c0, p.w.N), scales_vec(p.scale, p.w.N, gi, c0), gs,
-                          acc[0][v], acc[1][v], acc[2][v], acc[3][v], y[v]);
+      const __m512i z = zero_vec(p.zeros, p.w.N / 8, gi, c0, p.w.N);  // the zero point, subtracted in int32
+      const __m512i a1 = _mm512_sub_epi32(acc[1][v], _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s01)));
+      const __m512i a3 = _mm512_sub_epi32(acc[3][v], _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s23)));
+      y[v] = epilogue_vec(scales_vec(p.scale, p.w.N, gi, c0), gs.factor, acc[0][v], a1, acc[2][v], a3, y[v]);
     }
   }
   for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(lanes + 16 * v, y[v]);
@@ -344,8 +330,8 @@ bool vnni_here() {
 }
 
 // ---- AMX (tdpbssd): up to 4 rows x 4 digit planes against 64 rows of k x 16 columns a tile
-// instruction. The integer sums are the VNNI path's, exactly, and the epilogue is epilogue_vec in
-// the same group order, so every path gives the same bits.
+// instruction. The integer sums are the VNNI path's zero-corrected sums, exactly, and the
+// epilogue is epilogue_vec in the same group order, so every path gives the same bits.
 #define kAmxTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma,amx-tile,amx-int8")))
 
 bool amx_here() {
@@ -446,19 +432,14 @@ kAmxTarget void tile_rows_amx(const Problem<T>& p, int64_t t, int64_t M, int64_t
         for (int r = 0; r < mr; ++r) {
           float* y = out(m0 + r) + 16 * v;
           const __m512 prev = gi == g0 ? _mm512_setzero_ps() : _mm512_loadu_ps(y);
-          _mm512_storeu_ps(y, epilogue_corrected(sc[v], p.a->group(m0 + r, gi).factor, _mm512_load_si512(c[v][4 * r]),
-                                                 _mm512_load_si512(c[v][4 * r + 1]), _mm512_load_si512(c[v][4 * r + 2]),
-                                                 _mm512_load_si512(c[v][4 * r + 3]), prev));
+          _mm512_storeu_ps(y, epilogue_vec(sc[v], p.a->group(m0 + r, gi).factor, _mm512_load_si512(c[v][4 * r]),
+                                           _mm512_load_si512(c[v][4 * r + 1]), _mm512_load_si512(c[v][4 * r + 2]),
+                                           _mm512_load_si512(c[v][4 * r + 3]), prev));
         }
       }
     }
   }
-  for (int64_t m = 0; m < M; ++m)  // vectors past N: zero, as the other paths leave them
-    for (int v = 0; v < kVecs; ++v)
-      if (kCols * t + 16 * v >= p.w.N) std::memset(out(m) + 16 * v, 0, 16 * sizeof(float));
-  if (g1 == g0)
-    for (int64_t m = 0; m < M; ++m) std::memset(out(m), 0, kCols * sizeof(float));
-  _tile_release();
+  _tile_release();  // lanes past N are left unwritten: nothing reads them
 }
 #else
 bool vnni_here() { return false; }
