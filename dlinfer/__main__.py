@@ -152,6 +152,29 @@ def _lmdeploy_lines() -> list:
     return lines
 
 
+def _read_bandwidth_lines() -> list:
+    """The read-bandwidth probe's best rate (dlinfer/vendor/cpu/read_probe.py): a few seconds and
+    two buffers of 1 GiB (or twice the last-level cache); skipped with a reason when the cpu vendor
+    cannot load or RAM is short."""
+    from dlinfer.utils import machine
+    from dlinfer.vendor import registry
+
+    if registry.try_load("cpu") is None:
+        return ["  read bw:      unavailable (the cpu vendor's kernels, which hold the probe, did not load)"]
+    from dlinfer.vendor.cpu import read_probe
+
+    need = 3 * read_probe.buffer_bytes()
+    mem = machine.memory()
+    if mem is not None and mem[1] < need:
+        return [f"  read bw:      not measured: the probe needs {_gib(need)} free, {_gib(mem[1])} available"]
+    probe = read_probe.ReadProbe()
+    try:
+        exploration = probe.explore(rounds=2)
+    finally:
+        probe.release()
+    return [f"  read bw:      {read_probe.summary(exploration)}"]
+
+
 def _section(build) -> list:
     """`build()`'s lines, or one error line: one broken section must not hide the others."""
     try:
@@ -160,7 +183,8 @@ def _section(build) -> list:
         return [f"  {build.__name__.strip('_')}: {_error(exc)}"]
 
 
-def env_report() -> str:
+def env_report(probe: bool = True) -> str:
+    """The report; probe: also measure the read bandwidth (a few seconds)."""
     import dlinfer
 
     lines = [
@@ -172,13 +196,15 @@ def env_report() -> str:
         lines.append(f"{dist:<13} {_version(dist)}")
     lines.append(_compiler_line())
     lines += ["", "devices:", *_section(_machine_lines)]
+    if probe:
+        lines += _section(_read_bandwidth_lines)
     lines += ["", *_section(_vendor_lines)]
     lines += ["", *_section(_lmdeploy_lines)]
     return "\n".join(lines)
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    print(env_report())
+    print(env_report(probe=not args.no_probe))
     return 0
 
 
@@ -211,6 +237,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print what a bug report needs: versions, machine, compiler, vendors, "
                                      "LMDeploy adaptor")
+    env.add_argument("--no-probe", action="store_true",
+                     help="skip the read-bandwidth probe (a few seconds, 2 GiB of RAM)")
     env.set_defaults(func=_cmd_env)
     from dlinfer.conformance import cli as conformance_cli
 

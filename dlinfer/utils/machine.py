@@ -95,3 +95,30 @@ def threads() -> Tuple[int, Optional[str]]:
     import torch
 
     return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def last_level_cache_bytes() -> Optional[int]:
+    """The largest data or unified cache a CPU of this machine reports (Linux sysfs), in bytes. In
+    a virtual machine this is what the host's CPU has, not necessarily what this guest gets."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = None
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return None
+    for name in names:
+        if not name.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(base, name, "type"), encoding="utf-8") as f:
+                if f.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(base, name, "size"), encoding="utf-8") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        size = int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text) if text.isdigit() else None
+        if size is not None and (best is None or size > best):
+            best = size
+    return best

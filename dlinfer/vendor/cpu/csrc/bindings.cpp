@@ -64,4 +64,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind(m, "w4_matmul_k_interleaved", &w4_matmul_k_interleaved);
   bind(m, "w4_vnni_available", &w4_vnni_available);
   bind(m, "w4_amx_available", &w4_amx_available);
+  bind(m, "read_probe", &read_probe);
 }

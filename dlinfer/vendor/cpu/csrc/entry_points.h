@@ -88,4 +88,8 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
 bool w4_vnni_available();
 bool w4_amx_available();
 
+// read_probe.cpp: reads buffer (uint8 [n]) once on `threads` threads, `streams` streams each; the
+// checksum of its bytes.
+int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, int64_t prefetch_bytes, int64_t hint);
+
 }  // namespace dlinfer_cpu

@@ -1,0 +1,231 @@
+"""The weight-streaming kernels at real decode shapes, against the read-bandwidth probe measured
+interleaved with them in this process.
+
+    .venv/bin/python benchmarks/bench_weight_stream.py [--models 1b,3b,8b] [--kernels f32,bf16,w8a8,w4-ct,w4-ki]
+        [--rows 1,4] [--rounds 5] [--linears qkv,o,gate_up,down,head] [--4k-pages]
+
+Shapes: the linears LMDeploy runs per layer of Llama-3.2-1B (hidden 2048, MLP 8192, 32 / 8 heads
+of 64), Llama-3.2-3B (3072, 8192, 24 / 8 of 128) and Llama-3-8B (4096, 14336, 32 / 8 of 128):
+qkv and gate_up merged as LMDeploy merges them, o, down, and the 128256-token LM head. Each side
+is one linear kind of one model with one kernel at M rows, called on distinct copies of its weight
+in turn until at least `--bytes` (default: 1 GiB or 2.5x the last-level cache, whichever is more)
+are read, so every call streams from memory as in a decode step (the whole model's weights are
+larger than the cache), on 2 MB pages as the engine puts them (`--4k-pages`: the allocator's).
+
+Kernels (the cpu vendor's functions, as the engine calls them):
+- f32 / bf16: `linear` (the few-row weight-streaming kernels, float32 and bf16 weights);
+- w8a8: `linear_w8a8` (int8 weights, per-row scales, int8 activations; also the int8 LM head);
+- w4-ct / w4-ki: `weight_quant_matmul` on column_tiled / k_interleaved weights (group 128,
+  float32 activations; k_interleaved only where the CPU has AVX-512 VNNI).
+GB/s counts every byte a call must read (weights, scales, zero points).
+
+Each round times the probe (`ReadProbe.measure`, its best configuration explored once at the
+start), then one pass of the side, then the probe again; a side's share is its rate over the mean
+of the probe readings around it. The table gives per side the min / median time of a call, the
+rate at the median, the probe's median and the share (median of the rounds' shares; best round in
+brackets). The last rows per model and kernel weigh the linears as a decode step does (16 / 28 /
+32 layers plus the head): the step's share of the probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, NamedTuple, Tuple
+
+import torch
+
+GROUP = 128
+
+
+class Model(NamedTuple):
+    hidden: int
+    mlp: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    vocab: int
+
+    def linears(self) -> Dict[str, Tuple[int, int]]:
+        """name -> (K, N) of the linears of one layer and the head."""
+        h, d = self.hidden, self.head_dim
+        return {"qkv": (h, (self.q_heads + 2 * self.kv_heads) * d), "o": (self.q_heads * d, h),
+                "gate_up": (h, 2 * self.mlp), "down": (self.mlp, h), "head": (h, self.vocab)}
+
+
+MODELS = {
+    "1b": Model(2048, 8192, 32, 8, 64, 16, 128256),
+    "3b": Model(3072, 8192, 24, 8, 128, 28, 128256),
+    "8b": Model(4096, 14336, 32, 8, 128, 32, 128256),
+}
+KERNELS = ("f32", "bf16", "w8a8", "w4-ct", "w4-ki")
+
+
+def _default_bytes() -> int:
+    from dlinfer.utils import machine
+
+    return max(1 << 30, int(2.5 * (machine.last_level_cache_bytes() or 0)))
+
+
+def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator):
+    """(weights, bytes one call reads): distinct copies of one [N, K] weight as `kernel` reads it
+    (each a tuple of tensors), enough of them for `target` bytes."""
+    if kernel in ("f32", "bf16"):
+        dtype = torch.float32 if kernel == "f32" else torch.bfloat16
+        first = ((torch.randn(n, k, generator=g) * 0.02).to(dtype),)
+    elif kernel == "w8a8":
+        first = (torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g))
+    else:
+        from dlinfer.vendor import w4_layouts as L
+        from dlinfer.vendor.cpu import weight_quant as wq
+
+        q = L.pack(torch.randint(0, 16, (k, n), generator=g, dtype=torch.int32))
+        zeros = L.pack(torch.randint(0, 16, (k // GROUP, n), generator=g, dtype=torch.int32))
+        scale = (torch.rand(k // GROUP, n, generator=g) * 0.02).half()
+        first = (wq.k_interleaved(q) if kernel == "w4-ki" else wq.column_tiled(q), scale, zeros)
+    nbytes = sum(t.numel() * t.element_size() for t in first)
+    copies = max(1, -(-target // nbytes))
+    return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)], nbytes
+
+
+def make_calls(kernel: str, weights, m: int, k: int, g: torch.Generator) -> List[Callable]:
+    """One call per weight copy: the cpu vendor's function for `kernel` on m rows of activations."""
+    from dlinfer.vendor import selection
+
+    x32 = torch.randn(m, k, generator=g)
+    if kernel in ("f32", "bf16"):
+        fn = selection.resolve("linear", "cpu")[0]
+        x = x32.to(weights[0][0].dtype)
+        return [(lambda w=w: fn(x, w[0], None)) for w in weights]
+    if kernel == "w8a8":
+        fn = selection.resolve("linear_w8a8", "cpu")[0]
+        x, xs = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8), torch.rand(m, generator=g)
+        return [(lambda w=w: fn(x, w[0], xs, w[1], torch.float32, None)) for w in weights]
+    fn = selection.resolve("weight_quant_matmul", "cpu")[0]
+    return [(lambda w=w: fn(x32, w[0], w[1], w[2], None, GROUP)) for w in weights]
+
+
+class Result(NamedTuple):
+    min_s: float
+    median_s: float
+    rate: float  # bytes/s at the median
+    probe: float  # the probe's median (bytes/s)
+    share: float  # median of the rounds' shares
+    best_share: float
+
+
+def measure(calls: List[Callable], nbytes: int, probe, rounds: int) -> Result:
+    """Rounds of: probe, one pass over `calls` (each timed), probe."""
+    for c in calls[:3]:
+        c()  # first-call costs (pool, page tables of the output) out of the timings
+    times, probes, shares = [], [], []
+    for _ in range(rounds):
+        before = probe.measure()
+        start = time.perf_counter()
+        per_call = []
+        for c in calls:
+            t0 = time.perf_counter()
+            c()
+            per_call.append(time.perf_counter() - t0)
+        rate = nbytes * len(calls) / (time.perf_counter() - start)
+        after = probe.measure()
+        times += per_call
+        probes += [before, after]
+        shares.append(rate / ((before + after) / 2))
+    med = statistics.median(times)
+    return Result(min(times), med, nbytes / med, statistics.median(probes), statistics.median(shares), max(shares))
+
+
+def main(argv=None) -> int:
+    import dlinfer.vendor
+    from dlinfer.utils.huge_pages import move_to_huge_pages
+    from dlinfer.vendor.cpu import read_probe
+    from dlinfer.vendor.cpu import weight_quant as wq
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="1b,3b,8b", help=f"comma-separated, of {','.join(MODELS)}")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {','.join(KERNELS)}")
+    parser.add_argument("--linears", default="qkv,o,gate_up,down,head", help="comma-separated linear kinds")
+    parser.add_argument("--rows", default="1,4", help="comma-separated M (tokens per call)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bytes", type=float, default=None, help="GB read per pass of a side (default: see above)")
+    parser.add_argument("--4k-pages", dest="small_pages", action="store_true",
+                        help="leave the weights on the allocator's pages (default: moved onto 2 MB pages)")
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    kernels = [k for k in args.kernels.split(",") if k]
+    for name in models:
+        if name not in MODELS:
+            parser.error(f"--models: {name!r} is not one of {', '.join(MODELS)}")
+    for name in kernels:
+        if name not in KERNELS:
+            parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
+    if "w4-ki" in kernels and not wq.VNNI:
+        print("w4-ki skipped: this CPU has no AVX-512 VNNI (the k_interleaved kernel's one-row path)", file=sys.stderr)
+        kernels.remove("w4-ki")
+    if "cpu" not in dlinfer.vendor.available():
+        print("the cpu vendor does not load here", file=sys.stderr)
+        return 1
+    target = int(args.bytes * 1e9) if args.bytes else _default_bytes()
+    rows = [int(r) for r in args.rows.split(",")]
+    probe = read_probe.ReadProbe()
+    exploration = probe.explore()
+    print(f"read-bandwidth probe: {read_probe.summary(exploration)}", file=sys.stderr, flush=True)
+    g = torch.Generator().manual_seed(0)
+    results: Dict[tuple, Tuple[Result, int]] = {}
+    with dlinfer.vendor.using("cpu"):
+        for mname in models:
+            model = MODELS[mname]
+            for kernel in kernels:
+                for lname in args.linears.split(","):
+                    k, n = model.linears()[lname]
+                    weights, nbytes = make_weights(kernel, k, n, target, g)
+                    if not args.small_pages:
+                        move_to_huge_pages([t for w in weights for t in w])
+                    for m in rows:
+                        res = measure(make_calls(kernel, weights, m, k, g), nbytes, probe, args.rounds)
+                        results[(mname, kernel, lname, m)] = (res, nbytes)
+                        print(f"{mname} {kernel} {lname} [{k} -> {n}] M={m}: {res.rate / 1e9:.1f} GB/s, "
+                              f"{res.share:.2f} of the probe", file=sys.stderr, flush=True)
+                    del weights
+    report(results, models, kernels, rows, exploration, target, args)
+    return 0
+
+
+def report(results, models, kernels, rows, exploration, target, args) -> None:
+    from dlinfer.vendor.cpu import read_probe
+
+    pages = "the allocator's pages" if args.small_pages else "2 MB pages"
+    print(f"Weight-streaming kernels (cpu vendor), {torch.get_num_threads()} threads, weights on {pages}, "
+          f">= {target / 1e9:.2f} GB of distinct copies per side; probe: {read_probe.summary(exploration)}; "
+          f"{args.rounds} rounds\n")
+    print("| model | kernel | linear [K -> N] | M | MB / call | us / call (min / median) | GB/s | probe GB/s | share |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (mname, kernel, lname, m), (res, nbytes) in results.items():
+        k, n = MODELS[mname].linears()[lname]
+        print(f"| {mname} | {kernel} | {lname} [{k} -> {n}] | {m} | {nbytes / 1e6:.1f} | {res.min_s * 1e6:.0f} / "
+              f"{res.median_s * 1e6:.0f} | {res.rate / 1e9:.1f} | {res.probe / 1e9:.1f} | {res.share:.2f} "
+              f"({res.best_share:.2f}) |")
+    print("\nA decode step's linears, weighted as the model calls them (layers x qkv, o, gate_up, down + head):\n")
+    print("| model | kernel | M | GB a step | ms a step (at the medians) | GB/s | share of the probe |")
+    print("|---|---|---|---|---|---|---|")
+    for mname in models:
+        model = MODELS[mname]
+        for kernel in kernels:
+            for m in rows:
+                parts = [(lname, results.get((mname, kernel, lname, m))) for lname in model.linears()]
+                if any(r is None for _, r in parts):
+                    continue
+                weight = {lname: (1 if lname == "head" else model.layers) for lname, _ in parts}
+                nbytes = sum(weight[lname] * nb for lname, (_, nb) in parts)
+                secs = sum(weight[lname] * r.median_s for lname, (r, _) in parts)
+                probe = statistics.median(r.probe for _, (r, _) in parts)
+                print(f"| {mname} | {kernel} | {m} | {nbytes / 1e9:.2f} | {secs * 1e3:.1f} | {nbytes / secs / 1e9:.1f} | "
+                      f"{nbytes / secs / probe:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
