@@ -12,7 +12,7 @@ import torch
 from dlinfer.vendor.op_table import OP_NAMES
 
 PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "awq_linear", "backend_selector", "env_check", "cuda_calls",
-                 "model_agent", "lm_head", "huge_pages", "openmp_pool", "mp_engine", "mp_executor", "vl_preprocess")
+                 "model_agent", "weight_reads", "lm_head", "huge_pages", "openmp_pool", "mp_engine", "mp_executor", "vl_preprocess")
 
 
 def _run(args, env=None, timeout=300) -> subprocess.CompletedProcess:
@@ -32,6 +32,13 @@ def test_env_report_lists_versions_vendors_devices(report):
                    "devices:", "cpu:"):
         assert needle in report, (needle, report)
     assert re.search(rf"^  torch +ok .* ops={len(OP_NAMES)}/{len(OP_NAMES)}$", report, re.M), report
+
+
+def test_env_report_gives_the_read_bandwidth_probe(report):
+    line = re.search(r"^  read bw: +(\d+\.\d) GB/s \((\d+) threads x (\d+) streams, (.*); (\d+) configurations tried\)",
+                     report, re.M)
+    assert line, report
+    assert float(line.group(1)) > 0 and int(line.group(2)) >= 1 and int(line.group(5)) >= 2, line.group(0)
 
 
 def test_env_report_describes_the_machine(report):
@@ -73,7 +80,7 @@ def test_env_reports_a_patch_that_is_not_in_place():
         from lmdeploy.pytorch.engine.model_agent.agent import BaseModelAgent
         BaseModelAgent.warmup = original_of(BaseModelAgent.__dict__["warmup"])
         from dlinfer.__main__ import main
-        main(["env"])
+        main(["env", "--no-probe"])
     """)])
     assert proc.returncode == 0, proc.stderr
     assert f"  patches: {len(PATCH_MODULES) - 1}/{len(PATCH_MODULES)} applied" in proc.stdout, proc.stdout
@@ -85,7 +92,7 @@ def test_env_reports_an_unsupported_lmdeploy_in_one_line():
         import lmdeploy
         lmdeploy.__version__ = "0.19.0"
         from dlinfer.__main__ import main
-        main(["env"])
+        main(["env", "--no-probe"])
     """)])
     assert proc.returncode == 0, proc.stderr
     section = proc.stdout.split("\nlmdeploy adaptor:", 1)[1]
@@ -135,6 +142,7 @@ def test_env_without_a_compiler(tmp_path):
     assert len(cpu) == 1, out
     assert lines[cpu[0] + 1].startswith("  triton ") or lines[cpu[0] + 1].startswith("active vendor:"), out
     assert "active vendor: torch" in out, out
+    assert "  read bw:      unavailable (the cpu vendor's kernels, which hold the probe, did not load)" in lines, out
 
 
 def test_unknown_command_fails():

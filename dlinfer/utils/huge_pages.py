@@ -15,8 +15,11 @@ aligned, advised MADV_HUGEPAGE before its first byte is written (so its pages fa
 pages when the kernel's THP mode is "always" or "madvise"), each storage at a 64-byte boundary.
 Each tensor is then re-pointed at its copy in place (`Tensor.set_`: the same Python object, same
 shape, strides and storage offset; tensors that shared a storage share its copy), so modules,
-optimisers or anything else holding the tensor objects see the moved data. The old storages are
-freed once nothing else references them. Call it before anything records data pointers (a
+optimisers or anything else holding the tensor objects see the moved data. The move goes one
+storage at a time: copied, its tensors re-pointed, the old storage dropped (freed once nothing else
+references it) and, every 256 MB, glibc asked to return freed memory (`release_free_memory`); so the
+process holds the weights once plus one storage, not twice (docs/lmdeploy.md, "Memory while
+loading"). Call it before anything records data pointers (a
 compiled graph, a captured op).
 
 Nothing fails hard: off Linux, with THP turned off, or without free huge pages the memory stays on
@@ -78,6 +81,41 @@ def huge_bytes(start: int, end: int, smaps: str = "/proc/self/smaps") -> int:
     return total
 
 
+_TRIM_EVERY = 256 << 20  # bytes moved between two release_free_memory() calls
+
+
+def release_free_memory() -> bool:
+    """Ask glibc to hand the memory it holds free back to the kernel (malloc_trim(0): free pages
+    anywhere in its heaps, not only at their tops). Storages below glibc's mmap threshold (which
+    rises up to 32 MB as large blocks are freed) live in those heaps, and freeing them does not
+    shrink the process by itself. True when glibc released something; False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
+def empty_arena(nbytes: int):
+    """(arena, problem): an uninitialised uint8 [nbytes] tensor starting on a 2 MB boundary, advised
+    MADV_HUGEPAGE before any of its bytes is written, so that its pages fault in as 2 MB pages where
+    the kernel's THP mode allows; problem: None, or why the advice failed. The tensor is a view of
+    a slightly larger allocation (its storage_offset() bytes in)."""
+    import torch
+
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages fault in when written
+    skip = (-raw.data_ptr()) % HUGE_PAGE
+    span = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    problem = _madvise_huge(raw.data_ptr() + skip, min(span, raw.numel() - skip)) if sys.platform.startswith(
+        "linux") else "huge pages are only asked for on Linux"
+    return raw[skip:skip + nbytes], problem
+
+
 def move_to_huge_pages(tensors: Iterable) -> Report:
     """Copy the CPU storages of `tensors` into one huge-page arena and re-point every tensor at
     its copy (module docstring); returns what happened. Other devices' tensors, empty ones and
@@ -85,14 +123,17 @@ def move_to_huge_pages(tensors: Iterable) -> Report:
     import torch
 
     unique = {id(t): t for t in tensors if t is not None and t.device.type == "cpu" and t.untyped_storage().nbytes()}
-    tensors = [(t, t.untyped_storage().data_ptr()) for t in unique.values()]  # keys taken before any moves
-    storages: dict[int, tuple] = {}  # data_ptr -> (storage, offset in the arena)
+    # storage key (data_ptr, taken before any move) -> [storage, offset in the arena, its tensors]
+    storages: dict[int, list] = {}
     size = 0
-    for t, key in tensors:
-        if key not in storages:
-            s = t.untyped_storage()
-            storages[key] = (s, size)
+    for t in unique.values():
+        s = t.untyped_storage()
+        entry = storages.get(s.data_ptr())
+        if entry is None:
+            entry = storages[s.data_ptr()] = [s, size, []]
             size += (s.nbytes() + _ALIGN - 1) // _ALIGN * _ALIGN
+        entry[2].append(t)
+    unique = t = s = None  # no reference of ours may keep an old storage alive
     if not storages:
         return Report(0, 0, None)
     if not sys.platform.startswith("linux"):
@@ -101,22 +142,30 @@ def move_to_huge_pages(tensors: Iterable) -> Report:
     if mode == "never":
         return Report(0, 0, "transparent huge pages are off (/sys/kernel/mm/transparent_hugepage/enabled: never): "
                             "the tensors were left where they are")
-    raw = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages fault in on the copies
-    skip = (-raw.data_ptr()) % HUGE_PAGE
-    arena = raw[skip:skip + size]
+    arena, problem = empty_arena(size)
     span = (size + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    problem = _madvise_huge(arena.data_ptr(), min(span, raw.numel() - skip))
+    skip = arena.storage_offset()
+    arena_storage = arena.untyped_storage()
+    since_trim = 0
     # inference mode: a model loaded under it holds inference tensors, which only it may update in
     # place; for other tensors it is no_grad
     with torch.inference_mode():
-        for s, offset in storages.values():
-            arena[offset:offset + s.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(s))
-        arena_storage = arena.untyped_storage()
-        for t, key in tensors:
-            offset = storages[key][1]
-            base = skip + offset  # byte offset of the copy in raw's storage
-            t.set_(arena_storage, (base + t.storage_offset() * t.element_size()) // t.element_size(),
-                   t.shape, t.stride())
+        for entry in storages.values():
+            old, offset, owners = entry
+            nbytes = old.nbytes()
+            arena[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+            base = skip + offset  # byte offset of the copy in the arena's storage
+            for t in owners:
+                t.set_(arena_storage, (base + t.storage_offset() * t.element_size()) // t.element_size(),
+                       t.shape, t.stride())
+            # the old storage goes as soon as nothing else holds it: one storage at a time, so the
+            # move holds the arena's filled part plus one storage, not two copies of everything
+            entry[0] = entry[2] = old = owners = None
+            since_trim += nbytes
+            if since_trim >= _TRIM_EVERY:
+                release_free_memory()
+                since_trim = 0
+    release_free_memory()
     huge = min(size, huge_bytes(arena.data_ptr(), arena.data_ptr() + span))  # the last page's tail is not the tensors'
     if problem is None and huge < size - HUGE_PAGE:
         problem = (f"the kernel backed {huge / 2**20:.0f} of {size / 2**20:.0f} MB with huge pages (THP mode "

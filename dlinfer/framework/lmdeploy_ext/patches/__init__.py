@@ -23,6 +23,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     mp_executor,
     openmp_pool,
     vl_preprocess,
+    weight_reads,
 )
 
 PATCHES = (
@@ -34,6 +35,7 @@ PATCHES = (
     env_check,         # LMDeploy's torch check runs on the engine's device
     cuda_calls,        # streams/events/"cuda" strings in the engine modules
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
+    weight_reads,      # safetensors shards read tensor by tensor, not mapped (CPU): no file pages on top of the weights
     lm_head,           # DLINFER_LM_HEAD: the LM head quantised to int8 after loading (quantised checkpoints)
     huge_pages,        # DLINFER_HUGE_PAGES: the built model's weights moved onto 2 MB pages (CPU)
     openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up

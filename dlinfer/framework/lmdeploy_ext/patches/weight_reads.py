@@ -1,0 +1,63 @@
+"""Checkpoint tensors read into fresh tensors, not views of a mapped file, for CPU device types
+(written against LMDeploy 0.18.0).
+
+Why: LMDeploy reads safetensors through `safe_open` (weight_loader/model_weight_loader.py,
+`_get_safetensors_weights_iterator`), which maps the whole shard; the mapped pages a load touches
+count in the process's resident memory until the shard is closed. On the GPU that mapping is
+transient host memory beside device memory; on the CPU it sits on top of the model's own copy:
+loading a Llama-3.2-1B-shaped checkpoint in bf16 peaked at the weights twice (2.30 GiB of
+weights, 2.47 GiB of the file mapped), a 5 GB shard of an 8B model adds 5 GB to its peak
+(docs/lmdeploy.md, "Memory while loading").
+
+How: while `BaseModelAgent._build_model` (the part of `build_model` that builds the model and
+loads its weights) runs for an agent of a dlinfer CPU device type (a context
+variable, set and reset around the call), `ModelWeightLoader._get_weights_iterator` yields the
+tensors of a safetensors shard from `dlinfer.utils.safetensors_reader.read_tensors` (each read
+with `readinto` into its own tensor, which LMDeploy's weight loaders copy into the model and
+drop): the same names, dtypes, shapes and values, in file order. Other device types, other
+checkpoint formats (.bin) and every other caller keep LMDeploy's reader.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+
+from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.patching import wrap
+from dlinfer.utils.safetensors_reader import read_tensors
+
+_plain_reads = contextvars.ContextVar("dlinfer_plain_weight_reads", default=False)
+
+
+def _patch_build_model(original):
+
+    @functools.wraps(original)
+    def _build_model(self, *args, **kwargs):
+        spec = devices.spec_for(getattr(getattr(self, "device_ctx", None), "device_type", None))
+        token = _plain_reads.set(spec is not None and spec.torch_device == "cpu")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _plain_reads.reset(token)
+
+    return _build_model
+
+
+def _patch_weights_iterator(original):
+
+    @functools.wraps(original)
+    def _get_weights_iterator(self, path):
+        if _plain_reads.get() and getattr(self, "_weight_type", None) == "safetensors":
+            return read_tensors(path, getattr(self, "_prefix", None))
+        return original(self, path)
+
+    return _get_weights_iterator
+
+
+def apply() -> None:
+    from lmdeploy.pytorch.engine.model_agent.agent import BaseModelAgent
+    from lmdeploy.pytorch.weight_loader.model_weight_loader import ModelWeightLoader
+
+    wrap(BaseModelAgent, "_build_model", _patch_build_model)
+    wrap(ModelWeightLoader, "_get_weights_iterator", _patch_weights_iterator)
