@@ -98,3 +98,29 @@ def test_huge_bytes_reads_the_mappings_inside_the_range(tmp_path):
     assert huge_pages.huge_bytes(start, start + (8 << 20), str(smaps)) == 6144 * 1024
     assert huge_pages.huge_bytes(start, start + (10 << 20), str(smaps)) == 8192 * 1024
     assert huge_pages.huge_bytes(0, 0x1000, str(smaps)) == 0
+
+
+def test_the_move_holds_the_weights_once_plus_one_storage():
+    """Peak resident memory of a fresh process moving 16 x 64 MB: the weights once, plus about one
+    storage (the move copies and frees one storage at a time), not the weights twice."""
+    import subprocess
+    import textwrap
+
+    if not sys.platform.startswith("linux") or huge_pages._thp_mode() == "never":
+        pytest.skip("no move where THP is off or off Linux")
+    code = textwrap.dedent("""
+        import resource, torch
+        from dlinfer.utils import huge_pages
+        tensors = [torch.full((64 << 20,), i, dtype=torch.uint8) for i in range(16)]
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        report = huge_pages.move_to_huge_pages(tensors)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        assert all(int(t[0]) == i and int(t[-1]) == i for i, t in enumerate(tensors))
+        print(before, after, report.bytes)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before, after, moved = (int(v) for v in done.stdout.split())
+    assert moved == 16 * (64 << 20)
+    grown = (after - before) * 1024  # ru_maxrss: KiB
+    assert grown <= 3 * (64 << 20), f"peak grew by {grown / 2**20:.0f} MiB while moving 1024 MiB"
