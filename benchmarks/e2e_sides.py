@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 LMDEPLOY_MODES = ("eager", "graph", "inductor")
-LMDEPLOY_VARIANTS = {"": "float32", "bf16": "bfloat16", "w8a8": "W8A8 (SmoothQuant)", "w4a16": "W4A16 (AWQ)"}
+LMDEPLOY_VARIANTS = {"": "float32", "bf16": "bfloat16", "w8a8": "W8A8 (SmoothQuant)", "w4a16": "W4A16"}
 LLAMA_CPP_KINDS = ("f32", "bf16", "q8_0", "q4_1")
 # side-name suffix -> (environment variable set in that side's process, value, label)
 ENV_SUFFIXES = {
@@ -53,17 +53,20 @@ def all_sides() -> dict[str, str]:
 SIDES = all_sides()
 
 
-def quantized_folder(folder: Path, method: str, log=print) -> Path:
-    """The `python -m dlinfer quantize` checkpoint of `folder` (method awq or smooth_quant), made
-    once and cached beside it. AWQ uses group 64 (SmolLM2's K = 576 is no multiple of 128), the
-    folder scripts/main_job.py --w4a16 makes and uses too (named by `writer.cache_name`, which
-    carries the method's recipe tag: a folder written before the method changed is not reused)."""
+def quantized_folder(folder: Path, method: str, log=print, group_size: int = 64, w4_method: str = "awq") -> Path:
+    """The `python -m dlinfer quantize` checkpoint of `folder` (method smooth_quant, or the W4A16
+    one: `w4_method` awq or rtn at `group_size`), made once and cached beside it. SmolLM2's default
+    is AWQ at group 64 (its K = 576 is no multiple of 128), the folder scripts/main_job.py --w4a16
+    makes and uses too (named by `writer.cache_name`, which carries the method's recipe tag: a
+    folder written before the method changed is not reused)."""
     from dlinfer.quantize.writer import cache_name
 
-    out = folder.parent / cache_name(folder.name, method, 64)
+    if method != "smooth_quant":
+        method = w4_method
+    out = folder.parent / cache_name(folder.name, method, group_size)
     if not (out / "config.json").is_file():
         log(f"[e2e] quantizing {folder.name} with {method} (once)")
-        extra = ["--group-size", "64"] if method == "awq" else []
+        extra = ["--group-size", str(group_size)] if method != "smooth_quant" else []
         subprocess.run([sys.executable, "-m", "dlinfer", "quantize", str(folder), str(out), "--method", method, *extra],
                        check=True, stdout=sys.stderr)
     return out
@@ -91,7 +94,7 @@ def hf_side(folder: Path, prompts: list[str]) -> Callable[[int, int], list]:
     return run
 
 
-def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str):
+def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str, quant: dict | None = None):
     """(run, pipe) through LMDeploy's pipeline on device_type="cpu"."""
     import dlinfer.framework.lmdeploy_ext  # noqa: F401  (the device type "cpu")
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
@@ -101,7 +104,7 @@ def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str):
     dtype = "bfloat16" if variant == "bf16" else "auto"
     if variant in ("w8a8", "w4a16"):
         folder = quantized_folder(folder, "smooth_quant" if variant == "w8a8" else "awq",
-                                  log=lambda msg: print(msg, file=sys.stderr))
+                                  log=lambda msg: print(msg, file=sys.stderr), **(quant or {}))
     config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, num_gpu_blocks=64, eager_mode=mode == "eager",
                                  dtype=dtype)
     pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
@@ -153,8 +156,9 @@ def llamacpp_side(folder: Path, prompts: list[str], kind: str):
     return run, Closer()
 
 
-def make_side(side: str, folder: Path, prompts: list[str]):
-    """(run(b, n) -> token ids, closable or None) for the side named `side`."""
+def make_side(side: str, folder: Path, prompts: list[str], quant: dict | None = None):
+    """(run(b, n) -> token ids, closable or None) for the side named `side`; quant: quantized_folder's
+    group_size and w4_method for the W4A16 sides."""
     if side == "hf":
         return hf_side(folder, prompts), None
     for suffix, (variable, value, _) in ENV_SUFFIXES.items():
@@ -163,7 +167,7 @@ def make_side(side: str, folder: Path, prompts: list[str]):
             side = side[:-len(suffix)]
     engine, _, variant = side.partition("-")
     if engine in LMDEPLOY_MODES:
-        return lmdeploy_side(folder, prompts, engine, variant)
+        return lmdeploy_side(folder, prompts, engine, variant, quant)
     if engine == "llama.cpp":
         return llamacpp_side(folder, prompts, variant)
     raise ValueError(f"unknown side {side!r}; known: {', '.join(SIDES)}")

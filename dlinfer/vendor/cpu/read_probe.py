@@ -124,6 +124,15 @@ class ReadProbe:
             self.explore()
         return self.rate(self.exploration.best)
 
+    def keep_best(self) -> None:
+        """Free the buffer the best configuration does not read (explored first if need be)."""
+        if self.exploration is None:
+            self.explore()
+        if self.exploration.best.huge_pages:
+            self._small = None
+        else:
+            self._huge = None
+
     def release(self) -> None:
         """Free both buffers (the probe cannot measure afterwards)."""
         self._huge = self._small = None

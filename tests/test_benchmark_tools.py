@@ -1,0 +1,72 @@
+"""The benchmark tools that real-shape measurements rest on: the random checkpoints hold exactly
+the tensors HF's LlamaForCausalLM has at those shapes, and llama-bench's step bytes skip only the
+embedding table that the head does not read."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import make_checkpoint  # noqa: E402
+
+
+@pytest.mark.parametrize("shape", sorted(make_checkpoint.SHAPES))
+def test_random_checkpoints_have_hf_llamas_tensors(shape):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = make_checkpoint.SHAPES[shape]
+    config = LlamaConfig.from_dict(make_checkpoint.config(s, "bfloat16"))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if s.tied:
+        expected.pop("lm_head.weight")  # tied: HF saves the table once
+    assert dict(make_checkpoint.tensor_shapes(s)) == expected
+    params = sum(torch.Size(shape).numel() for _, shape in make_checkpoint.tensor_shapes(s))
+    assert params / 1e9 == pytest.approx({"llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "llama-3-8b": 8.03}[shape],
+                                         abs=0.01)
+
+
+def test_a_small_checkpoint_loads_in_hf_and_decodes_every_id(tmp_path):
+    """Built end to end (weights, config, tokenizer) at a toy shape: HF loads it, and the tokenizer
+    decodes every id of the vocabulary (a random model may pick any)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    toy = make_checkpoint.Shape(64, 2, 4, 2, 16, 128, 49152 + 40, True, None, 512)
+    make_checkpoint.SHAPES["toy"] = toy
+    try:
+        folder = make_checkpoint.build("toy", "bfloat16", out=tmp_path / "toy", shard_gb=0.003, log=lambda m: None)
+    finally:
+        del make_checkpoint.SHAPES["toy"]
+    assert len(list(folder.glob("model-*.safetensors"))) >= 2  # sharded, with an index
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
+    assert model.config.vocab_size == toy.vocab and model.dtype == torch.bfloat16
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert len(tok) == toy.vocab
+    assert tok.decode([toy.vocab - 1]) == f"<|reserved_{39}|>"
+
+
+def test_gguf_step_bytes_skips_an_unread_embedding(tmp_path):
+    import gguf
+    import numpy as np
+
+    from llama_bench import gguf_step_bytes
+
+    def write(path, names):
+        w = gguf.GGUFWriter(str(path), "llama")
+        for name in names:
+            w.add_tensor(name, np.zeros((8, 16), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    write(tmp_path / "tied.gguf", ["token_embd.weight", "blk.0.attn_q.weight"])
+    write(tmp_path / "untied.gguf", ["token_embd.weight", "blk.0.attn_q.weight", "output.weight"])
+    assert gguf_step_bytes(tmp_path / "tied.gguf") == 2 * 8 * 16 * 4
+    assert gguf_step_bytes(tmp_path / "untied.gguf") == 2 * 8 * 16 * 4
