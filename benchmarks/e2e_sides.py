@@ -101,7 +101,9 @@ def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str, qua
 
     if mode == "inductor":
         os.environ["DLINFER_GRAPH_COMPILER"] = "inductor"  # read when the graph runner is built
-    dtype = "bfloat16" if variant == "bf16" else "auto"
+    # the float sides ask for their dtype (dtype="auto" keeps a bf16 checkpoint in bf16 on CPU); the
+    # quantised ones run in the checkpoint's own dtype, as a user's would
+    dtype = {"bf16": "bfloat16", "": "float32"}.get(variant, "auto")
     if variant in ("w8a8", "w4a16"):
         folder = quantized_folder(folder, "smooth_quant" if variant == "w8a8" else "awq",
                                   log=lambda msg: print(msg, file=sys.stderr), **(quant or {}))

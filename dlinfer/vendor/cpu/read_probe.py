@@ -78,7 +78,7 @@ class ReadProbe:
         start = self._huge.data_ptr()
         if problem is None:
             backed = huge_pages.huge_bytes(start, start + self.nbytes)
-            if backed < self.nbytes - huge_pages.HUGE_PAGE:
+            if backed < self.nbytes - huge_pages.allowed_shortfall(self.nbytes):
                 problem = (f"the kernel backed {backed >> 20} of {self.nbytes >> 20} MB with huge pages "
                            f"(THP mode {huge_pages._thp_mode() or 'unknown'})")
         self.huge_pages_problem = problem
