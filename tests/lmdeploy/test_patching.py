@@ -178,3 +178,19 @@ def test_warmup_frees_the_openmp_pool_for_dlinfer_cpu_only(monkeypatch):
     assert freed == []
     assert warmup(SimpleNamespace(device_ctx=SimpleNamespace(device_type="cpu"))) == "warm"
     assert freed == [1]
+
+
+def test_no_two_patches_replace_the_same_attribute():
+    """`wrap` installs one replacement per attribute: a second patch module asking for the same
+    one would be silently skipped (its behaviour lost, yet reported as applied)."""
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+    from dlinfer.framework.lmdeploy_ext import patching
+    from dlinfer.framework.lmdeploy_ext.patches import PATCHES
+
+    owners = {}
+    for patch in PATCHES:
+        for owner, name in patching._targets.get(patch.__name__, []):
+            key = (id(owner), name)
+            assert key not in owners, (f"{patch.__name__} and {owners[key]} both replace "
+                                       f"{getattr(owner, '__name__', owner)}.{name}")
+            owners[key] = patch.__name__

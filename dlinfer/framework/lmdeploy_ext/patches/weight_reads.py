@@ -9,13 +9,15 @@ loading a Llama-3.2-1B-shaped checkpoint in bf16 peaked at the weights twice (2.
 weights, 2.47 GiB of the file mapped), a 5 GB shard of an 8B model adds 5 GB to its peak
 (docs/lmdeploy.md, "Memory while loading").
 
-How: while `BaseModelAgent._build_model` (the part of `build_model` that builds the model and
-loads its weights) runs for an agent of a dlinfer CPU device type (a context
-variable, set and reset around the call), `ModelWeightLoader._get_weights_iterator` yields the
-tensors of a safetensors shard from `dlinfer.utils.safetensors_reader.read_tensors` (each read
-with `readinto` into its own tensor, which LMDeploy's weight loaders copy into the model and
-drop): the same names, dtypes, shapes and values, in file order. Other device types, other
-checkpoint formats (.bin) and every other caller keep LMDeploy's reader.
+How: `BaseModelAgent._build_model` loads a built model with the agent module's
+`load_model_weights(model, path, device=self.device)` (engine/model_agent/agent.py). When that
+device is the CPU, which only a dlinfer CPU device type gives an agent (`patches/model_agent.py`
+sets it from the device's spec), the wrapper sets a context variable for the duration of the call,
+and `ModelWeightLoader._get_weights_iterator` then yields the tensors of a safetensors shard from
+`dlinfer.utils.safetensors_reader.read_tensors` (each read with `readinto` into its own tensor,
+which LMDeploy's weight loaders copy into the model and drop): the same names, dtypes, shapes and
+values, in file order. Other devices, other checkpoint formats (.bin) and every other caller keep
+LMDeploy's reader. (`_build_model` itself is the lm_head patch's: one attribute, one patch.)
 """
 
 from __future__ import annotations
@@ -23,25 +25,26 @@ from __future__ import annotations
 import contextvars
 import functools
 
-from dlinfer.framework.lmdeploy_ext import devices
+import torch
+
 from dlinfer.framework.lmdeploy_ext.patching import wrap
 from dlinfer.utils.safetensors_reader import read_tensors
 
 _plain_reads = contextvars.ContextVar("dlinfer_plain_weight_reads", default=False)
 
 
-def _patch_build_model(original):
+def _patch_load_model_weights(original):
 
     @functools.wraps(original)
-    def _build_model(self, *args, **kwargs):
-        spec = devices.spec_for(getattr(getattr(self, "device_ctx", None), "device_type", None))
-        token = _plain_reads.set(spec is not None and spec.torch_device == "cpu")
+    def load_model_weights(*args, **kwargs):
+        device = kwargs.get("device", args[3] if len(args) > 3 else None)
+        token = _plain_reads.set(device is not None and torch.device(device).type == "cpu")
         try:
-            return original(self, *args, **kwargs)
+            return original(*args, **kwargs)
         finally:
             _plain_reads.reset(token)
 
-    return _build_model
+    return load_model_weights
 
 
 def _patch_weights_iterator(original):
@@ -56,8 +59,8 @@ def _patch_weights_iterator(original):
 
 
 def apply() -> None:
-    from lmdeploy.pytorch.engine.model_agent.agent import BaseModelAgent
+    from lmdeploy.pytorch.engine.model_agent import agent
     from lmdeploy.pytorch.weight_loader.model_weight_loader import ModelWeightLoader
 
-    wrap(BaseModelAgent, "_build_model", _patch_build_model)
+    wrap(agent, "load_model_weights", _patch_load_model_weights)
     wrap(ModelWeightLoader, "_get_weights_iterator", _patch_weights_iterator)
