@@ -157,21 +157,21 @@ def prompt_of_length(folder: Path, n: int) -> list[int]:
 
 
 def _step_bytes(pipe) -> int:
-    """Bytes of weights a decode step of the engine's model reads: every parameter and buffer
-    storage once, less the input embedding table unless the LM head reads that table (a tied float
-    head); a lookup reads only its rows."""
+    """Bytes of weights a decode step of the engine's model reads: every parameter and buffer once
+    (by its own data, not its storage: on CPU the engine moves all of them into one huge-page
+    arena), less the input embedding table unless the LM head reads that table (a tied float head);
+    a lookup reads only its rows."""
     runner = pipe.async_engine.engine.executor.model_agent.patched_model
     model = runner.get_model() if hasattr(runner, "get_model") else runner
-    storages = {}
+    spans = {}
     for t in [*model.parameters(), *model.buffers()]:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        spans[t.data_ptr()] = max(spans.get(t.data_ptr(), 0), t.numel() * t.element_size())
     embed = next((m.weight for name, m in model.named_modules() if name.endswith("embed_tokens")), None)
     head = next((m for name, m in model.named_modules() if name.endswith("lm_head")), None)
     head_weight = getattr(head, "weight", None)
-    if embed is not None and not (head_weight is not None and head_weight.untyped_storage().data_ptr() ==
-                                  embed.untyped_storage().data_ptr()):
-        storages.pop(embed.untyped_storage().data_ptr(), None)
-    return sum(storages.values())
+    if embed is not None and not (head_weight is not None and head_weight.data_ptr() == embed.data_ptr()):
+        spans.pop(embed.data_ptr(), None)
+    return sum(spans.values())
 
 
 def worker_main(side: str, args) -> int:
