@@ -112,10 +112,21 @@ def _vendor_lines() -> list:
             lines.append(f"active vendor: {selection.current().name} (kv layout {selection.kv_layout()})")
     except Exception as exc:  # report, don't crash: this is the bug-report command
         lines.append(f"active vendor: {_error(exc)}")
-    for var in ("DLINFER_VENDOR", "DLINFER_KV_LAYOUT", "DLINFER_FALLBACK_OPS", "DLINFER_CHECK_VALUES",
-                "TRITON_INTERPRET"):
-        if os.environ.get(var):
-            lines.append(f"  {var}={os.environ[var]}")
+    if os.environ.get("TRITON_INTERPRET"):
+        lines.append(f"  TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}")
+    return lines
+
+
+def _settings_lines() -> list:
+    """Every DLINFER_* setting (dlinfer/envs.py) with its effective value: the one set in this
+    environment, or its default (in brackets); set variables dlinfer does not know are named."""
+    from dlinfer import envs
+
+    lines = ["settings (docs/settings.md; [default] where unset):"]
+    for name, value, is_set in envs.effective():
+        lines.append(f"  {name:<26} {value if is_set else '[' + value + ']'}")
+    for name in envs.unknown():
+        lines.append(f"  {name:<26} {os.environ[name]!r}: NOT a dlinfer setting (a typo? nothing reads it)")
     return lines
 
 
@@ -199,6 +210,7 @@ def env_report(probe: bool = True) -> str:
     if probe:
         lines += _section(_read_bandwidth_lines)
     lines += ["", *_section(_vendor_lines)]
+    lines += ["", *_section(_settings_lines)]
     lines += ["", *_section(_lmdeploy_lines)]
     return "\n".join(lines)
 

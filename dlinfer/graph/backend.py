@@ -28,12 +28,12 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
+from dlinfer import envs
 import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
 from dlinfer.graph import match, passes
 from dlinfer.vendor import selection
@@ -149,7 +149,7 @@ def dlinfer_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] =
     unknown = set(options) - _OPTION_KEYS
     if unknown:
         raise ValueError(f"dlinfer graph: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTION_KEYS)}")
-    names = passes.select(options.get("passes", os.environ.get("DLINFER_GRAPH_PASSES")))
+    names = passes.select(options.get("passes", envs.get("DLINFER_GRAPH_PASSES")))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("dlinfer graph before passes %s:\n%s", names, gm.code)
     counts = passes.run(gm, names)
@@ -161,7 +161,7 @@ def dlinfer_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] =
     patches = dict(options.get("inductor") or {})
     if mode and mode != "default":
         patches = {**torch._inductor.list_mode_options(mode), **patches}
-    compiler = _choose_compiler(options.get("compiler", os.environ.get("DLINFER_GRAPH_COMPILER")),
+    compiler = _choose_compiler(options.get("compiler", envs.get("DLINFER_GRAPH_COMPILER")),
                                 _device_type(example_inputs), patches)
     if not match.dlinfer_nodes(gm.graph) or not torch.is_grad_enabled():
         return compiler(gm, example_inputs)

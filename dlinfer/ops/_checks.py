@@ -3,11 +3,11 @@ value checks, which run when DLINFER_CHECK_VALUES=1."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 
+from dlinfer import envs
 from dlinfer.errors import InvalidArgumentError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -31,7 +31,7 @@ def check_values_enabled() -> bool:
     if torch.compiler.is_compiling():
         return False
     if _check_values is None:
-        _check_values = os.environ.get("DLINFER_CHECK_VALUES", "0") not in ("", "0", "false", "False")
+        _check_values = (envs.get("DLINFER_CHECK_VALUES") or "0") not in ("0", "false", "False")
     return _check_values
 
 

@@ -25,6 +25,7 @@ import os
 import re
 from typing import List, Optional
 
+from dlinfer import envs
 from dlinfer.tools._hook import Tool
 
 _started: List[Tool] = []
@@ -32,7 +33,7 @@ _OFF = ("", "0", "false", "False", "off", "no")
 
 
 def _flag(name: str) -> Optional[str]:
-    value = os.environ.get(name, "").strip()
+    value = envs.get(name) or ""
     return None if value in _OFF else value
 
 
@@ -46,7 +47,7 @@ def parse_size(text: str, name: str = "size") -> int:
 
 
 def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
+    raw = envs.get(name)
     if not raw:
         return default
     try:
@@ -66,12 +67,12 @@ def tools_from_env() -> List[Tool]:
     from dlinfer.tools.timing import Timing
 
     tools: List[Tool] = []
-    directory = os.environ.get("DLINFER_OP_CAPTURE", "").strip()
+    directory = envs.get("DLINFER_OP_CAPTURE")
     if directory:
-        raw_bytes = os.environ.get("DLINFER_OP_CAPTURE_BYTES", "").strip()
+        raw_bytes = envs.get("DLINFER_OP_CAPTURE_BYTES")
         max_bytes = parse_size(raw_bytes, "DLINFER_OP_CAPTURE_BYTES") if raw_bytes else DEFAULT_BYTES
-        kv = os.environ.get("DLINFER_OP_CAPTURE_KV", "").strip() or "blocks"
-        ops = os.environ.get("DLINFER_OP_CAPTURE_OPS", "").strip() or None
+        kv = envs.get("DLINFER_OP_CAPTURE_KV") or "blocks"
+        ops = envs.get("DLINFER_OP_CAPTURE_OPS")
         try:
             cap = Capture(directory.replace("{pid}", str(os.getpid())), limit=_int("DLINFER_OP_CAPTURE_LIMIT",
                           DEFAULT_LIMIT), max_bytes=max_bytes, ops=ops, kv=kv,
@@ -82,10 +83,10 @@ def tools_from_env() -> List[Tool]:
                          "op": "DLINFER_OP_CAPTURE_OPS"}
         tools.append(cap)
     if _flag("DLINFER_OP_COMPARE"):
-        ops = [o for o in os.environ.get("DLINFER_OP_COMPARE_OPS", "").split(",") if o.strip()] or None
+        ops = [o for o in (envs.get("DLINFER_OP_COMPARE_OPS") or "").split(",") if o.strip()] or None
         try:
             tools.append(Compare(ops=None if ops is None else [o.strip() for o in ops],
-                                 dump_dir=os.environ.get("DLINFER_OP_COMPARE_DUMP", "").strip() or None))
+                                 dump_dir=envs.get("DLINFER_OP_COMPARE_DUMP")))
         except ValueError as exc:
             raise ValueError(f"DLINFER_OP_COMPARE_OPS: {exc}") from None
     if _flag("DLINFER_OP_TIMING"):

@@ -15,13 +15,13 @@ tools' environment variables there).
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from dlinfer import envs
 from dlinfer.errors import VendorError
 from dlinfer.vendor import registry
 from dlinfer.vendor.base import KV_LAYOUTS, Vendor
@@ -74,10 +74,10 @@ def _read_env() -> None:
     if _env_read:
         return
     _env_read = True
-    name = os.environ.get("DLINFER_VENDOR", "").strip()
+    name = envs.get("DLINFER_VENDOR")
     if name and _explicit is None:
         vendor = registry.load(name)  # a named vendor that cannot load is an error
-        _explicit = (vendor, _check_layout(vendor, os.environ.get("DLINFER_KV_LAYOUT") or None))
+        _explicit = (vendor, _check_layout(vendor, envs.get("DLINFER_KV_LAYOUT")))
 
 
 def _invalidate() -> None:
@@ -161,7 +161,7 @@ def kv_layout(device_type: Optional[str] = None) -> str:
 
 
 def _forced_fallback() -> set:
-    raw = os.environ.get("DLINFER_FALLBACK_OPS", "")
+    raw = envs.get("DLINFER_FALLBACK_OPS") or ""
     return {p.strip() for p in raw.split(",") if p.strip()}
 
 

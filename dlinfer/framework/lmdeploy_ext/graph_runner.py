@@ -56,11 +56,11 @@ import bisect
 import contextlib
 import dataclasses
 import logging
-import os
 from typing import Any, Dict, Optional
 
 import torch
 
+from dlinfer import envs
 from dlinfer.framework.lmdeploy_ext.graph_replay import CompiledGraph, GraphReplay
 from dlinfer.vendor import selection
 from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
@@ -96,13 +96,14 @@ class DlinferGraphRunner(GraphRunner):
         self._new_graph: Optional[CompiledGraph] = None  # compiled during the current call
         self._failed: Optional[BaseException] = None
         self._constants: Dict[int, Dict[str, torch.Tensor]] = {}
-        guards = os.environ.get(GUARDS_ENV, "warm").strip().lower() or "warm"
+        raw_guards = envs.get(GUARDS_ENV) or "warm"
+        guards = raw_guards.lower()
         if guards not in ("warm", "full"):
-            raise ValueError(f"{GUARDS_ENV}={os.environ[GUARDS_ENV]!r}: expected 'warm' (the default) or 'full'")
+            raise ValueError(f"{GUARDS_ENV}={raw_guards!r}: expected 'warm' (the default) or 'full'")
         self._all_guards = guards == "full"
-        replay = os.environ.get(REPLAY_ENV, "1").strip()
+        replay = envs.get(REPLAY_ENV) or "1"
         if replay not in ("0", "1"):
-            raise ValueError(f"{REPLAY_ENV}={os.environ[REPLAY_ENV]!r}: expected '1' (the default) or '0'")
+            raise ValueError(f"{REPLAY_ENV}={replay!r}: expected '1' (the default) or '0'")
         self._replay = replay == "1"
         user_sources = torch.compiler.config.dynamic_sources
         self._dynamic_sources = f"{user_sources},{DYNAMIC_SOURCES}" if user_sources else DYNAMIC_SOURCES
@@ -267,7 +268,7 @@ def _default_compiler(device) -> str:
     """DLINFER_GRAPH_COMPILER if set; else the vendor's own compiler if it declares one; else
     "direct" (vendor kernels called straight from the captured graph, see docs/graph.md: on the
     CPU it beats Inductor here, whose opaque custom-op calls cost more than the glue it fuses)."""
-    env = os.environ.get("DLINFER_GRAPH_COMPILER", "").strip()
+    env = envs.get("DLINFER_GRAPH_COMPILER")
     if env:
         return env
     vendor = selection.current(torch.device(device).type)

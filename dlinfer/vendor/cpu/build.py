@@ -30,6 +30,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from dlinfer import envs
 from dlinfer.errors import VendorError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -161,7 +162,7 @@ def _build():
                 extra_cflags=flags(),
                 extra_include_paths=[str(CSRC)],
                 is_python_module=True,
-                verbose=os.environ.get("DLINFER_BUILD_VERBOSE", "0") not in ("", "0"),
+                verbose=(envs.get("DLINFER_BUILD_VERBOSE") or "0") != "0",
             )
     finally:
         timer.cancel()

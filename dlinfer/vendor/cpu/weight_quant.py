@@ -21,12 +21,12 @@ column_tiled, k_interleaved) when it runs.
 Importing this module builds the kernels if need be (`build.module()`).
 """
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from dlinfer import envs
 from dlinfer.vendor import w4_layouts
 from dlinfer.vendor.cpu import build
 
@@ -121,7 +121,7 @@ def layout_for(k: int, group_size: int) -> str:
     AMX-INT8 and g fits its tiles (`amx_fits`): there the integer kernel is faster at one row (VNNI)
     and level or faster from two rows on (AMX); with VNNI alone it is slower from two rows on
     (docs/benchmarks.md, "W4A16 as integer dot products")."""
-    choice = os.environ.get(LAYOUT_ENV, "") or "auto"
+    choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
     fits = VNNI and k % w4_layouts.KI_BLOCK_K == 0 and integer_kernel_takes(group_size)

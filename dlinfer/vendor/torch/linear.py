@@ -13,7 +13,6 @@ sizes with its own kernel, and uses this function beyond 8 rows.)
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import Optional
 
@@ -26,7 +25,7 @@ from torch import Tensor
 def _onednn_enabled() -> bool:
     """DLINFER_CPU_LINEAR, read at the first float32 CPU call (not at import: a bad value must not
     keep the vendor from loading). An unknown value warns and keeps the default."""
-    choice = os.environ.get("DLINFER_CPU_LINEAR", "onednn").strip().lower()
+    choice = (envs.get("DLINFER_CPU_LINEAR") or "onednn").lower()
     if choice not in ("onednn", "aten"):
         warnings.warn(f"dlinfer: DLINFER_CPU_LINEAR must be 'onednn' or 'aten', got {choice!r}; using 'onednn'",
                       stacklevel=2)

@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from dlinfer import envs
 import dlinfer.ops
 from dlinfer.quantize import head_stats
 
@@ -49,7 +50,7 @@ log = logging.getLogger("dlinfer.lmdeploy.lm_head")
 
 def read_option(environ=os.environ) -> str:
     """The value of DLINFER_LM_HEAD ("auto" when unset); a ValueError naming it and the choices."""
-    value = environ.get(ENV, "auto")
+    value = envs.get(ENV, environ) or "auto"
     if value.strip().lower() not in CHOICES:
         raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(CHOICES)} (unset means auto)")
     return value.strip().lower()

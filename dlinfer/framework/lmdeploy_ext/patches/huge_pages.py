@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 
+from dlinfer import envs
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.patching import wrap
 from dlinfer.utils.huge_pages import move_to_huge_pages
@@ -31,9 +32,9 @@ log = logging.getLogger("dlinfer.lmdeploy.huge_pages")
 
 def enabled(environ=os.environ) -> bool:
     """DLINFER_HUGE_PAGES: unset or "1" -> True, "0" -> False; anything else is a ValueError."""
-    value = environ.get(ENV, "1").strip()
+    value = envs.get(ENV, environ) or "1"
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={environ[ENV]!r}: expected 1 (the default: weights on huge pages) or 0 (leave them)")
+        raise ValueError(f"{ENV}={value!r}: expected 1 (the default: weights on huge pages) or 0 (leave them)")
     return value == "1"
 
 

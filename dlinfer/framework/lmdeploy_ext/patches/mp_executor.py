@@ -61,6 +61,7 @@ import types
 from contextlib import asynccontextmanager
 from multiprocessing.connection import wait
 
+from dlinfer import envs
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.patching import wrap
 
@@ -90,9 +91,8 @@ def host_cores() -> int:
 def threads_per_rank(world_size: int, cores: int | None = None, env: dict | None = None) -> int:
     """Compute threads of each of `world_size` ranks sharing this machine's cores: the integer in
     $DLINFER_THREADS_PER_RANK if set (>= 1), else cores // world_size, at least 1."""
-    env = os.environ if env is None else env
-    value = env.get(THREADS_ENV)
-    if value is not None and value.strip():
+    value = envs.get(THREADS_ENV, env)
+    if value is not None:
         try:
             threads = int(value)
         except ValueError:
