@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dlinfer import envs
+
 
 @functools.lru_cache(maxsize=None)
 def _onednn_enabled() -> bool:
