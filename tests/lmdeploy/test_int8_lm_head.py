@@ -76,11 +76,11 @@ def _assert_int8(head, embedding, calls, tied):
 # ---- the option itself -------------------------------------------------------------------------
 
 def test_read_option_accepts_the_choices_case_insensitively():
-    assert lm_head.read_option({}) == "auto"
+    assert lm_head.read_option({}) == lm_head.read_option({lm_head.ENV: "  "}) == "auto"  # blank: unset
     assert [lm_head.read_option({lm_head.ENV: v}) for v in ("int8", "FLOAT", " auto ")] == ["int8", "float", "auto"]
 
 
-@pytest.mark.parametrize("value", ["int4", "", "yes"])
+@pytest.mark.parametrize("value", ["int4", "in t8", "yes"])
 def test_read_option_refuses_other_values_naming_the_variable(value):
     with pytest.raises(ValueError, match=r"DLINFER_LM_HEAD=.*expected one of int8, float, auto"):
         lm_head.read_option({lm_head.ENV: value})
