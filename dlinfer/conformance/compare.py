@@ -130,8 +130,3 @@ def assert_equal(actual, expected, op, name="output"):
         op=op, output=name, mismatches=n_bad, elements=a.numel(), shape=tuple(a.shape), max_abs_err=max_abs,
         max_rel_err=_max(rel_err), worst_index=worst, actual=float(a[worst].item()),
         expected=float(e[worst].item()))
-
-
-def assert_caches_untouched(before, after, op):
-    for i, (b, a) in enumerate(zip(before, after)):
-        assert_equal(a, b, op, name=f"cache {i} after a rejected call")

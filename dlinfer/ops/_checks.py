@@ -117,7 +117,3 @@ def _is_symint(value) -> bool:
 def equal(op: str, name: str, got, expected, what: str) -> None:
     if got != expected:
         raise InvalidArgumentError(op, name, f"{what} == {expected}", str(got))
-
-
-def value_error(op: str, name: str, expected: str, got: str) -> InvalidArgumentError:
-    return InvalidArgumentError(op, name, expected, got)

@@ -10,7 +10,7 @@ every cached position up to and including its own.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -172,9 +172,24 @@ def prefill_attention(
     return out
 
 
+class _Paged(NamedTuple):
+    """What both paged attention ops need once their shared arguments are checked."""
+    kernel: Callable  # the vendor's function for the op
+    query: Tensor  # [T, Hq, D], as the kernel reads it
+    caches: Tuple[Tensor, Tensor]  # key and value caches (int8 views of uint8 int8 caches)
+    layout: str  # the active KV layout
+    cu: Tensor  # [B + 1] cumulative new-token offsets
+    kv: Tensor  # [B] history + new tokens per sequence
+    scale: float  # the softmax scale
+    alibi: Optional[Tensor]  # [Hq] float32 slopes or None
+    out: Tensor  # [T, Hq, Dv], written by the kernel
+    check_values: bool  # whether value checks are on
+    quant: "kv_quant.KVQuant"  # the int8 cache's scales and zeros (NO_QUANT without one), unpacked into the kernel call
+
+
 def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
                   num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                  kv_scales, kv_zeros, quant_bits):
+                  kv_scales, kv_zeros, quant_bits) -> _Paged:
     query = _query(op, query)
     t, hq, d = query.shape
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
@@ -219,7 +234,7 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
             raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
                                        f"ids in [{int(ids.min())}, {int(ids.max())}]")
     caches = (kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache))
-    return kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant
+    return _Paged(kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant)
 
 
 def paged_prefill_attention(
@@ -267,9 +282,10 @@ def paged_prefill_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_prefill_attention"
-    kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant = _paged_common(
-        op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
+    p = _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
+                      num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros,
+                      quant_bits)
+    query, out = p.query, p.out
     t, _, d = query.shape
     hkv = num_kv_heads
     for name, new, dim in (("key", key, d), ("value", value, out.shape[2])):
@@ -280,11 +296,11 @@ def paged_prefill_attention(
             C.same_dtype(op, name, new, query, "query")
     max_q = C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
-    if check_values and kv.numel():
-        _check_bounds(op, cu, kv, max_q, max_kv)
+    if p.check_values and p.kv.numel():
+        _check_bounds(op, p.cu, p.kv, max_q, max_kv)
     if query.shape[0] == 0:
         return out
-    kernel(query, *caches, block_table, cu, kv, max_q, max_kv, scale, alibi, out, layout, *quant)
+    p.kernel(query, *p.caches, block_table, p.cu, p.kv, max_q, max_kv, p.scale, p.alibi, out, p.layout, *p.quant)
     return out
 
 
@@ -323,13 +339,13 @@ def paged_decode_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_decode_attention"
-    kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant = _paged_common(
-        op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-        num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits)
+    p = _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
+                      num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros,
+                      quant_bits)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
-    if check_values and kv.numel():
-        _check_bounds(op, cu, kv, None, max_kv)
-    if query.shape[0] == 0:
-        return out
-    kernel(query, *caches, block_table, cu, kv, max_kv, scale, alibi, out, layout, *quant)
-    return out
+    if p.check_values and p.kv.numel():
+        _check_bounds(op, p.cu, p.kv, None, max_kv)
+    if p.query.shape[0] == 0:
+        return p.out
+    p.kernel(p.query, *p.caches, block_table, p.cu, p.kv, max_kv, p.scale, p.alibi, p.out, p.layout, *p.quant)
+    return p.out

@@ -19,7 +19,7 @@ import itertools
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -226,11 +226,6 @@ def _intercept(op: str, device_type: str, fn: Callable, vendor: Vendor) -> Calla
     run.__qualname__ = run.__name__
     run.__wrapped__ = fn  # type: ignore[attr-defined]
     return run
-
-
-def unwrapped(fn: Callable) -> Callable:
-    """The vendor function behind a (possibly) wrapped one."""
-    return getattr(fn, "__wrapped__", fn)
 
 
 def describe(value) -> Any:

@@ -45,10 +45,6 @@ def _meta(t):
     return torch.empty(t.shape, dtype=t.dtype, device=META)
 
 
-def _cache_as(dtype):
-    return lambda a, layout: a["key_cache"].to(dtype)
-
-
 BAD = [
     ("fill_kv_cache", "k_scales_zeros", "one_tensor", lambda a, l: [a["k_scales_zeros"][0]]),
     ("fill_kv_cache", "k_scales_zeros", "a_tensor", lambda a, l: _t([0.02, 0.0])),

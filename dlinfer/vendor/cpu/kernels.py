@@ -7,9 +7,9 @@ per sequence, R rotary dims. The caches reach the kernels as `kv_layouts.canonic
 [NB, BS, Hkv, D] whatever the layout, so no kernel knows about layouts.
 
 The kernels read rows through their strides but need each row's last dim dense: the C++ side
-copies an input or output whose last dim is strided (`dense_rows` in csrc/common.h), and refuses a
-cache whose last dim is strided (which no engine allocates) with a ValueError before any work,
-which sends the call to the torch vendor's function, which takes any strides.
+copies an input or output whose last dim is strided (`dense_rows` in csrc/common.h); a cache whose
+last dim is strided (which no engine allocates) is sent to the torch vendor's function, which takes
+any strides, by an explicit check here (`_rows_dense`) before the kernel is called.
 """
 
 from typing import Optional
@@ -70,18 +70,25 @@ def silu_and_mul(x: Tensor) -> Tensor:
     return _silu_and_mul(x)
 
 
+def _rows_dense(key_cache: Tensor, value_cache: Tensor) -> bool:
+    """Whether both caches' last dim (D) is dense, as the C++ kernels read each row. A cache with a
+    strided last dim (no engine allocates one) goes to the torch vendor's function, which takes any
+    strides; the kernels check it again and raise, so nothing reaches them otherwise."""
+    return key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+
+
 def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, kv_indices: Tensor,
                   kv_layout: str, k_scale: Optional[Tensor] = None, k_zero: Optional[Tensor] = None,
                   v_scale: Optional[Tensor] = None, v_zero: Optional[Tensor] = None) -> None:
     """Write key [T, Hkv, D] / value [T, Hkv, Dv] into the caches (in `kv_layout`, written in place)
     at slots kv_indices [T]; slots outside [0, NB*BS) are skipped. With k_scale etc. ([Hkv]
     float32) the caches are int8 and each element is quantised on the way in (C++)."""
-    try:
-        _fill(key, value, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), kv_indices.contiguous(),
-              k_scale, k_zero, v_scale, v_zero)
-    except ValueError:  # a cache whose last dim is strided (checked before any write; no engine makes one)
+    if not _rows_dense(key_cache, value_cache):
         torch_kv_cache.fill_kv_cache(key, value, key_cache, value_cache, kv_indices, kv_layout, k_scale, k_zero,
                                      v_scale, v_zero)
+        return
+    _fill(key, value, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), kv_indices.contiguous(),
+          k_scale, k_zero, v_scale, v_zero)
 
 
 def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
@@ -93,14 +100,14 @@ def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor
     kv_seq_len [B], alibi_slopes [Hq]? -> out [T, Hq, Dv] (written in place). With k_scale etc.
     ([Hkv] float32) the caches are int8, read in place and dequantised in registers (C++; k_zero
     drops out of the softmax, see csrc/attention.cpp)."""
-    try:
-        _decode(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), block_table.contiguous(),
-                cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), max_kv_seq_len, softmax_scale,
-                None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
-    except ValueError:  # a cache whose last dim is strided (checked before any work; no engine makes one)
+    if not _rows_dense(key_cache, value_cache):
         torch_attention.paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
                                                max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale,
                                                k_zero, v_scale, v_zero)
+        return
+    _decode(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), block_table.contiguous(),
+            cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), max_kv_seq_len, softmax_scale,
+            None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
 
 
 def prefill_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, max_q_seq_len: int,
@@ -121,14 +128,14 @@ def paged_prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tenso
     cu_seqlens_q [B+1], kv_seq_len [B] (history + new), alibi_slopes [Hq]? -> out [T, Hq, Dv]
     (written in place): the new tokens over the paged history and themselves, read from the cache
     in place, flash-style (C++). int8 caches (k_scale etc. [Hkv] float32) are widened per chunk."""
-    try:
-        _paged_prefill(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout),
-                       block_table.contiguous(), cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), softmax_scale,
-                       None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
-    except ValueError:  # a cache whose last dim is strided (checked before any work; no engine makes one)
+    if not _rows_dense(key_cache, value_cache):
         torch_attention.paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
                                                 max_q_seq_len, max_kv_seq_len, softmax_scale, alibi_slopes, out,
                                                 kv_layout, k_scale, k_zero, v_scale, v_zero)
+        return
+    _paged_prefill(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout),
+                   block_table.contiguous(), cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), softmax_scale,
+                   None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
 
 
 def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

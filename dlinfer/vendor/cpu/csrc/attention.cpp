@@ -218,7 +218,7 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
                             const std::optional<at::Tensor>& v_zero) {
   const at::Tensor query = dense_rows(query_in), out = dense_rows(out_in);
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
-  // A ValueError (the Python wrapper hands such caches to the torch vendor; no engine makes them).
+  // A ValueError; the Python wrapper (kernels.py, _rows_dense) sends such caches to the torch vendor first.
   TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
                     "paged_decode_attention: the last dim of the caches must be dense");
   const bool int8 = k_scale.has_value();

@@ -87,7 +87,7 @@ void fill_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const a
                          value.scalar_type() == key.scalar_type()
                    : key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
               "fill_kv_cache: key/value and cache dtypes must match (int8 caches with scales)");
-  // A ValueError (the Python wrapper hands such caches to the torch vendor; no engine makes them).
+  // A ValueError; the Python wrapper (kernels.py, _rows_dense) sends such caches to the torch vendor first.
   TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
                     "fill_kv_cache: the last dim of the caches must be dense");
   TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2) &&

@@ -306,7 +306,7 @@ void paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& key_c
                              const std::optional<at::Tensor>& v_zero) {
   const at::Tensor query = dense_rows(query_in), out = dense_rows(out_in);
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "paged_prefill_attention: caches [NB, BS, Hkv, D]");
-  // A ValueError (the Python wrapper hands such caches to the torch vendor; no engine makes them).
+  // A ValueError; the Python wrapper (kernels.py, _rows_dense) sends such caches to the torch vendor first.
   TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
                     "paged_prefill_attention: the last dim of the caches must be dense");
   Args a{};
