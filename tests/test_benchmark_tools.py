@@ -54,7 +54,6 @@ def test_a_small_checkpoint_loads_in_hf_and_decodes_every_id(tmp_path):
 def test_gguf_step_bytes_skips_an_unread_embedding(tmp_path):
     import gguf
     import numpy as np
-
     from llama_bench import gguf_step_bytes
 
     def write(path, names):

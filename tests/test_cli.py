@@ -11,8 +11,9 @@ import torch
 
 from dlinfer.vendor.op_table import OP_NAMES
 
-PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "awq_linear", "backend_selector", "env_check", "cuda_calls",
-                 "model_agent", "weight_reads", "lm_head", "huge_pages", "openmp_pool", "mp_engine", "mp_executor", "vl_preprocess")
+PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "awq_linear", "backend_selector", "env_check",
+                 "cuda_calls", "model_agent", "weight_reads", "lm_head", "huge_pages", "openmp_pool", "mp_engine",
+                 "mp_executor", "vl_preprocess")
 
 
 def _run(args, env=None, timeout=300) -> subprocess.CompletedProcess:
@@ -134,7 +135,8 @@ def test_env_without_a_compiler(tmp_path):
     compiler = [line for line in lines if line.startswith("c++ compiler")]
     assert len(compiler) == 1 and "none found" in compiler[0], out
     both = (out + "\n" + proc.stderr).splitlines()
-    about_compiler = [line for line in both if "compiler" in line.lower() and not line.startswith(("  cpu ", "  DLINFER_"))]
+    about_compiler = [line for line in both
+                      if "compiler" in line.lower() and not line.startswith(("  cpu ", "  DLINFER_"))]
     assert about_compiler == compiler, out
     ninja = [line for line in both if "ninja" in line and not line.startswith("ninja  ")]
     assert ninja == [], ninja

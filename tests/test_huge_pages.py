@@ -63,7 +63,8 @@ def test_the_kernel_backs_the_arena_with_huge_pages_when_its_mode_allows():
     report = huge_pages.move_to_huge_pages(tensors)
     start = min(t.data_ptr() for t in tensors)
     assert report.huge == min(report.bytes, huge_pages.huge_bytes(start, start + (32 << 20) + huge_pages.HUGE_PAGE))
-    assert (report.problem is None) == (report.huge >= report.bytes - huge_pages.allowed_shortfall(report.bytes)), report
+    enough = report.huge >= report.bytes - huge_pages.allowed_shortfall(report.bytes)
+    assert (report.problem is None) == enough, report
     if report.huge == 0:
         # the kernel's choice, not ours: seen on a CI machine in THP mode madvise (no free 2 MB
         # pages, or a sandboxed kernel); the report said so, which is what the adaptor logs

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dlinfer"
-RANK = {"framework": 3, "graph": 2, "conformance": 2, "ops": 1, "tools": 0.5, "quantize": 0.5, "vendor": 0, "errors": -1, "envs": -1, "utils": -1}
+RANK = {"framework": 3, "graph": 2, "conformance": 2, "ops": 1, "tools": 0.5, "quantize": 0.5, "vendor": 0,
+        "errors": -1, "envs": -1, "utils": -1}
 # The command line sits above every layer; the package's __init__ imports nothing.
 EXEMPT = {"dlinfer.__main__"}
 

@@ -11,12 +11,19 @@ import math
 
 import torch
 
-from dlinfer.conformance._ref_base import (  # noqa: F401  (shared helpers, and the norms)
-    F64, _f64, _ints, _round_half_even, add_rms_norm, rms_norm, silu)
+from dlinfer.conformance._ref_base import F64, _f64, _ints, _round_half_even, add_rms_norm, rms_norm, silu  # noqa: F401  (shared helpers, and the norms)
 from dlinfer.conformance.reference_quant import (  # noqa: F401  (the quantised ops' references)
-    AWQ_ORDER, add_rms_norm_w8a8, awq_unpack, dynamic_quant, fused_moe_w8a8, int8_product, linear_w8a8,
-    linear_w8a8_static, rms_norm_w8a8, weight_quant_matmul)
-
+    AWQ_ORDER,
+    add_rms_norm_w8a8,
+    awq_unpack,
+    dynamic_quant,
+    fused_moe_w8a8,
+    int8_product,
+    linear_w8a8,
+    linear_w8a8_static,
+    rms_norm_w8a8,
+    weight_quant_matmul,
+)
 
 # ---------------------------------------------------------------- rotary
 

@@ -4,7 +4,7 @@ Nothing here imports dlinfer's ops or vendors."""
 
 import torch
 
-from dlinfer.conformance._ref_base import F64, _f64, _round_half_even, add_rms_norm, rms_norm, silu
+from dlinfer.conformance._ref_base import F64, _f64, _round_half_even, rms_norm, silu
 
 # ---------------------------------------------------------------- W8A8 (int8 symmetric)
 

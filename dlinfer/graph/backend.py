@@ -33,8 +33,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from dlinfer import envs
 import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
+from dlinfer import envs
 from dlinfer.graph import match, passes
 from dlinfer.vendor import selection
 
@@ -130,7 +130,8 @@ def _choose_compiler(choice, device_type: str, inductor_patches: Dict[str, Any])
         return eager_compiler
     if choice == "direct":
         return direct_compiler
-    raise ValueError(f"dlinfer graph: unknown compiler {choice!r}; use 'auto', 'inductor', 'direct', 'eager' or a callable")
+    raise ValueError(f"dlinfer graph: unknown compiler {choice!r}; "
+                     "use 'auto', 'inductor', 'direct', 'eager' or a callable")
 
 
 def _no_grad(fn: Callable) -> Callable:

@@ -9,8 +9,8 @@ from typing import Callable, Tuple
 import torch
 
 from dlinfer.errors import UnsupportedError
-from dlinfer.vendor.base import Vendor
 from dlinfer.vendor import registry
+from dlinfer.vendor.base import Vendor
 from dlinfer.vendor.selection import resolve
 
 

@@ -18,10 +18,10 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.utils.memo import LastCallMemo
-from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
 from dlinfer.ops import kv_quant
+from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
 from dlinfer.ops.kv_cache import cache_dims
+from dlinfer.utils.memo import LastCallMemo
 from dlinfer.vendor.base import FEATURE_ALIBI
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
@@ -136,7 +136,8 @@ def prefill_attention(
     query = _query(op, query)
     t, hq, d = query.shape
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
-    C.tensor(op, "key", key[0] if key.dim() == 4 and key.shape[0] == 1 else key, (t, hkv, d), C.FLOAT_DTYPES, query.device)
+    key3 = key[0] if key.dim() == 4 and key.shape[0] == 1 else key
+    C.tensor(op, "key", key3, (t, hkv, d), C.FLOAT_DTYPES, query.device)
     key = key.view(t, hkv, d)
     if value.dim() == 4 and value.shape[0] == 1:
         value = value[0]
@@ -205,7 +206,8 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
         dv = C.integer(op, "head_size_v", head_size_v, 1)
     cache_dims(op, "value_cache", value_cache, layout, hkv, dv, query.device, dtypes)
     if value_cache.dtype != key_cache.dtype:
-        raise InvalidArgumentError(op, "value_cache", f"dtype {key_cache.dtype} like key_cache", C.describe(value_cache))
+        raise InvalidArgumentError(op, "value_cache", f"dtype {key_cache.dtype} like key_cache",
+                                   C.describe(value_cache))
     quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, hkv, query.device)
     if value_cache.shape[:3] != key_cache.shape[:3]:
         raise InvalidArgumentError(op, "value_cache", f"blocks like key_cache {list(key_cache.shape[:3])}",

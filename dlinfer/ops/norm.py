@@ -40,7 +40,8 @@ def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Te
     return out if hidden_states.dim() == 2 else out.view(hidden_states.shape)
 
 
-def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Tuple[Tensor, Tensor]:
+def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor,
+                 epsilon: float = 1e-6) -> Tuple[Tensor, Tensor]:
     """Fused residual add + RMSNorm.
 
     hidden_states, residual: [..., H], same shape, dtype and device; not modified.

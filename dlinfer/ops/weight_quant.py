@@ -38,7 +38,8 @@ def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int]
         C.tensor(op, "qweight", qweight, (L.num_tiles(n), "K", L.TILE_WORDS), I32, device)
         k_w = qweight.shape[1]
     elif qweight.dim() == 4:
-        C.tensor(op, "qweight", qweight, (L.ki_num_tiles(n), "K/8", L.KI_VECTORS, L.KI_LINE_BYTES), (torch.uint8,), device)
+        C.tensor(op, "qweight", qweight, (L.ki_num_tiles(n), "K/8", L.KI_VECTORS, L.KI_LINE_BYTES), (torch.uint8,),
+                 device)
         k_w = qweight.shape[1] * L.KI_BLOCK_K
     else:
         C.tensor(op, "qweight", qweight, ("K", n // 8), I32, device)

@@ -13,7 +13,8 @@ METHODS = ("awq", "rtn", "smooth_quant")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", type=Path, help="a HF checkpoint folder (Llama or Qwen2 family; Mixtral with smooth_quant)")
+    parser.add_argument("src", type=Path,
+                        help="a HF checkpoint folder (Llama or Qwen2 family; Mixtral with smooth_quant)")
     parser.add_argument("dst", type=Path, help="the folder to write (must not exist, or be empty)")
     parser.add_argument("--method", choices=METHODS, required=True,
                         help="awq: 4-bit with the activation-aware scale search; rtn: the same format, plain "
@@ -45,8 +46,8 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     tune_steps: the tuning that ends AWQ (None: distil.STEPS; 0: none; other methods: none)."""
     import torch
 
-    from dlinfer.quantize import (awq, awq_clip, calib as calibration, distil, head_stats, kv_scales, pack,
-                                  smooth_quant, source, walk, writer)
+    from dlinfer.quantize import awq, awq_clip, distil, head_stats, kv_scales, pack, smooth_quant, source, walk, writer
+    from dlinfer.quantize import calib as calibration
 
     log = log or (lambda text: print(text, flush=True))
     start = time.perf_counter()

@@ -20,6 +20,7 @@ metadata {"format": "dlinfer-lm-head-input-absmax-v1"}.
 from __future__ import annotations
 
 from pathlib import Path
+
 FORMAT = "dlinfer-lm-head-input-absmax-v1"
 FILE_NAME = "lm_head_input_absmax.safetensors"
 NAME = "input_absmax"

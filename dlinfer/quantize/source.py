@@ -31,7 +31,8 @@ def read_config(src: Path) -> dict:
     if not config_path.is_file():
         raise QuantizeInputError(f"quantize: SRC {str(src)!r} has no config.json: not a HF checkpoint folder.")
     if not any((src / name).is_file() for name in WEIGHT_FILES):
-        raise QuantizeInputError(f"quantize: SRC {str(src)!r} has no weights (expected one of {', '.join(WEIGHT_FILES)}).")
+        raise QuantizeInputError(f"quantize: SRC {str(src)!r} has no weights "
+                                 f"(expected one of {', '.join(WEIGHT_FILES)}).")
     try:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as exc:
@@ -39,7 +40,8 @@ def read_config(src: Path) -> dict:
     arch = (config.get("architectures") or ["?"])[0]
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
-        raise UnsupportedCheckpointError(f"quantize: SRC is already quantised (quant_method={method!r}); start from the "
+        raise UnsupportedCheckpointError(f"quantize: SRC is already quantised (quant_method={method!r}); "
+                                         "start from the "
                                "float checkpoint.")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedCheckpointError(f"quantize: architecture {arch!r} is not supported (supported: "

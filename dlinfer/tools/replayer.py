@@ -191,7 +191,7 @@ def _replay_one(directory, meta, target: Vendor, torch_vendor: Vendor, device_ov
         fn, runner = torch_vendor.ops[op], torch_vendor
     dev = _device_for(meta["device"], runner, device_override)
     report.devices.add(str(dev))
-    row.vendors.add(runner.name if runner is target else f"torch (fallback)")
+    row.vendors.add(runner.name if runner is target else "torch (fallback)")
     record = torch.load(os.path.join(directory, meta["file"]), weights_only=True)
     args = _record.decode_args(record, blobs, dev)
     dtype = _first_float_dtype(args)

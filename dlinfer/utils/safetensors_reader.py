@@ -62,12 +62,14 @@ def read_tensors(path: str, prefix: Optional[str] = None) -> Iterator[Tuple[str,
         for name, info in entries:
             dtype = getattr(torch, DTYPES.get(info["dtype"], ""), None)
             if not isinstance(dtype, torch.dtype):
-                raise FormatError(f"{path}: tensor {name!r} has dtype {info['dtype']!r}, which this reader does not know")
+                raise FormatError(f"{path}: tensor {name!r} has dtype {info['dtype']!r}, "
+                                  "which this reader does not know")
             begin, end = info["data_offsets"]
             tensor = torch.empty(info["shape"], dtype=dtype)
             nbytes = tensor.numel() * tensor.element_size()
             if end - begin != nbytes or base + end > size:
-                raise FormatError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}) has {end - begin} bytes at "
+                raise FormatError(f"{path}: tensor {name!r} ({info['dtype']} {info['shape']}) has {end - begin} "
+                                  f"bytes at "
                                   f"{begin}..{end}, expected {nbytes} within the file's {size - base} data bytes")
             if nbytes:
                 view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())

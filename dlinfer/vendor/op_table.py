@@ -252,7 +252,8 @@ _TABLE = (
         "weight_quant_matmul",
         "(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, SymInt group_size) -> Tensor",
         _weight_quant_matmul_fake,
-        "x [M, K], qweight int32 [K, N/8] (or a repacked layout: column_tiled, k_interleaved), scale [K/g, N] in x's dtype or float16, "
+        "x [M, K], qweight int32 [K, N/8] (or a repacked layout: column_tiled, k_interleaved), "
+        "scale [K/g, N] in x's dtype or float16, "
         "offset int32 [K/g, N/8]? (None: zero point 8), bias [N]?, group_size g (K % g == 0) "
         "-> [M, N] = x @ ((q - z) * s) (+ bias)",
     ),

@@ -10,8 +10,7 @@ import torch
 import torch.fx as fx
 
 import dlinfer.ops as ops
-from dlinfer.graph import match
-from dlinfer.graph import passes
+from dlinfer.graph import match, passes
 from dlinfer.vendor.op_table import OP_NAMES
 
 

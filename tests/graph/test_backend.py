@@ -9,8 +9,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import dlinfer.graph.backend as backend_mod
-from dlinfer.graph import dlinfer_backend
-from dlinfer.graph import match
+from dlinfer.graph import dlinfer_backend, match
 from dlinfer.vendor import TOKEN_MAJOR, Vendor, registry, selection
 
 from .helpers import DlinferLlamaStack, assert_same, capture, clone_caches, decode_inputs, dl_counts

@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("lmdeploy")
 
+from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata  # noqa: E402
+
 import dlinfer.ops as ops  # noqa: E402
 from dlinfer.framework.lmdeploy_ext.graph_runner import DlinferGraphRunner  # noqa: E402
-from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata  # noqa: E402
 
 H, HEADS, D, BS, NB, VOCAB = 32, 2, 16, 4, 24, 50
 

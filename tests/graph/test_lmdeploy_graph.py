@@ -35,8 +35,9 @@ SCHEDULE = [
 
 
 def _run(model_dir: Path, eager: bool, max_batch_size: int = 4, schedule=SCHEDULE, compiler=None):
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
 
     config = PytorchEngineConfig(device_type="cpu", dtype="float32", eager_mode=eager, block_size=16,
                                  num_gpu_blocks=64, max_batch_size=max_batch_size)

@@ -5,8 +5,16 @@ import torch
 
 from dlinfer.graph.passes.view_chains import _is_view_call
 
-from .helpers import (DlinferLlamaStack, assert_graph_matches_eager, assert_same, capture, clone_caches, decode_inputs,
-                      rewrite, run_graph)
+from .helpers import (
+    DlinferLlamaStack,
+    assert_graph_matches_eager,
+    assert_same,
+    capture,
+    clone_caches,
+    decode_inputs,
+    rewrite,
+    run_graph,
+)
 
 
 def _views(gm) -> int:

@@ -27,8 +27,9 @@ def cpu_pipeline(model_dir: Path, **engine_kwargs) -> Iterator:
     Defaults keep tests small and fast: eager steps (graph mode is tested in tests/graph),
     16-token blocks and a 128-block KV cache (2048 tokens), unless `engine_kwargs` say otherwise.
     """
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from lmdeploy import PytorchEngineConfig, pipeline
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
 
     kwargs = dict(device_type="cpu", eager_mode=True, block_size=16, num_gpu_blocks=128, max_batch_size=32)
     kwargs.update(engine_kwargs)
@@ -72,7 +73,8 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self._memo: dict[tuple, tuple[list[int], float]] = {}
 
-    def greedy(self, input_ids: Sequence[int], max_new_tokens: int, banned_ids: Sequence[int]) -> tuple[list[int], float]:
+    def greedy(self, input_ids: Sequence[int], max_new_tokens: int,
+               banned_ids: Sequence[int]) -> tuple[list[int], float]:
         """(new tokens, smallest top-1/top-2 logit gap along the path)."""
         key = (tuple(input_ids), max_new_tokens, tuple(banned_ids))
         if key not in self._memo:
@@ -98,7 +100,8 @@ def assert_matches_hf(results: Sequence[Generated], reference: HFReference, max_
     """Every result has `max_new_tokens` tokens equal to HF's greedy tokens for the same ids."""
     for i, res in enumerate(results):
         expected, margin = reference.greedy(res.input_ids, max_new_tokens, res.banned_ids)
-        assert margin > MIN_TOP2_MARGIN, f"prompt {i}: HF's reference path has a near tie ({margin:.2e}); pick other prompts"
+        assert margin > MIN_TOP2_MARGIN, (f"prompt {i}: HF's reference path has a near tie ({margin:.2e}); "
+                                          "pick other prompts")
         assert len(set(expected)) > 1, f"prompt {i}: HF's reference repeats one token; the test would not discriminate"
         assert res.token_ids == expected, (
             f"prompt {i} ({len(res.input_ids)} tokens): LMDeploy on CPU differs from HF\n"

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lmdeploy import PytorchEngineConfig
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.patches.engine_config import HostMemoryWarning
 from dlinfer.framework.lmdeploy_ext.patches.model_dtype import checkpoint_dtype, choose_dtype
-from lmdeploy import PytorchEngineConfig
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32", "bfloat16"])
@@ -96,9 +96,10 @@ def test_lmdeploy_model_config_keeps_float32_on_cpu(model_dir):
 def test_dlinfer_cuda_device_type_resolves_to_dlinfer_backend():
     """device_type="dlinfer_cuda" (dlinfer's vendor on a CUDA GPU): configured and routed here;
     running it needs a GPU (docs/lmdeploy.md)."""
-    from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend, CudaOpsBackend
     from lmdeploy.pytorch.backends import get_backend
     from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+
+    from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend, CudaOpsBackend
 
     config = PytorchEngineConfig(device_type="dlinfer_cuda", dtype="float16")
     assert config.cache_max_entry_count == 0.8  # LMDeploy's GPU default

@@ -10,13 +10,13 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
+from lmdeploy import PytorchEngineConfig
+from lmdeploy.pytorch.disagg.config import EngineRole
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.patches import engine_config
 from dlinfer.framework.lmdeploy_ext.patches.engine_config import HostMemoryWarning
-from lmdeploy import PytorchEngineConfig
-from lmdeploy.pytorch.disagg.config import EngineRole
 
 GIB = 2**30
 

@@ -1,10 +1,10 @@
 """The CPU device type's KV-cache allocation: LMDeploy's own layouts, placed on the host."""
 
 import torch
+from lmdeploy.pytorch.engine.cache_engine.schema import CacheDesc, CacheTensorSpec
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401
 from dlinfer.framework.lmdeploy_ext.backend.cache import HostCacheBackend
-from lmdeploy.pytorch.engine.cache_engine.schema import CacheDesc, CacheTensorSpec
 
 
 def _specs():

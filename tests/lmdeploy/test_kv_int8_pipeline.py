@@ -57,7 +57,8 @@ def _attention(mode, stats, scales):
             for name, x in (("k", key), ("v", value)):
                 lo, hi = x.amin(dim=(0, 2, 3)), x.amax(dim=(0, 2, 3))
                 old = stats.get((layer, name))
-                stats[(layer, name)] = (lo, hi) if old is None else (torch.minimum(old[0], lo), torch.maximum(old[1], hi))
+                stats[(layer, name)] = ((lo, hi) if old is None
+                                        else (torch.minimum(old[0], lo), torch.maximum(old[1], hi)))
         elif key.shape[2] > query.shape[2]:  # a step with history: every position read back from the cache
             key = _fake_quant(key, scales["k_scale"][layer], scales["k_zero"][layer])
             value = _fake_quant(value, scales["v_scale"][layer], scales["v_zero"][layer])
@@ -137,8 +138,9 @@ def test_quant_policy_8_without_scales_file_is_refused(model_dir, tmp_path):
 
 
 def test_quant_policy_4_is_refused_by_name():
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from lmdeploy import PytorchEngineConfig
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
 
     with pytest.raises(ValueError, match="quant_policy=4 \\(4: the int4 KV cache is not implemented\\)"):
         PytorchEngineConfig(device_type="cpu", quant_policy=4)
@@ -164,5 +166,6 @@ def test_scales_file_checks(tmp_path):
     with pytest.raises(KVScalesError, match="metadata format 'other'"):
         read_scales(str(tmp_path), 2, 3)
     os.remove(tmp_path / "kv_int8_scales.safetensors")
-    with pytest.raises(KVScalesError, match="does not exist.*python -m dlinfer quantize SRC DST --method ... --kv-int8"):
+    message = "does not exist.*python -m dlinfer quantize SRC DST --method ... --kv-int8"
+    with pytest.raises(KVScalesError, match=message):
         read_scales(str(tmp_path), 2, 3)

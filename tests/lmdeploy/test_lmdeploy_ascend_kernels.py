@@ -1,19 +1,20 @@
 """LMDeploy's own dlinfer kernels for ModelSlim static W8A8 and interleaved RoPE, on CPU:
 `kernels/dlinfer/w8a8_kernels.py:linear_w8a8_static` with the parameters `W8A8Linear` registers
 for ModelSlim checkpoints (nn/linear/w8a8.py: input_scale [1] model dtype, input_offset [1] int8,
-deq_scale [N] float32, quant_bias [N] int32) against the conformance float64 reference, and `apply_rotary_pos_emb_interleaved` with query
+deq_scale [N] float32, quant_bias [N] int32) against the conformance float64 reference, and
+`apply_rotary_pos_emb_interleaved` with query
 and key as LMDeploy passes them, both output layouts, against a float64 rotation written here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from lmdeploy.pytorch.kernels import dlinfer as kernels
+from lmdeploy.pytorch.kernels.dlinfer.w8a8_kernels import linear_w8a8_static
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401
 import dlinfer.vendor
 from dlinfer.conformance import reference as ref
-from lmdeploy.pytorch.kernels import dlinfer as kernels
-from lmdeploy.pytorch.kernels.dlinfer.w8a8_kernels import linear_w8a8_static
 
 
 @pytest.fixture(params=[v for v in ("torch", "cpu") if v in dlinfer.vendor.available()], autouse=True)

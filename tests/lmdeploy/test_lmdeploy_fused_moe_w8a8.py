@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lmdeploy.pytorch.kernels import dlinfer as kernels
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401
 import dlinfer.vendor
@@ -16,7 +17,6 @@ from dlinfer.conformance import reference as ref
 from dlinfer.errors import UnsupportedError
 from dlinfer.tools.tolerances import tolerance
 from dlinfer.utils.type_annotation import MoeMetadata
-from lmdeploy.pytorch.kernels import dlinfer as kernels
 
 CPU_VENDORS = [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
 

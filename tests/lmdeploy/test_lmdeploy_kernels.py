@@ -13,12 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lmdeploy.pytorch.kernels import dlinfer as kernels
+from lmdeploy.pytorch.kernels.dlinfer.activation import silu_and_mul
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401
 import dlinfer.vendor
 from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend
-from lmdeploy.pytorch.kernels import dlinfer as kernels
-from lmdeploy.pytorch.kernels.dlinfer.activation import silu_and_mul
 
 CPU_VENDORS = [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
 

@@ -19,7 +19,6 @@ from dlinfer.framework.lmdeploy_ext.backend.model_support import (
 )
 from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend
 
-
 # What each architecture's tested checkpoints set (and its real ones do).
 _ARCH_DEFAULTS = {"GemmaForCausalLM": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)}
 
@@ -108,11 +107,10 @@ def test_internlm2_with_biases_is_refused():
 
 def test_llama3_rotary_uses_the_original_context():
     """The CPU backend's Llama 3 frequencies are HF's; LMDeploy's own dlinfer backend is untouched."""
-    from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
     from lmdeploy.pytorch.backends.rotary_embedding import Llama3Parameters, RopeType, RotaryEmbeddingBuildSpec
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                         original_max_position_embeddings=64)

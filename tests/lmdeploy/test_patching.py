@@ -112,8 +112,9 @@ def test_import_twice_and_reload_patch_once():
 
 
 def test_global_torch_cuda_is_untouched():
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     import lmdeploy.pytorch.engine.model_agent.agent as agent
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from dlinfer.framework.lmdeploy_ext.host_cuda import HOST_CUDA
 
     assert sys.modules["torch"].cuda is importlib.import_module("torch.cuda")
@@ -130,9 +131,10 @@ def test_global_torch_cuda_is_untouched():
 
 
 def test_lmdeploy_device_types_keep_lmdeploy_behaviour():
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     import lmdeploy.utils as utils
     from lmdeploy import PytorchEngineConfig
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
 
     with pytest.raises(AssertionError):  # LMDeploy's own dtype rule for its own device types
         PytorchEngineConfig(device_type="cuda", dtype="float32")

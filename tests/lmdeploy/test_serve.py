@@ -9,7 +9,6 @@ its entry point (patches/mp_engine.py). Every wait is bounded.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -328,8 +327,9 @@ def test_spawn_pickles_dlinfers_entry_point():
     imports (and applies) the adaptor before LMDeploy's `_mp_proc` runs."""
     import pickle
 
-    from dlinfer.framework.lmdeploy_ext.patches import mp_engine
     from lmdeploy.pytorch.engine.mp_engine.zmq_engine import ZMQMPEngine
+
+    from dlinfer.framework.lmdeploy_ext.patches import mp_engine
 
     target = ZMQMPEngine._mp_proc  # what `mp_ctx.Process(target=self._mp_proc)` gets
     assert target is mp_engine.engine_process

@@ -51,8 +51,9 @@ def test_collective_backend_comes_from_the_device_type():
 
 
 def test_lmdeploy_picks_its_mp_executor_for_cpu_tp():
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from lmdeploy.pytorch.engine.executor import get_distributed_executor_backend
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
 
     assert get_distributed_executor_backend(2, 1, "cpu") == "mp"
 

@@ -1,5 +1,6 @@
 """W4A16 (`weight_quant_matmul`, LMDeploy's AWQ gemm layout): parity against the fp64 reference,
-strided x, the column_tiled and k_interleaved layouts, float16 scales, bad inputs (graph mode: tests/graph/test_weight_quant_graph.py).
+strided x, the column_tiled and k_interleaved layouts, float16 scales, bad inputs (graph mode:
+tests/graph/test_weight_quant_graph.py).
 
 The checks: dlinfer/conformance/suites/weight_quant.py (shared with `python -m dlinfer conformance`).
 """
@@ -7,7 +8,6 @@ The checks: dlinfer/conformance/suites/weight_quant.py (shared with `python -m d
 import pytest
 import torch
 
-import dlinfer.ops as ops
 from dlinfer.conformance.suites import weight_quant
 
 from .cases import run, suite_params

@@ -64,7 +64,8 @@ def paged_batch(new, hist, hq, hkv, d, dv, bs, layout, dtype, index_dtype, seed=
         ks.append(kb.reshape(-1, hkv, d)[:x])
         vs.append(vb.reshape(-1, hkv, dv)[:x])
         if x % bs:
-            tail = (ids[-1], slice(None), slice(x % bs, None)) if layout == "head_major" else (ids[-1], slice(x % bs, None))
+            tail = ((ids[-1], slice(None), slice(x % bs, None)) if layout == "head_major"
+                    else (ids[-1], slice(x % bs, None)))
             kc[tail] = float("nan")
             vc[tail] = float("nan")
     kc[0] = vc[0] = float("nan")

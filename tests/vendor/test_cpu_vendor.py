@@ -92,7 +92,8 @@ def test_linear_path_choice():
 @needs_cpu_vendor
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_norm_weights_and_rotary_tables_are_read_as_stored(dtype):
-    """The norm weight (also of the fused norm + quantisation ops) and cos / sin reach the kernels in the activation dtype, no float32 copy
+    """The norm weight (also of the fused norm + quantisation ops) and cos / sin reach the kernels in the
+    activation dtype, no float32 copy
     per call; widening them is exact, so the results equal those from float32 copies bit for bit."""
     from dlinfer.vendor.cpu import kernels
 
@@ -110,7 +111,8 @@ def test_16bit_norm_weights_and_rotary_tables_are_read_as_stored(dtype):
         assert torch.equal(a, b)
     assert torch.equal(kernels.rms_norm(x, w, 1e-6), torch.ops.dlinfer_cpu.rms_norm(x, w.float(), 1e-6))
     # the fused norm + int8 quantisation ops read the weight the same way
-    for a, b in zip(torch.ops.dlinfer_cpu.rms_norm_w8a8(x, w, 1e-6), torch.ops.dlinfer_cpu.rms_norm_w8a8(x, w.float(), 1e-6)):
+    kernel = torch.ops.dlinfer_cpu.rms_norm_w8a8
+    for a, b in zip(kernel(x, w, 1e-6), kernel(x, w.float(), 1e-6)):
         assert torch.equal(a, b)
     for a, b in zip(torch.ops.dlinfer_cpu.add_rms_norm_w8a8(x, r, w, 1e-6),
                     torch.ops.dlinfer_cpu.add_rms_norm_w8a8(x, r, w.float(), 1e-6)):

@@ -13,8 +13,20 @@ import dlinfer.ops as ops
 from dlinfer.conformance import reference as ref
 from dlinfer.conformance.checks import PARITY, Check, params, suite
 from dlinfer.conformance.compare import assert_close, assert_equal, expect
-from dlinfer.conformance.inputs import (DTYPES, alloc_cache, device, gen, lens_tensor, make_block_table, memo,
-                                        packed_qkv, randn, seed_of, slots_of, write_cache)
+from dlinfer.conformance.inputs import (
+    DTYPES,
+    alloc_cache,
+    device,
+    gen,
+    lens_tensor,
+    make_block_table,
+    memo,
+    packed_qkv,
+    randn,
+    seed_of,
+    slots_of,
+    write_cache,
+)
 from dlinfer.conformance.suites.attention_cases import DECODE_CASES, PAGED_PREFILL_CASES, PREFILL_CASES
 from dlinfer.vendor.base import FEATURE_ALIBI
 

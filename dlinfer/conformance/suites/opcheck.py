@@ -58,7 +58,8 @@ def samples(name, layout, g):
         from dlinfer.conformance.suites.weight_quant import W4Case, column_tile, weights
 
         out = []
-        for dtype, group, zeros, bias, tiled in ((F32, 32, True, True, False), (torch.bfloat16, 64, False, False, True)):
+        cases = ((F32, 32, True, True, False), (torch.bfloat16, 64, False, False, True))
+        for dtype, group, zeros, bias, tiled in cases:
             qw, s, z, b = weights(W4Case("opcheck", (5,), 64, 136, group, zeros, bias), dtype, g)
             if tiled:
                 qw = column_tile(qw)

@@ -16,8 +16,17 @@ import dlinfer.ops as ops
 from dlinfer.conformance import reference as ref
 from dlinfer.conformance.checks import STRIDED, Check, params, suite
 from dlinfer.conformance.compare import CheckFailed, assert_close, assert_equal, expect
-from dlinfer.conformance.inputs import (alloc_cache, device, every_other, gen, make_block_table, randn, seed_of,
-                                        slots_of, write_cache)
+from dlinfer.conformance.inputs import (
+    alloc_cache,
+    device,
+    every_other,
+    gen,
+    make_block_table,
+    randn,
+    seed_of,
+    slots_of,
+    write_cache,
+)
 from dlinfer.conformance.suites.rotary import cos_sin
 from dlinfer.errors import InvalidArgumentError
 

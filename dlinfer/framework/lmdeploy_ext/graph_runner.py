@@ -59,12 +59,12 @@ import logging
 from typing import Any, Dict, Optional
 
 import torch
+from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
+from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
 from dlinfer import envs
 from dlinfer.framework.lmdeploy_ext.graph_replay import CompiledGraph, GraphReplay
 from dlinfer.vendor import selection
-from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
-from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
 log = logging.getLogger("dlinfer.lmdeploy.graph")
 

@@ -2,7 +2,8 @@
 
 dlinfer's default on CPU tensors. Its kernels (`csrc/`, built on first use by `build.py`, bound to
 the ops' signatures in `kernels.py`) cover what a decode step spends its time on: `linear` at few
-rows (a weight-streaming matrix-vector kernel, float32 and bf16 / fp16; BLAS beyond 8 rows), `paged_decode_attention` read
+rows (a weight-streaming matrix-vector kernel, float32 and bf16 / fp16; BLAS beyond 8 rows),
+`paged_decode_attention` read
 straight from the paged cache, `fill_kv_cache`, `rms_norm`, `add_rms_norm`, `apply_rotary_pos_emb`
 and `silu_and_mul`, each one call instead of several torch ops, the W8A8 family (`dynamic_quant`,
 `linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation ops,

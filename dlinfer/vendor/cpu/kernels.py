@@ -93,7 +93,8 @@ def fill_kv_cache(key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Te
 
 def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                            cu_seqlens_q: Tensor, kv_seq_len: Tensor, max_kv_seq_len: int, softmax_scale: float,
-                           alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str, k_scale: Optional[Tensor] = None,
+                           alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str,
+                           k_scale: Optional[Tensor] = None,
                            k_zero: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
                            v_zero: Optional[Tensor] = None) -> None:
     """query [T, Hq, D], caches in `kv_layout`, block_table [B, M], cu_seqlens_q [B+1],

@@ -41,11 +41,21 @@ NOTES = {
 def load() -> Vendor:
     import triton  # noqa: F401  (ImportError when Triton is missing: the registry records why)
 
-    from dlinfer.vendor.triton import (activation, attention, kv_cache, linear, moe, moe_w8a8, norm, quant, rotary,
-                                       weight_quant)
-    from dlinfer.vendor.triton._common import INTERPRET
     from dlinfer.vendor.torch import quant as torch_quant
     from dlinfer.vendor.torch import rotary as torch_rotary
+    from dlinfer.vendor.triton import (
+        activation,
+        attention,
+        kv_cache,
+        linear,
+        moe,
+        moe_w8a8,
+        norm,
+        quant,
+        rotary,
+        weight_quant,
+    )
+    from dlinfer.vendor.triton._common import INTERPRET
 
     ops = {
         "rms_norm": norm.rms_norm,

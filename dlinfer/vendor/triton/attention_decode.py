@@ -16,7 +16,8 @@ than 256 keys (below that the partial write + reduce costs more than the paralle
 never into more than 64. No autotuning; a CPU device counts as one SM.
 
 No host syncs: the sequence of each token is found inside the kernel (a guess that is exact for
-equal token counts, else a binary search over cu_seqlens_q), and the grid is sized by T and max_kv_seq_len (upper bounds). The last segment runs to
+equal token counts, else a binary search over cu_seqlens_q), and the grid is sized by T and max_kv_seq_len
+(upper bounds). The last segment runs to
 the token's own context length, so a too-small max_kv_seq_len never drops keys.
 """
 
@@ -154,7 +155,8 @@ def _decode_split_kernel(
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no key at all: 0, not NaN
     if SPLIT:
         part = (t64 * hq + heads) * n_splits + s
-        tl.store(lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf")), mask=row_ok)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=row_ok)
         tl.store(opart_ptr + part[:, None] * DV + dv[None, :], o, mask=row_ok[:, None] & (dv < DV)[None, :])
     else:
         tl.store(out_ptr + t64 * s_ot + heads[:, None] * s_oh + dv[None, :] * s_od,
@@ -222,7 +224,8 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
         *query.stride(), *ks, *vs, *block_table.stride(), *out.stride(),
         G=g, D=d, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_ALIBI=alibi_slopes is not None,
-        F32=dots_in_fp32(query.dtype) or is_quant, SPLIT=split, QUANT=is_quant, num_warps=8 if fp32 or max(block_d, block_dv) > 128 else 4,
+        F32=dots_in_fp32(query.dtype) or is_quant, SPLIT=split, QUANT=is_quant,
+        num_warps=8 if fp32 or max(block_d, block_dv) > 128 else 4,
     )
     if split:
         _decode_reduce_kernel[(t, hq)](

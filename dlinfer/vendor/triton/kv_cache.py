@@ -3,7 +3,8 @@
 Algorithm: program (token t, head block). slot = kv_indices[t] as int64; block = slot // BS,
 offset = slot % BS; the K row [heads, D] and V row [heads, Dv] are bit-copied to
 cache[block, offset, head] (token_major) or cache[block, head, offset] (head_major). The layout
-only changes which cache strides the launcher passes (those of `kv_layouts.canonical`). All cache offsets are int64 (caches past
+only changes which cache strides the launcher passes (those of `kv_layouts.canonical`). All cache offsets are
+int64 (caches past
 2**31 elements). A slot outside [0, NB*BS) is masked: nothing is written for that token, and no
 host sync is needed to find out.
 

@@ -27,11 +27,11 @@ Written against LMDeploy 0.18.0.
 from __future__ import annotations
 
 import torch
+from lmdeploy.pytorch.backends.flash_attention import FlashAttentionBuildSpec, FlashAttentionImpl
 from torch import Tensor
 
 import dlinfer.ops
 from dlinfer.framework.lmdeploy_ext.backend.kv_layout import active_kv_layout, block_shape
-from lmdeploy.pytorch.backends.flash_attention import FlashAttentionBuildSpec, FlashAttentionImpl
 
 # Tokens per block of the scratch cache. Any size gives the same result; larger blocks mean fewer
 # block-table entries per query row (the table is [query rows, blocks of the longest segment]).

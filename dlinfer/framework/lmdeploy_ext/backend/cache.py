@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-
 from lmdeploy.pytorch.backends.dlinfer.cache import DlinferCacheBackend
 
 

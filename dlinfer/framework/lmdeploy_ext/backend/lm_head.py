@@ -20,7 +20,8 @@ cpu vendor the int8 product is exact (int32) on its VNNI kernel.
   (`lm_head_input_absmax.safetensors`, written by `python -m dlinfer quantize`;
   dlinfer/quantize/head_stats.py), input channel j is divided by s_j and weight column j
   multiplied by it before either is rounded (s from `head_stats.smoothing`): the head's rounding
-  error falls (SmolLM2 float32: +0.6% perplexity -> +0.1%, three texts' mean) for one [H] multiply a step. Without the file,
+  error falls (SmolLM2 float32: +0.6% perplexity -> +0.1%, three texts' mean) for one [H] multiply a
+  step. Without the file,
   no smoothing.
 
 tp > 1: LMDeploy 0.18 builds the LM head unsplit (`build_rowwise_linear(..., is_tp=False)`,
@@ -38,8 +39,8 @@ from typing import Optional
 
 import torch
 
-from dlinfer import envs
 import dlinfer.ops
+from dlinfer import envs
 from dlinfer.quantize import head_stats
 
 ENV = "DLINFER_LM_HEAD"

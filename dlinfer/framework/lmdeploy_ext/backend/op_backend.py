@@ -20,6 +20,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
+from lmdeploy.pytorch.backends.flash_attention import FlashAttentionBuildSpec
+from lmdeploy.pytorch.backends.rotary_embedding import RotaryEmbeddingBuildSpec
 
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.backend.bidirectional_attention import build_bidirectional_attention
@@ -27,9 +30,6 @@ from dlinfer.framework.lmdeploy_ext.backend.cache import HostCacheBackend
 from dlinfer.framework.lmdeploy_ext.backend.kv_layout import active_kv_layout, block_shape
 from dlinfer.framework.lmdeploy_ext.backend.rotary import build_rotary_embedding
 from dlinfer.framework.lmdeploy_ext.backend.step_context import build_attention_metadata, build_moe_metadata
-from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
-from lmdeploy.pytorch.backends.flash_attention import FlashAttentionBuildSpec
-from lmdeploy.pytorch.backends.rotary_embedding import RotaryEmbeddingBuildSpec
 
 
 class DlinferDeviceOpsBackend(DlinferOpsBackend):

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
+from lmdeploy.pytorch.distributed import get_tp_world_rank
 
 from dlinfer.framework.lmdeploy_ext.backend.kv_int8 import quant_meta_of
 from dlinfer.utils.type_annotation import MoeMetadata
-from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
-from lmdeploy.pytorch.distributed import get_tp_world_rank
 
 
 def new_token_slots(q_seqlens: torch.Tensor, kv_seqlens: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -49,8 +49,9 @@ def _patch_update_weights(original):
 
     @functools.wraps(original)
     def update_weights(self):
-        import dlinfer.ops
         from lmdeploy.pytorch.backends.dlinfer.awq_modules import AwqLinearW4A16Impl
+
+        import dlinfer.ops
 
         original(self)
         if not isinstance(self.impl, AwqLinearW4A16Impl):

@@ -114,7 +114,8 @@ def check_engine_limits(config, spec: devices.DeviceSpec) -> None:
                          "leave it False.")
     kernel_block_size = config.block_size if config.kernel_block_size == -1 else config.kernel_block_size
     if getattr(config.role, "name", config.role) != "Hybrid" and config.block_size != kernel_block_size:
-        raise ValueError(f"device_type={name!r}: role={getattr(config.role, 'name', config.role)} (PD migration) needs block_size == "
+        role = getattr(config.role, 'name', config.role)
+        raise ValueError(f"device_type={name!r}: role={role} (PD migration) needs block_size == "
                          f"kernel_block_size, got {config.block_size} and {kernel_block_size}.")
 
 

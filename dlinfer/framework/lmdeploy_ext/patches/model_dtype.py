@@ -19,10 +19,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from lmdeploy.utils import get_logger
 
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.patching import wrap
-from lmdeploy.utils import get_logger
 
 logger = get_logger("lmdeploy")
 
