@@ -9,8 +9,8 @@ llama-cpp-python source distribution (which carries llama.cpp under `vendor/llam
           -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF
     cmake --build build --target llama-bench llama-quantize -j2
 
-(on a CPU with AMX-INT8, `-DGGML_NATIVE=OFF` and the ISA flags without AMX: docs/benchmarks.md, "llama.cpp
-on a CPU with AMX"), then `LLAMA_CPP_DIR=<that tree>` or `--llama-cpp-dir`.
+(on a CPU with AMX-INT8, `-DGGML_NATIVE=OFF` and the ISA flags without AMX: docs/benchmarks.md, "A second
+machine: a 2-core Intel Xeon with AMX"), then `LLAMA_CPP_DIR=<that tree>` or `--llama-cpp-dir`.
 
 GGUFs are made from the same HF folder the other sides run, cached beside it as
 `<folder>.<kind>.gguf`: f32 / bf16 / q8_0 by the tree's `convert_hf_to_gguf.py` (its own `gguf-py`

@@ -3,9 +3,9 @@
 A `Check` is one call pattern of one op with fixed inputs: its function runs the op under the
 active vendor (the runner, or the test, selects it) and raises `CheckFailed` / `Mismatch`
 (dlinfer/conformance/compare.py) when the result is wrong, `Skipped` when it does not apply to
-the vendor. Checks come from *suites*, one per pytest test function of tests/ops (the suite
-`rms_norm` is `tests/ops/test_norm.py::test_rms_norm`); a suite turns the KV layouts a vendor
-declares into its checks. A check's id, `suite[params]`, is the pytest id without the vendor.
+the vendor. Checks come from *suites* (tests/ops/test_suites.py runs every suite's checks on every
+vendor: `test_conformance[rms_norm-cpu-...]`); a suite turns the KV layouts a vendor declares into
+its checks. A check's id, `suite[params]`, is the pytest id without the vendor.
 
 Kinds: parity (float64 reference), strided (inputs whose last dim is not dense), bad_input
 (InvalidArgumentError before anything is written), garbage (bad metadata with value checks off:

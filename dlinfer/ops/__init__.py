@@ -33,6 +33,6 @@ from dlinfer.vendor.selection import on_first_resolve as _on_first_resolve
 # docs/tools.md) are read when the first op resolves, like DLINFER_VENDOR.
 _on_first_resolve(_tools_from_env)
 
-# Every op of the table, by the public name (tests/ops/test_opcheck.py checks each is defined here),
+# Every op of the table, by the public name (tests/ops/test_suites.py checks each is defined here),
 # and the load-time weight repack (not an op: called once per layer, never traced).
 __all__ = ["set_value_checks", "repack_weight_quant", *OP_NAMES]

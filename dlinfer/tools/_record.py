@@ -1,4 +1,4 @@
-"""What the tools save of a call, and how a replay rebuilds it (docs/tools.md, "Capture format").
+"""What the tools save of a call, and how a replay rebuilds it (docs/tools.md, "What is saved, and the KV caches").
 
 Read sets of the paged KV caches. A paged attention call gets whole per-layer caches, but reads
 only the blocks its block table names for the positions `kv_seq_len` covers; a KV fill writes

@@ -4,7 +4,7 @@ The checks, their inputs, float64 references and tolerances live in the package,
 `python -m dlinfer conformance` runs the same ones against a single vendor. Here every suite runs
 against every in-tree vendor that loads; vendors that run interpreted here (triton under
 TRITON_INTERPRET=1, ~300x slower) get only the small checks. A test's id is
-`<vendor>-<the check's params>`.
+`<suite>-<vendor>-<the check's params>` (`-k paged_decode_attention` selects a suite).
 """
 
 import os
@@ -13,7 +13,7 @@ import pytest
 
 import dlinfer.vendor
 from dlinfer.conformance import runner
-from dlinfer.conformance.checks import Skipped, skip_reason
+from dlinfer.conformance.checks import Skipped, all_suites, skip_reason
 
 VENDORS = tuple(dlinfer.vendor.available())
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -28,15 +28,21 @@ def vendor_marks(vendor):
 
 
 def suite_params(suite):
-    """pytest params (vendor, check) of one suite for every vendor, over the KV layouts it declares."""
+    """pytest params (vendor, check) of one suite for every vendor, over the KV layouts it declares;
+    ids `<suite>-<vendor>[-<the check's params>]`."""
     params = []
     for vendor in VENDORS:
         for check in suite(dlinfer.vendor.load(vendor).kv_layouts):
             if small_only(vendor) and not check.small:
                 continue
-            pid = f"{vendor}-{check.params}" if check.params else vendor
+            pid = f"{suite.name}-{vendor}" + (f"-{check.params}" if check.params else "")
             params.append(pytest.param(vendor, check, id=pid, marks=vendor_marks(vendor)))
     return params
+
+
+def all_params():
+    """suite_params of every conformance suite, in the package's order."""
+    return [p for suite in all_suites() for p in suite_params(suite)]
 
 
 def run(vendor_name, check):

@@ -1,5 +1,5 @@
 """Kernel-level tests of the triton vendor's W8A8 kernels (quant.py, moe_w8a8.py); the op parity
-suites (tests/ops/test_quant.py, test_moe.py) compare them with the float64 references.
+suites (tests/ops/test_suites.py) compare them with the float64 references.
 
 Here: the int8 tl.dot with int32 accumulation is exact at K tails and extreme values (the integer
 product against int64 sums written here); the quantising kernels give the torch vendor's bytes and

@@ -2,7 +2,7 @@
 the layout against the conformance suite's own packer, the hook's choice, the portable, VNNI and
 AMX paths' identical bits, the documented error bound (exact integer products of each group's
 activations as 31-bit fixed point), non-finite inputs, and the groups it cannot take.
-Parity against the fp64 reference on every vendor: tests/ops/test_weight_quant.py."""
+Parity against the fp64 reference on every vendor: tests/ops/test_suites.py (-k weight_quant_matmul)."""
 
 import pytest
 import torch

@@ -2,7 +2,7 @@
 this machine can run gives the exact integer product (the float64 reference's int64 sums), and the
 quantising ops are bit-identical to the torch vendor's (same float32 steps, same rounding).
 
-The op parity suites (tests/ops/test_quant.py, test_moe.py) check the ops against the float64
+The op parity suites (tests/ops/test_suites.py) check the ops against the float64
 references on the default path; this file runs each path, including the ones the default skips.
 """
 

@@ -2,7 +2,7 @@
 vendor package that provides it.
 
 LMDeploy 0.18's `AscendOpsBackend.init()` runs `import dlinfer.framework.lmdeploy_ext.device`
-(lmdeploy/pytorch/backends/dlinfer/ascend/op_backend.py:577). Importing this module calls
+(lmdeploy/pytorch/backends/dlinfer/ascend/op_backend.py). Importing this module calls
 `device_hooks.init_device(device_hooks.current_device_type())`: the `init_device` callable the
 installed vendor package declares under the entry-point group `dlinfer.lmdeploy_devices` for that
 device type ("ascend" unless LMDeploy's current device context names maca or camb). Without such a

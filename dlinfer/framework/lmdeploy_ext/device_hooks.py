@@ -3,7 +3,7 @@
 dlinfer implements none of LMDeploy's own dlinfer device types (ascend, maca, camb); a chip
 vendor's package does. When LMDeploy initialises such a device it imports
 `dlinfer.framework.lmdeploy_ext.device` (LMDeploy 0.18: only `AscendOpsBackend.init()`,
-lmdeploy/pytorch/backends/dlinfer/ascend/op_backend.py:577), which calls `init_device` here.
+lmdeploy/pytorch/backends/dlinfer/ascend/op_backend.py), which calls `init_device` here.
 
 The hook: a vendor package declares, in its pyproject.toml,
 
@@ -31,7 +31,7 @@ from typing import Callable
 from dlinfer.errors import VendorError
 
 ENTRY_POINT_GROUP = "dlinfer.lmdeploy_devices"
-# LMDeploy 0.18's device types that run through dlinfer (lmdeploy/utils.py:471 try_import_deeplink
+# LMDeploy 0.18's device types that run through dlinfer (`lmdeploy.utils.try_import_deeplink`
 # also lists "npu", which LMDeploy's backend selector does not accept).
 LMDEPLOY_DLINFER_DEVICE_TYPES = ("ascend", "maca", "camb")
 # What the vendor package for each one is called in messages.

@@ -97,7 +97,7 @@ class HostCuda:
         pass
 
     def set_device(self, device) -> None:
-        """A tensor-parallel rank's device choice (mp_executor.py:563): the host has one."""
+        """A tensor-parallel rank's device choice (`ExecutorProc._main_loop` in mp_executor.py): the host has one."""
 
     def is_available(self) -> bool:
         return False

@@ -1,7 +1,8 @@
 """Non-causal attention without a KV cache (vision towers) on dlinfer's ops.
 
-Why: LMDeploy 0.18.0's vision towers (Qwen2-VL, Qwen2.5-VL: `models/qwen2_vl.py:379`,
-`models/qwen2_5_vl.py:104`) build `nn.FlashAttention(..., causal=False)`: every patch of an image
+Why: LMDeploy 0.18.0's vision towers (Qwen2-VL, Qwen2.5-VL: `VisionAttention.__init__` in
+models/qwen2_vl.py, `Qwen2_5_VLVisionAttention.__init__` in models/qwen2_5_vl.py) build
+`nn.FlashAttention(..., causal=False)`: every patch of an image
 (or of a Qwen2.5-VL window) attends to every other. LMDeploy's dlinfer layer
 (`backends/dlinfer/flash_attention.py`) stores `causal` but its kernel wrapper
 (`kernels/dlinfer/flash_attention.py`) calls `dlinfer.ops.prefill_attention`, which is causal, and

@@ -1,7 +1,8 @@
 """KV/state-cache allocation on the host for the "cpu" device type.
 
 LMDeploy's cache engine asks every layout to allocate on device "cuda"
-(cache_engine/engine.py:122, cache_engine/state.py:36) and to size itself on "meta". The cache
+(`CacheEngine.allocate_gpu_cache` in cache_engine/engine.py, `StateCacheEngine.__init__` in
+cache_engine/state.py) and to size itself on "meta". The cache
 backend is an ops-backend hook (`get_cache_backend`), so the CPU backend returns layouts that
 allocate on its own torch device instead of "cuda"; LMDeploy itself is not patched for this.
 """

@@ -1,6 +1,6 @@
 """Attention metadata for one engine step: what LMDeploy's dlinfer wrappers read.
 
-LMDeploy builds a `StepContext` per forward (model_inputs.py:368) and asks the ops backend to
+LMDeploy builds a `StepContext` per forward (`StepContext.new` in model_inputs.py) and asks the ops backend to
 attach `attn_metadata`. `backends/dlinfer/attention.py` and `kernels/dlinfer/pagedattention.py`
 read from it (B sequences, T packed new tokens, M max blocks per sequence):
 

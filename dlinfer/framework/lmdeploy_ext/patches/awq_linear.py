@@ -1,22 +1,23 @@
 """AWQ checkpoints in the engine's dtype on dlinfer's device types (written against LMDeploy 0.18.0).
 
 Why: LMDeploy runs every AWQ model in float16. `_update_torch_dtype` returns float16 for
-`quant_method == "awq"` whatever dtype was asked (pytorch/config.py:89-95), and `AwqLinear`
-creates its `scales` and `bias` in float16 whatever the model's dtype (nn/linear/awq.py:33,
-`create_weights(..., self.dtype, ...)`). The CPU device type does not run float16.
+`quant_method == "awq"` whatever dtype was asked (pytorch/config.py), and `AwqLinear`
+creates its `scales` and `bias` in float16 whatever the model's dtype (`AwqLinear.__init__` in
+nn/linear/awq.py, `create_weights(..., self.dtype, ...)`). The CPU device type does not run
+float16.
 
 How, for dlinfer device types only (a device type LMDeploy knows keeps its float16):
 - patches/model_dtype.py runs the AWQ model in the dtype it chose (float32 on CPU for dtype="auto")
   and records that dtype in the in-memory quantization config under `DTYPE_KEY`, which LMDeploy
-  hands to every module it builds (`BuildModelContext.quant_config`, model_inputs.py:530);
+  hands to every module it builds (`BuildModelContext.quant_config`, model_inputs.py);
 - here `AwqLinear.create_weights` (also used by its merged / QKV subclasses) creates `scales` and
   `bias` in that dtype; the checkpoint's float16 scales are copied into them exactly.
 
 And once per layer after loading (`AwqLinear.update_weights`, which LMDeploy calls from
-`process_weights_after_loading`, weight_loader/model_weight_loader.py:192), when the layer runs
+`process_weights_after_loading`, weight_loader/model_weight_loader.py), when the layer runs
 on LMDeploy's dlinfer AWQ implementation (`AwqLinearW4A16Impl`), the loaded `qweight` / `scales` /
 `qzeros` go through `dlinfer.ops.repack_weight_quant`: the active vendor's optional load-time
-repack (the cpu vendor tiles the columns; docs/design.md). A vendor without the hook keeps
+repack (the cpu vendor's k_interleaved or column_tiled layout; docs/design.md). A vendor without the hook keeps
 LMDeploy's AWQ gemm layout as loaded. Never per call.
 """
 

@@ -1,6 +1,6 @@
 """Route dlinfer's device types to dlinfer's ops backend (written against LMDeploy 0.18.0).
 
-Why: `lmdeploy.pytorch.backends.selector._get_backend` (selector.py:7-27) knows cuda, ascend,
+Why: `lmdeploy.pytorch.backends.selector._get_backend` (selector.py) knows cuda, ascend,
 maca and camb and raises RuntimeError for any other device type.
 
 How: `_get_backend` is wrapped; when the current LMDeploy device context names a dlinfer device

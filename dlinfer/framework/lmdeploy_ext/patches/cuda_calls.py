@@ -6,7 +6,7 @@ Why: on the path a tp=1 engine takes, LMDeploy 0.18 calls CUDA directly:
   :717 `Event()` per step, :1197 background loop, :1250-1256 input upload, :1368-1371 output
   download, :1997 close), `engine/cache_engine/engine.py` (:94 `current_stream`, :96 `Event()`),
   `engine/logits_process.py` (:388, :414, guided decoding only); a tensor-parallel rank's
-  `torch.cuda.set_device(rank)` (`engine/executor/mp_executor.py:563`);
+  `torch.cuda.set_device(rank)` (`ExecutorProc._main_loop` in engine/executor/mp_executor.py);
 - "cuda" as a device string: agent.py `_try_to_cuda` (:279-287, the per-step upload of inputs),
   `self.device = 'cuda'` (:363, weights and warm-up inputs) and the warm-up dummies (:492, :506,
   :550). The last two are per-engine and handled in `model_agent.py`.

@@ -1,7 +1,7 @@
 """Answer LMDeploy's per-device queries for dlinfer's device types (LMDeploy 0.18.0).
 
-Why: `lmdeploy.utils.get_max_batch_size` (utils.py:411) asserts the device type is one of
-LMDeploy's own and asks CUDA for the GPU name; `is_bf16_supported` (utils.py:430) returns False
+Why: `lmdeploy.utils.get_max_batch_size` (utils.py) asserts the device type is one of
+LMDeploy's own and asks CUDA for the GPU name; `is_bf16_supported` (utils.py) returns False
 for unknown device types, which makes LMDeploy turn bfloat16 checkpoints into float16.
 
 How: both functions are wrapped; a dlinfer device type gets its answer from `devices.py`

@@ -1,12 +1,12 @@
 """Accept dlinfer's device types in `PytorchEngineConfig` (written against LMDeploy 0.18.0).
 
-Why: `PytorchEngineConfig.__post_init__` (messages.py:604, :622) asserts `dtype` in
+Why: `PytorchEngineConfig.__post_init__` (messages.py) asserts `dtype` in
 auto/float16/bfloat16 and `device_type` in cuda/ascend/maca/camb, so `device_type="cpu"` and
 `dtype="float32"` fail before any engine code runs. Its defaults suit a GPU, not the host RAM and
 few cores of a CPU machine: `cache_max_entry_count=0.8` of free memory (zero-filled, so
 committed RAM) and `max_prefill_token_num=8192` tokens per prefill step (8 s of a 2-core CPU for
 a 135M model, more for bigger ones, during which no admitted prompt gets its first token). And
-settings LMDeploy's `EngineChecker.check` (engine/engine_checker.py:76-103) refuses end in
+settings LMDeploy's `EngineChecker.check` (engine/engine_checker.py) refuses end in
 `exit(1)`, a `SystemExit` from deep inside `pipeline()` (or the death of the serving engine's
 process), not in an error naming the setting.
 
@@ -124,7 +124,8 @@ def warn_host_memory(config, spec: devices.DeviceSpec) -> None:
 
     The estimate, `cache_max_entry_count` x RAM available now, is what LMDeploy commits at most:
     it applies the share to what is free after the weights and a logits reserve
-    (executor/base.py:219-240, 391-403). With `num_gpu_blocks` given, the share is not used."""
+    (`ExecutorBase._get_runtime_size` and `ExecutorBase._update_num_gpu_blocks` in executor/base.py).
+    With `num_gpu_blocks` given, the share is not used."""
     share = spec.kv_cache_warn_share
     if share is None or config.num_gpu_blocks > 0 or config.cache_max_entry_count < share:
         return

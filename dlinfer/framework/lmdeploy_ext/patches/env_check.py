@@ -1,8 +1,8 @@
 """Check torch on the device a dlinfer engine runs on (written against LMDeploy 0.18.0).
 
-Why: `EngineChecker` (engine/engine_checker.py:27) always builds a `TorchChecker()` whose check
-adds two tensors on "cuda" (check_env/torch.py:8,16); on a machine without CUDA that check
-fails and LMDeploy exits the process (`exit(1)`), whatever the device type.
+Why: `EngineChecker.__init__` (engine/engine_checker.py) always builds a `TorchChecker()` whose
+check adds two tensors on "cuda" (`TorchChecker.check` in check_env/torch.py); on a machine
+without CUDA that check fails and LMDeploy exits the process (`exit(1)`), whatever the device type.
 
 How: after LMDeploy's `EngineChecker.__init__`, for a dlinfer device type only, every
 TorchChecker in its tree of required checkers checks the device type's torch device instead.

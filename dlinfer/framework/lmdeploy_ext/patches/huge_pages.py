@@ -5,7 +5,7 @@ two-level page walk in a VM). On 2 MB pages the Intel Xeon VM's float32 few-row 
 1.46x faster (dlinfer/utils/huge_pages.py; the end-to-end runs in docs/benchmarks.md, "Huge pages
 for the weights").
 
-How: `BaseModelAgent.build_model` (engine/model_agent/agent.py:1413) builds the patched model and
+How: `BaseModelAgent.build_model` (engine/model_agent/agent.py) builds the patched model and
 loads its weights (the lm_head patch's int8 head and the vendor's load-time repack included). For
 an agent of a dlinfer CPU device type, the wrapper then hands every parameter and buffer of the
 model to `move_to_huge_pages` (copied into one 2 MB-page arena, each tensor re-pointed in place:

@@ -3,7 +3,7 @@
 Why: neither of LMDeploy's AWQ nor SmoothQuant formats quantises the LM head, so a quantised
 small model still reads its whole float head every decode step (backend/lm_head.py).
 
-How: `BaseModelAgent._build_model` (engine/model_agent/agent.py:1377) builds the patched model
+How: `BaseModelAgent._build_model` (engine/model_agent/agent.py) builds the patched model
 and loads its weights (`load_model_weights`, which ends with `process_weights_after_loading`:
 a tied model's `update_weights` has tied the head to the embedding by then). For an agent of a
 dlinfer device type, and no other, the wrapper reads DLINFER_LM_HEAD first (a bad value is a

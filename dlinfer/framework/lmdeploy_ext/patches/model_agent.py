@@ -1,6 +1,6 @@
 """Place a dlinfer engine's model agent on its device (written against LMDeploy 0.18.0).
 
-Why: `BaseModelAgent` (engine/model_agent/agent.py:310) is CUDA-only in three per-engine ways:
+Why: `BaseModelAgent` (engine/model_agent/agent.py) is CUDA-only in three per-engine ways:
 `self.device = 'cuda'` (:363) decides where weights load and where `build_graph_runner` runs;
 warm-up builds its dummy inputs with `device='cuda'` (:492, :506, :550); `get_free_mem` (:476)
 asks CUDA for free memory, which sizes the KV cache. And the per-step input upload

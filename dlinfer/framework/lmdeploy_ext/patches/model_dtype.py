@@ -1,7 +1,7 @@
 """Pick the model dtype for dlinfer's device types (written against LMDeploy 0.18.0).
 
-Why: `lmdeploy.pytorch.config._update_torch_dtype` (config.py:80-137) turns dtype="auto" into
-float16 for any checkpoint that is not float16/bfloat16 (config.py:120), so a float32 checkpoint
+Why: `lmdeploy.pytorch.config._update_torch_dtype` (config.py) turns dtype="auto" into
+float16 for any checkpoint that is not float16/bfloat16, so a float32 checkpoint
 would run in float16 on a CPU, which the CPU device does not run.
 
 How: for a dlinfer device type the dtype is chosen here and handed to LMDeploy's function as an
@@ -72,7 +72,7 @@ def _patch_update_torch_dtype(original):
         result = original(config, chosen, device_type=device_type)
         quant = getattr(config.hf_config, "quantization_config", None)
         if isinstance(quant, dict) and quant.get("quant_method") == "awq":
-            # LMDeploy forced float16 for AWQ (config.py:91-95): run `chosen` and tell AwqLinear
+            # LMDeploy forced float16 for AWQ (in `_update_torch_dtype`): run `chosen` and tell AwqLinear
             # (patches/awq_linear.py) through the quantization config every module is built with.
             from dlinfer.framework.lmdeploy_ext.patches.awq_linear import DTYPE_KEY
 

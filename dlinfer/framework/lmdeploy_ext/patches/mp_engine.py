@@ -1,8 +1,8 @@
 """LMDeploy's multi-process engine on dlinfer's device types (written against LMDeploy 0.18.0).
 
 Why: with `enable_mp_engine=True`, which `lmdeploy serve api_server` forces
-(serve/openai/api_server.py:367), the engine runs in a child process that
-`ZMQMPEngine._start_mp_proc` (pytorch/engine/mp_engine/zmq_engine.py:72-103) starts with
+(serve/openai/api_server.py), the engine runs in a child process that
+`ZMQMPEngine._start_mp_proc` (pytorch/engine/mp_engine/zmq_engine.py) starts with
 multiprocessing *spawn*: a fresh interpreter that imports the parent's main module (as
 `__mp_main__`) and what unpickling the process object needs, LMDeploy's `ZMQMPEngine._mp_proc`
 and the engine config. Three things go wrong there:
@@ -11,7 +11,7 @@ and the engine config. Three things go wrong there:
 2. If the server process is killed (SIGKILL, the OOM killer), the child, which holds the weights
    and the whole KV cache in RAM, lives on: only a clean shutdown terminates it.
 3. The child publishes its RPC port under a `multiprocessing.Manager` condition
-   (zmq_engine.py:132-134); the parent sees the port once the child's `release` has reached the
+   (`ZMQMPEngine._mp_proc`); the parent sees the port once the child's `release` has reached the
    manager and then shuts the manager down (leaving `with mp.Manager()`), which can happen before
    the manager's reply to that `release` reaches the child: the child dies of EOFError and the
    server with "engine process is not alive". Seen in 2 of 8 server starts on a busy 2-core

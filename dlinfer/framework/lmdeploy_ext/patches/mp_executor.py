@@ -5,10 +5,10 @@ one process per rank with multiprocessing *spawn*; the target is the bound metho
 `ExecutorProc._main_loop`, so the rank process imports LMDeploy but not dlinfer's adaptor (unless
 the parent's main module happens to). Six things go wrong for a dlinfer device type there:
 1. Without the adaptor's patches, the rank's `init_backend("cpu")` raises (unknown device type).
-2. The rank's `init_process_group` (dist_utils.py:44) asks `get_backend()` of LMDeploy's
+2. The rank's `init_process_group` (dist_utils.py) asks `get_backend()` of LMDeploy's
    *current* device context, which in a fresh rank process is the default, "cuda": the process
    group would be built with "nccl" whatever the device type.
-3. `_main_loop` calls `torch.cuda.set_device(rank)` (mp_executor.py:563): no CUDA on a CPU host.
+3. `_main_loop` calls `torch.cuda.set_device(rank)` (mp_executor.py): no CUDA on a CPU host.
 4. Every rank starts torch's default thread pool, one thread per core: two ranks on two cores
    run four compute threads, and each rank's collectives wait for the slowest oversubscribed one.
 5. A rank that fails ends the engine through a SIGUSR1 handler in the parent (mp_executor.py:
@@ -18,7 +18,7 @@ the parent's main module happens to). Six things go wrong for a dlinfer device t
    (SIGKILL, the OOM killer) sends nothing at all: the parent waits for its reply for ever. A
    parent killed from outside leaves its ranks, which hold the weights, running.
 
-6. LMDeploy's shared-memory command channel (`Notifier`, mp_executor.py:40-88) makes its
+6. LMDeploy's shared-memory command channel (`Notifier`, mp_executor.py) makes its
    senders and receivers meet at a multiprocessing barrier every 32 messages, and the async
    paths wait at it *synchronously*, blocking the event loop. A rank that blocks there while
    another rank's forward task sits in a collective waiting for it deadlocks: on a GPU the

@@ -1,7 +1,7 @@
 """Free the warm-up thread's OpenMP pool after warm-up (written against LMDeploy 0.18.0).
 
 Why: LMDeploy warms the engine up on the thread that builds it (`BaseModelAgent.warmup`,
-engine/model_agent/agent.py:518, the caller's thread) and then serves every forward on the
+engine/model_agent/agent.py, the caller's thread) and then serves every forward on the
 pipeline's own event-loop thread. Both threads open OpenMP parallel regions, so libgomp keeps
 two worker pools; with more pool threads than CPUs it stops spin-waiting and every parallel
 region of a decode step (hundreds per step) pays a futex wake-up. Measured with SmolLM2-135M on

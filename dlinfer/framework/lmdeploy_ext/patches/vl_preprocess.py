@@ -1,7 +1,8 @@
 """Image preprocessing of vision-language models without torchvision (written against LMDeploy 0.18.0).
 
-Why: LMDeploy's preprocessors of InternVL (HF-native, `vl/model/internvl3_hf.py:45`) and
-Qwen2-VL / Qwen2.5-VL (`vl/model/qwen2.py:14`) load `transformers.AutoProcessor` for the model.
+Why: LMDeploy's preprocessors of InternVL (HF-native, `InternVL3VisionModel.build_preprocessor` in
+vl/model/internvl3_hf.py) and Qwen2-VL / Qwen2.5-VL (`Qwen2VLModel.build_preprocessor` in
+vl/model/qwen2.py) load `transformers.AutoProcessor` for the model.
 transformers 4.57's processors of these models hold an image processor, a tokenizer and a video
 processor, and every video processor class requires torchvision (`AutoVideoProcessor` raises
 ImportError without it), though LMDeploy's preprocessing of these models calls only the image
@@ -120,7 +121,7 @@ def _patch_internvl_preprocessor(original):
     def build_preprocessor(self, trust_remote_code: bool = False):
         if not _IMAGE_ONLY.get():
             return original(self, trust_remote_code=trust_remote_code)
-        # LMDeploy 0.18.0 vl/model/internvl3_hf.py:45-51, with the processor built image-only.
+        # LMDeploy 0.18.0's `InternVL3VisionModel.build_preprocessor`, with the processor built image-only.
         self.processor = image_only_processor(self.arch, self.model_path, trust_remote_code)
         tokenizer = self.processor.tokenizer
         self.image_token = self.processor.image_token
@@ -137,7 +138,7 @@ def _patch_qwen2_vl_preprocessor(original):
     def build_preprocessor(self, trust_remote_code: bool = False):
         if not _IMAGE_ONLY.get():
             return original(self, trust_remote_code=trust_remote_code)
-        # LMDeploy 0.18.0 vl/model/qwen2.py:12-17, with the processor built image-only.
+        # LMDeploy 0.18.0's `Qwen2VLModel.build_preprocessor`, with the processor built image-only.
         self.processor = image_only_processor(self.hf_config.architectures[0], self.model_path, trust_remote_code)
         tokenizer = self.processor.tokenizer
         self.image_token = self.processor.image_token

@@ -1,7 +1,7 @@
 // W4A16 (weight_quant_matmul) as exact integer dot products: the k_interleaved layout and its
 // kernel, the cpu vendor's path on CPUs with AVX-512 VNNI (vpdpbusd, one row) and AMX-INT8
 // (tdpbssd, more rows), with a portable loop elsewhere. Layout: dlinfer/vendor/w4_layouts.py;
-// contract: docs/ops.md, "weight_quant_matmul"; design: docs/design.md, "W4A16 as integer dot
+// contract: docs/ops.md (the table's weight_quant_matmul row); design: docs/design.md, "W4A16 as integer dot
 // products".
 //
 // Why: the float32 register kernel (quant_w4.cpp) is bound by its decode at one row, 3 vector

@@ -1,5 +1,5 @@
-"""Stand-in (layout demonstration). LMDeploy 0.18's dlinfer MoE layer (backends/dlinfer/moe.py:75,
-:91) calls these when `dlinfer.vendor.vendor_name == 'ascend'`. A real package packs experts into
+"""Stand-in (layout demonstration). LMDeploy 0.18's dlinfer MoE layer (`DlinferFusedMoEImpl.build_expert_storage`
+and `update_weights` in backends/dlinfer/moe.py) calls these when `dlinfer.vendor.vendor_name == 'ascend'`. A real package packs experts into
 its chunked storage layout; the stand-in keeps one storage slot per expert (layout None)."""
 
 from dlinfer.vendor.ascend import CALLS

@@ -1,7 +1,7 @@
 """Stand-in (layout demonstration). LMDeploy 0.18's ascend backend imports from here
-`AscendGraphRunner` (ascend/op_backend.py:550, built as AscendGraphRunner(model, model_config,
+`AscendGraphRunner` (in `AscendOpsBackend.build_graph_runner`, built as AscendGraphRunner(model, model_config,
 cache_config, backend_config, device, is_mla=...)) and `get_ascend_compatible_size`
-(ascend/op_backend.py:323, the batch size a decode graph is captured for). The stand-in runner
+(in `AscendOpsBackend.update_step_context`, the batch size a decode graph is captured for). The stand-in runner
 runs the model eagerly; a real package captures ACL graphs."""
 
 import torch
