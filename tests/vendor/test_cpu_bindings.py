@@ -1,6 +1,6 @@
 """The cpu vendor's kernels as extension-module functions (csrc/bindings.cpp): the same results as
 their torch.ops registrations, tensors off the CPU refused by name, C++ errors raised as torch
-raises them (a ValueError stays a ValueError: the vendor's fallbacks rely on it), and the GIL
+raises them (a ValueError stays a ValueError), every entry point declared in entry_points.h bound, and the GIL
 released while a kernel runs."""
 
 import threading
@@ -112,3 +112,34 @@ def test_gil_is_released_while_a_kernel_runs(kernels):
     assert len(stamps) > 100
     assert stamps[-1] - stamps[0] > one_run / 2  # the loop ran while the kernel did
     assert max(gaps) < one_run / 2, (max(gaps), one_run)  # held, the GIL would stop it for a whole call
+
+
+def test_every_declared_entry_point_is_listed_and_bound(kernels):
+    """entry_points.h declares each kernel function and lists it once in DLINFER_CPU_ENTRY_POINTS,
+    from which bindings.cpp binds them all: the list and the declarations hold the same names, and
+    the module has each as a function; build.py compiles every csrc/*.cpp."""
+    import re
+
+    header = (build.CSRC / "entry_points.h").read_text()
+    body = header.split("#define DLINFER_CPU_ENTRY_POINTS", 1)
+    declared = set(re.findall(r"^[\w:<>, ]+?[ &*](\w+)\(", body[0], re.M))
+    listed = re.findall(r"X\((\w+)\)", body[1])
+    assert len(listed) == len(set(listed)), "an entry point is listed twice"
+    assert set(listed) == declared, (sorted(declared - set(listed)), sorted(set(listed) - declared))
+    assert all(callable(getattr(kernels, name, None)) for name in listed)
+    assert set(build.SOURCES) == {p.name for p in build.CSRC.glob("*.cpp")}
+
+
+def test_the_vendor_notes_match_its_op_table():
+    """One NOTES entry per op of the cpu vendor's table, none for an op it lacks; an op the vendor
+    takes from the torch vendor says so, and one of its own C++ kernels says C++."""
+    from dlinfer.vendor import registry
+    from dlinfer.vendor.cpu import NOTES
+
+    vendor = registry.load("cpu")
+    assert set(NOTES) == set(vendor.ops)
+    for op, fn in vendor.ops.items():
+        borrowed = fn.__module__.startswith("dlinfer.vendor.torch")
+        assert NOTES[op].startswith("the torch vendor's") == borrowed, (op, fn.__module__, NOTES[op][:40])
+        if not borrowed:
+            assert NOTES[op].startswith("C++"), (op, NOTES[op][:40])

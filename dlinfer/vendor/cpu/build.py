@@ -34,10 +34,7 @@ from dlinfer import envs
 from dlinfer.errors import VendorError
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("bindings.cpp", "linear.cpp", "linear_16bit.cpp", "attention.cpp", "kv_cache.cpp", "norm.cpp", "rotary.cpp",
-           "activation.cpp", "int8_gemm.cpp", "quant_w8.cpp", "moe_w8.cpp", "quant_w4.cpp", "quant_w4_tiles.cpp",
-           "quant_w4_int.cpp",
-           "prefill_attention.cpp", "read_probe.cpp")
+SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cpp")))  # every kernel file of csrc/ (one module)
 COMPILERS = ("c++", "g++", "clang++")  # looked for in this order when $CXX is not set
 _ANNOUNCE_AFTER_S = 2.0  # a load still running after this long is compiling: say so
 _loaded = None  # the extension module, once built and imported

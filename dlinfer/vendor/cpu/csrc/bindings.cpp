@@ -41,28 +41,7 @@ void bind(pybind11::module_& m, const char* name, R (*fn)(A...)) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace dlinfer_cpu;
-  bind(m, "silu_and_mul", &silu_and_mul);
-  bind(m, "rms_norm", &rms_norm);
-  bind(m, "add_rms_norm", &add_rms_norm);
-  bind(m, "apply_rotary_pos_emb", &apply_rotary_pos_emb);
-  bind(m, "fill_kv_cache", &fill_kv_cache);
-  bind(m, "paged_decode_attention", &paged_decode_attention);
-  bind(m, "prefill_attention", &prefill_attention);
-  bind(m, "paged_prefill_attention", &paged_prefill_attention);
-  bind(m, "linear_few_rows", &linear_few_rows);
-  bind(m, "linear_few_rows_16bit", &linear_few_rows_16bit);
-  bind(m, "dynamic_quant", &dynamic_quant);
-  bind(m, "rms_norm_w8a8", &rms_norm_w8a8);
-  bind(m, "add_rms_norm_w8a8", &add_rms_norm_w8a8);
-  bind(m, "int8_matmul", &int8_matmul);
-  bind(m, "linear_w8a8", &linear_w8a8);
-  bind(m, "fused_moe_w8a8", &fused_moe_w8a8);
-  bind(m, "w4_matmul", &w4_matmul);
-  bind(m, "w4_dequantise_tiles", &w4_dequantise_tiles);
-  bind(m, "w4_column_tiled", &w4_column_tiled);
-  bind(m, "w4_k_interleaved", &w4_k_interleaved);
-  bind(m, "w4_matmul_k_interleaved", &w4_matmul_k_interleaved);
-  bind(m, "w4_vnni_available", &w4_vnni_available);
-  bind(m, "w4_amx_available", &w4_amx_available);
-  bind(m, "read_probe", &read_probe);
+#define DLINFER_CPU_BIND(name) bind(m, #name, &name);
+  DLINFER_CPU_ENTRY_POINTS(DLINFER_CPU_BIND)
+#undef DLINFER_CPU_BIND
 }

@@ -92,4 +92,33 @@ bool w4_amx_available();
 // checksum of its bytes.
 int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, int64_t prefetch_bytes, int64_t hint);
 
+// Every entry point above, once: bindings.cpp binds each as a function of the extension module
+// (tests/vendor/test_cpu_bindings.py checks the list against the declarations). A new kernel: its
+// .cpp in csrc/ (build.py compiles every one), its declaration here, its name in this list.
+#define DLINFER_CPU_ENTRY_POINTS(X) \
+  X(silu_and_mul) \
+  X(rms_norm) \
+  X(add_rms_norm) \
+  X(apply_rotary_pos_emb) \
+  X(fill_kv_cache) \
+  X(paged_decode_attention) \
+  X(prefill_attention) \
+  X(paged_prefill_attention) \
+  X(linear_few_rows) \
+  X(linear_few_rows_16bit) \
+  X(dynamic_quant) \
+  X(rms_norm_w8a8) \
+  X(add_rms_norm_w8a8) \
+  X(int8_matmul) \
+  X(linear_w8a8) \
+  X(fused_moe_w8a8) \
+  X(w4_matmul) \
+  X(w4_dequantise_tiles) \
+  X(w4_column_tiled) \
+  X(w4_k_interleaved) \
+  X(w4_matmul_k_interleaved) \
+  X(w4_vnni_available) \
+  X(w4_amx_available) \
+  X(read_probe)
+
 }  // namespace dlinfer_cpu
