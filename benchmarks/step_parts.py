@@ -52,8 +52,8 @@ FUNCTIONS = (
     ("lmdeploy.pytorch.engine.model_agent.agent", "BatchedOutputs.to_cpu"),
     ("dlinfer.framework.lmdeploy_ext.backend.op_backend", "build_attention_metadata"),
     ("dlinfer.framework.lmdeploy_ext.backend.step_context", "last_token_slots"),
-    ("dlinfer.framework.lmdeploy_ext.graph_runner", "DlinferGraphRunner._pad"),
-    ("dlinfer.framework.lmdeploy_ext.graph_replay", "GraphReplay.__call__"),
+    ("dlinfer.framework.lmdeploy_ext.graph_mode.runner", "DlinferGraphRunner._pad"),
+    ("dlinfer.framework.lmdeploy_ext.graph_mode.replay", "GraphReplay.__call__"),
 )
 
 

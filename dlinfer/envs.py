@@ -43,12 +43,12 @@ SETTINGS: Tuple[Setting, ...] = (
             "skip", "graph/backend.py, at each compile"),
     Setting("DLINFER_GRAPH_COMPILER", "the vendor's compiler, else direct",
             "the compiler after the passes: direct, auto, inductor, eager", "graph/backend.py and "
-            "framework/lmdeploy_ext/graph_runner.py, at each compile"),
+            "framework/lmdeploy_ext/graph_mode/runner.py, at each compile"),
     Setting("DLINFER_GRAPH_GUARDS", "warm", "warm: evaluate only the guards that tell buckets apart once warm; "
-            "full: every guard, every step (and no replay)", "framework/lmdeploy_ext/graph_runner.py, when a graph "
-            "runner is built"),
+            "full: every guard, every step (and no replay)",
+            "framework/lmdeploy_ext/graph_mode/runner.py, when a graph runner is built"),
     Setting("DLINFER_GRAPH_REPLAY", "1", "0: call compiled graphs through Dynamo every step instead of replaying "
-            "them", "framework/lmdeploy_ext/graph_runner.py, when a graph runner is built"),
+            "them", "framework/lmdeploy_ext/graph_mode/runner.py, when a graph runner is built"),
     # the LMDeploy adaptor
     Setting("DLINFER_LM_HEAD", "auto", "int8, float or auto (int8 for quantised checkpoints): the LM head after "
             "loading", "framework/lmdeploy_ext/backend/lm_head.py, when the engine builds its model"),

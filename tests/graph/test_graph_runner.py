@@ -13,7 +13,7 @@ pytest.importorskip("lmdeploy")
 from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata  # noqa: E402
 
 import dlinfer.ops as ops  # noqa: E402
-from dlinfer.framework.lmdeploy_ext.graph_runner import DlinferGraphRunner  # noqa: E402
+from dlinfer.framework.lmdeploy_ext.graph_mode.runner import DlinferGraphRunner  # noqa: E402
 
 H, HEADS, D, BS, NB, VOCAB = 32, 2, 16, 4, 24, 50
 
@@ -124,7 +124,7 @@ def test_one_compile_per_bucket(model_and_runner):
 
 @pytest.mark.parametrize("kv_lens", [[7, 3, 12], [2], [9, 4], [5, 6, 7, 8], [14, 2, 3]])
 def test_warm_steps_replay_their_bucket_graph(model_and_runner, kv_lens, monkeypatch):
-    """Every bucket compiled: a step calls its bucket's graph without Dynamo (graph_replay.py):
+    """Every bucket compiled: a step calls its bucket's graph without Dynamo (graph_mode/replay.py):
     eager mode's results and caches, no compile, the compiled model never entered."""
     model, runner = model_and_runner
     assert runner.compiles == len(runner.buckets) and sorted(runner._replays) == runner.buckets
@@ -251,7 +251,7 @@ def test_output_the_graph_does_not_return_keeps_dynamo():
 
 def test_replay_inputs_from_var_keyword_arguments():
     """Sources under the forward's **kwargs (L['kwargs'][...]) are gathered like the others."""
-    from dlinfer.framework.lmdeploy_ext.graph_replay import frame_function
+    from dlinfer.framework.lmdeploy_ext.graph_mode.replay import frame_function
 
     frame = frame_function(DictDecoder().forward)
     got = frame(dict(input_ids=1, position_ids=2, past_key_values=3, attn_metadata=4, gain=5))
@@ -260,7 +260,7 @@ def test_replay_inputs_from_var_keyword_arguments():
 
 
 def test_graph_inputs_not_expressible_are_refused():
-    from dlinfer.framework.lmdeploy_ext.graph_replay import gather_function
+    from dlinfer.framework.lmdeploy_ext.graph_mode.replay import gather_function
 
     gather = gather_function(["L['a'][1]", "L['b'].size()[0]"])
     assert gather({"a": [0, 7], "b": torch.zeros(3)}) == (7, 3)

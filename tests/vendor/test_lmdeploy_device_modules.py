@@ -84,7 +84,7 @@ IMPORT_ALL = textwrap.dedent(
         calls_import = dict(asc.CALLS)
         asc.CALLS.clear()
         sys.modules.pop("dlinfer.framework.lmdeploy_ext.device")     # as in a fresh worker
-        import dlinfer.framework.lmdeploy_ext.device_hooks as hooks
+        import dlinfer.framework.lmdeploy_ext.devices.hooks as hooks
         hooks._done.clear()
         from lmdeploy.pytorch.backends.dlinfer.ascend import AscendOpsBackend
         AscendOpsBackend.init()                                       # LMDeploy's own code
@@ -114,12 +114,29 @@ def installed(tmp_path_factory):
     return target
 
 
+def _imported_by_lmdeploy() -> set:
+    """LMDEPLOY_IMPORTED_MODULES of dlinfer/framework/lmdeploy_ext/__init__.py, read from the source
+    (importing the adaptor would patch LMDeploy)."""
+    tree = ast.parse((ROOT / "dlinfer" / "framework" / "lmdeploy_ext" / "__init__.py").read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "LMDEPLOY_IMPORTED_MODULES")
+    return set(ast.literal_eval(node.value))
+
+
 def test_module_list_matches_lmdeploy_source():
-    ascend = lmdeploy_imports("ascend")
-    dlinfer_own = {"dlinfer.ops", "dlinfer.vendor", "dlinfer.utils.type_annotation", "dlinfer.framework.lmdeploy_ext"}
-    assert {m for m, _, _ in ascend} == ASCEND_VENDOR_MODULES | dlinfer_own, ascend
+    """What LMDeploy imports from dlinfer is dlinfer's named list (whose modules exist) plus what a
+    vendor package adds."""
+    own = _imported_by_lmdeploy()
+    packaged = {m for m in ASCEND_VENDOR_MODULES if m not in own}
+    ascend = {m for m, _, _ in lmdeploy_imports("ascend")}
+    assert ascend == packaged | (own - {"dlinfer.framework.lmdeploy_ext.cudagraph"}), ascend
+    assert all(m.startswith("dlinfer.framework.lmdeploy_ext.cudagraph.") or m.startswith("dlinfer.vendor.ascend")
+               for m in packaged), packaged
     for device in ("maca", "camb"):  # their backends import only dlinfer's own modules
-        assert {m for m, _, _ in lmdeploy_imports(device)} == dlinfer_own
+        assert {m for m, _, _ in lmdeploy_imports(device)} == own - {"dlinfer.framework.lmdeploy_ext.device",
+                                                                     "dlinfer.framework.lmdeploy_ext.cudagraph"}
+    for module in own:
+        path = ROOT / Path(*module.split("."))
+        assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), module
 
 
 def test_ascend_modules_from_the_example_package(installed):
@@ -143,7 +160,7 @@ NEGATIVE = textwrap.dedent(
         import dlinfer.vendor.ascend
     except ModuleNotFoundError as e:
         out["ascend"] = e.name
-    from dlinfer.framework.lmdeploy_ext.device_hooks import DeviceModuleNotFound, init_device
+    from dlinfer.framework.lmdeploy_ext.devices.hooks import DeviceModuleNotFound, init_device
     try:
         import dlinfer.framework.lmdeploy_ext.device
     except DeviceModuleNotFound as e:

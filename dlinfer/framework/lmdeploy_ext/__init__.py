@@ -4,7 +4,7 @@
     from lmdeploy import pipeline, PytorchEngineConfig
     pipe = pipeline(model_dir, backend_config=PytorchEngineConfig(device_type="cpu"))
 
-It adds the device types of `devices.py` ("cpu"; "dlinfer_cuda", not yet run on a GPU), whose
+It adds the device types of `devices/specs.py` ("cpu"; "dlinfer_cuda", not yet run on a GPU), whose
 ops backend (`backend/`) subclasses LMDeploy's own `DlinferOpsBackend`, so LMDeploy's dlinfer
 layers and `kernels/dlinfer` wrappers run unchanged on `dlinfer.ops`. The patches themselves,
 one module each, are listed in `patches/__init__.py`; they change nothing for LMDeploy's own
@@ -15,6 +15,19 @@ Importing twice, or reloading, patches nothing twice.
 from __future__ import annotations
 
 from pkgutil import extend_path
+
+# The module paths LMDeploy 0.18 imports from dlinfer itself by name (a vendor package adds the
+# others: `dlinfer.vendor.<device>...`, `cudagraph.<device>_cudagraph`). They stay where they are
+# whatever else moves; tests/vendor/test_lmdeploy_device_modules.py reads LMDeploy's source and
+# checks this list.
+LMDEPLOY_IMPORTED_MODULES = (
+    "dlinfer.framework.lmdeploy_ext",  # lmdeploy.utils.try_import_deeplink: applies the patches
+    "dlinfer.framework.lmdeploy_ext.device",  # AscendOpsBackend.init: hands over to a package's hook
+    "dlinfer.framework.lmdeploy_ext.cudagraph",  # the package a vendor's <device>_cudagraph joins
+    "dlinfer.ops",  # kernels/dlinfer: every op
+    "dlinfer.utils.type_annotation",  # kernels/dlinfer: MoECommType, MoeMetadata
+    "dlinfer.vendor",  # backends/dlinfer/moe.py: vendor_name
+)
 
 # Open to vendor packages, which add the modules LMDeploy imports for its own device types
 # (`cudagraph.ascend_cudagraph`, ...; docs/vendors.md). `device.py` hands those devices over.

@@ -4,7 +4,7 @@ The options are `lmdeploy serve api_server`'s own: LMDeploy 0.18's parser
 (`lmdeploy/cli/serve.py:SubCliServe.add_parser_api_server`), so every option it has works and
 means what LMDeploy's documentation says, with these changes for dlinfer's device types:
 
-- `--device`: dlinfer's device types (`devices.py`), default "cpu";
+- `--device`: dlinfer's device types (`devices/specs.py`), default "cpu";
 - `--backend`: "pytorch" only (TurboMind is LMDeploy's CUDA engine);
 - `--dtype`: also float32 (what `dtype="auto"` keeps for a float32 checkpoint on cpu);
 - `--cache-max-entry-count`, `--max-prefill-token-num`: default to the device's defaults

@@ -11,7 +11,7 @@ layers, which call `dlinfer.ops` through `lmdeploy/pytorch/kernels/dlinfer`. Wha
 - the collective backend of tp > 1 from the device type (`DeviceSpec.ccl_backend`: "gloo" on the
   CPU, "nccl" for dlinfer_cuda);
 - for the CPU: cache allocation on the host (`cache.py`), and
-  with `eager_mode=False` decode steps compiled by `graph_runner.py` (`eager_mode=True`: LMDeploy's
+  with `eager_mode=False` decode steps compiled by `graph_mode/runner.py` (`eager_mode=True`: LMDeploy's
   base `GraphRunner`, every step eager).
 """
 
@@ -88,10 +88,10 @@ class CpuOpsBackend(DlinferDeviceOpsBackend):
 
     @classmethod
     def build_graph_runner(cls, model, model_config, cache_config, backend_config, device):
-        """eager_mode=False: decode steps compiled with the dlinfer backend (graph_runner.py)."""
+        """eager_mode=False: decode steps compiled with the dlinfer backend (graph_mode/runner.py)."""
         if backend_config.eager_mode:
             return super().build_graph_runner(model, model_config, cache_config, backend_config, device)
-        from dlinfer.framework.lmdeploy_ext.graph_runner import DlinferGraphRunner
+        from dlinfer.framework.lmdeploy_ext.graph_mode.runner import DlinferGraphRunner
 
         return DlinferGraphRunner(model, model_config, cache_config, backend_config, device)
 

@@ -2,7 +2,7 @@
 
 Each module states why it exists, how it works and the LMDeploy version it was written
 against, and exposes `apply()`, which is idempotent (see `patching.wrap`). Every patch changes
-behaviour for dlinfer's device types (`devices.py`) only.
+behaviour for dlinfer's device types (`devices/specs.py`) only.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Why: `lmdeploy.utils.get_max_batch_size` (utils.py) asserts the device type is o
 LMDeploy's own and asks CUDA for the GPU name; `is_bf16_supported` (utils.py) returns False
 for unknown device types, which makes LMDeploy turn bfloat16 checkpoints into float16.
 
-How: both functions are wrapped; a dlinfer device type gets its answer from `devices.py`
+How: both functions are wrapped; a dlinfer device type gets its answer from `devices/specs.py`
 (bf16: always on CPU, LMDeploy's CUDA answer for dlinfer_cuda), every other device type gets
 LMDeploy's. They are replaced in `lmdeploy.utils` and in the two modules that imported them by
 name before we could patch (`pytorch.engine.config_builder`, `pytorch.config`).

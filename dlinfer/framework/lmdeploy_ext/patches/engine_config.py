@@ -10,7 +10,7 @@ settings LMDeploy's `EngineChecker.check` (engine/engine_checker.py) refuses end
 `exit(1)`, a `SystemExit` from deep inside `pipeline()` (or the death of the serving engine's
 process), not in an error naming the setting.
 
-How: for a dlinfer device type only (see `devices.py`), and only there,
+How: for a dlinfer device type only (see `devices/specs.py`), and only there,
 - `__init__` fills the device's defaults (`cache_max_entry_count`, `max_prefill_token_num`) when
   the caller gave none or passed None (LMDeploy's CLI always passes both: `serve.py` passes None
   to mean "the device's default");

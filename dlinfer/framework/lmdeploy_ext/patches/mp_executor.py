@@ -25,7 +25,7 @@ the parent's main module happens to). Six things go wrong for a dlinfer device t
    collectives are asynchronous, on the CPU gloo's are not. Seen: SmolLM2-135M at tp=3 hung
    after about 1000 collectives, rank 0 in gloo's `Work::wait`, rank 1 in the barrier.
 
-How, for dlinfer's device types only (`devices.py`; other device types get LMDeploy's code):
+How, for dlinfer's device types only (`devices/specs.py`; other device types get LMDeploy's code):
 - `ExecutorProc.start` starts the rank with `rank_process`, a function of this module, as target
   (spawn pickles it by module and name, so the rank imports this module, hence the adaptor and all
   its patches, before anything is built: 1). `rank_process` sets the rank's threads (4,

@@ -38,7 +38,7 @@ engine's life (the padding above makes even the tensors' provenance uniform).
 DLINFER_GRAPH_GUARDS=full evaluates every guard at every step.
 
 Replay: once a bucket's graph is compiled, its later steps do not go back through Dynamo at all:
-graph_replay.py gathers the graph's inputs from the step's arguments by Dynamo's own source
+graph_mode/replay.py gathers the graph's inputs from the step's arguments by Dynamo's own source
 expressions and calls the graph (the cache lookup, guards and input gathering cost ~0.5 ms a
 step on 2 cores). Same contract as the warm guards above, and as LMDeploy's CUDA graphs: the
 bucket picks the graph, the forward's Python runs only when the graph is made. A graph whose
@@ -63,7 +63,7 @@ from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata
 from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
 from dlinfer import envs
-from dlinfer.framework.lmdeploy_ext.graph_replay import CompiledGraph, GraphReplay
+from dlinfer.framework.lmdeploy_ext.graph_mode.replay import CompiledGraph, GraphReplay
 from dlinfer.vendor import selection
 
 log = logging.getLogger("dlinfer.lmdeploy.graph")
@@ -251,7 +251,7 @@ class DlinferGraphRunner(GraphRunner):
 
     def _keep_replay(self, bucket: int, output) -> None:
         """After a call that compiled `bucket`'s graph: later steps of the bucket replay it
-        (graph_replay.py), unless replay is off (DLINFER_GRAPH_REPLAY=0, DLINFER_GRAPH_GUARDS=full)."""
+        (graph_mode/replay.py), unless replay is off (DLINFER_GRAPH_REPLAY=0, DLINFER_GRAPH_GUARDS=full)."""
         graph, self._new_graph = self._new_graph, None
         if graph is None or self._all_guards or not self._replay:
             return
