@@ -76,8 +76,8 @@ def _collectives(folder: Path, start: float, end: float) -> dict[str, tuple[int,
 
 
 def measure(model: str, tp: int, tokens: int, folder: Path) -> dict:
-    sys.path.insert(0, str(REPO / "tests" / "lmdeploy"))
-    from engine_helpers import cpu_pipeline
+    sys.path.insert(0, str(REPO / "tests"))
+    from support.engine_helpers import cpu_pipeline
 
     prompt = "Write a short story about a river that flows through a quiet city at night."
     with cpu_pipeline(model, tp=tp, max_batch_size=8) as pipe:

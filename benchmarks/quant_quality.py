@@ -7,7 +7,7 @@ SmoothQuant W8A8, the checkpoints written by `python -m dlinfer quantize` (docs/
 The quantised models are evaluated as HF transformers running exactly what LMDeploy's CPU engine
 computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): the weights
 dequantised from the written files, and for SmoothQuant each quantised linear's input
-fake-quantised per token (tests/lmdeploy/quantized_models.py builds both). The held-out texts
+fake-quantised per token (tests/support/quantized_models.py builds both). The held-out texts
 (benchmarks/data/heldout.txt, 832 tokens, heldout_long.txt, 3942 tokens on other topics, and
 heldout_fresh.txt, 1914 tokens written after the AWQ recipe was fixed and never used to choose it,
 all three written for this project) are not the calibration or tuning texts
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "lmdeploy"))  # quantized_models (the fake-quant references)
+sys.path.insert(0, str(ROOT / "tests"))  # support.quantized_models (the fake-quant references)
 sys.path.insert(0, str(ROOT / "scripts"))             # smollm2 (builds the float folder from the GGUF)
 
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
         from smollm2 import build_smollm2
 
         args.model = build_smollm2()
-    from quantized_models import FakeQuantReference, fake_quant_lm_head
+    from support.quantized_models import FakeQuantReference, fake_quant_lm_head
 
     texts = args.text or [ROOT / "benchmarks" / "data" / name for name in ("heldout.txt", "heldout_long.txt",
                                                                                   "heldout_fresh.txt")]

@@ -5,7 +5,7 @@
     python examples/vlm_tiny.py --model /path/to/Qwen2-VL-2B-Instruct --image photo.jpg
 
 Without --model the checkpoint is one of the test suite's tiny random-weight VLMs
-(tests/lmdeploy/tiny_vlms.py, cached in .cache/tests): it runs in seconds and answers with
+(tests/support/tiny_vlms.py, cached in .cache/tests): it runs in seconds and answers with
 random tokens. With --model, any checkpoint of an architecture docs/lmdeploy.md lists as
 supported (InternVL "-hf", Qwen2-VL, Qwen2.5-VL). No torchvision is needed: dlinfer builds the
 model's transformers processor without its video processor (docs/lmdeploy.md, "Vision-language
@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_checkpoint(arch: str) -> Path:
-    sys.path.insert(0, str(REPO / "tests" / "lmdeploy"))
-    from tiny_vlms import tiny_vlm
+    sys.path.insert(0, str(REPO / "tests"))
+    from support.tiny_vlms import tiny_vlm
 
     return tiny_vlm(arch)
 

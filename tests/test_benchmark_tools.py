@@ -4,15 +4,9 @@ embedding table that the head does not read."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import make_checkpoint  # noqa: E402
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import make_checkpoint  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", sorted(make_checkpoint.SHAPES))

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # tiny_models, engine_helpers
-
-from engine_helpers import HFReference  # noqa: E402
-from tiny_models import tiny_model  # noqa: E402
+from support.engine_helpers import HFReference  # noqa: E402
+from support.tiny_models import tiny_model  # noqa: E402
 
 # Longest any single test may take before the process dumps every thread's stack and exits:
 # a hang is a failure, never a stuck CI job.

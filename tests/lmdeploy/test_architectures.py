@@ -6,7 +6,7 @@ batch of prompts of different lengths.
   prefills the short prompts without history and the longest in chunks, the second pass starts
   from cached prefix blocks; both decode the whole batch together;
 - graph mode (`eager_mode=False`): decode steps run graphs compiled by dlinfer's backend, buckets 1
-  and 2 (tests/graph/test_lmdeploy_graph.py checks graphs against eager, with recompile counts,
+  and 2 (tests/lmdeploy/test_lmdeploy_graph.py checks graphs against eager, with recompile counts,
   on Llama, Qwen2 and Mixtral; it costs a minute or more per model, this a few seconds);
 - bfloat16: the engine runs and produces every token (not compared with HF: bfloat16 rounding
   differs between implementations).
@@ -15,9 +15,9 @@ batch of prompts of different lengths.
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.tiny_internlm2 import tiny_internlm2
 from test_pipeline_greedy import PROMPTS, _CallCounter
-from tiny_internlm2 import tiny_internlm2
 
 pytestmark = pytest.mark.slow
 

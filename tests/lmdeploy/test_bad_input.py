@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
 
 from dlinfer.framework.lmdeploy_ext import UnsupportedModelError
 from dlinfer.framework.lmdeploy_ext.backend.model_support import SUPPORTED_ARCHITECTURES

@@ -6,8 +6,8 @@ loaded; any other value is a ValueError."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
-from tiny_models import tiny_model
+from support.engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
+from support.tiny_models import tiny_model
 
 from dlinfer.framework.lmdeploy_ext.patches import huge_pages as patch
 from dlinfer.utils import huge_pages

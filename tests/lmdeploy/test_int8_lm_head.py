@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
-from quantized_models import FakeQuantReference, Int8HeadReference, quantized_model
+from support.engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
+from support.quantized_models import FakeQuantReference, Int8HeadReference, quantized_model
+from support.tiny_models import VOCAB_SIZE, tiny_model
 from test_quantized import PROMPTS as QUANTIZED_PROMPTS
-from tiny_models import VOCAB_SIZE, tiny_model
 
 import dlinfer.ops
 from dlinfer.framework.lmdeploy_ext.backend import lm_head

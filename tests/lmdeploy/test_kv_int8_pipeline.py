@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 import torch
-from engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
 
 pytestmark = pytest.mark.slow
 

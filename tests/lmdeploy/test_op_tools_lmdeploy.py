@@ -5,18 +5,14 @@ fails, naming the op, on a vendor with a wrong decode attention."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from engine_helpers import cpu_pipeline, greedy_generate
+from support.engine_helpers import cpu_pipeline, greedy_generate
+from support.wrong_ops import wrong_vendor
 
 import dlinfer.tools as tools
 from dlinfer.tools import replayer
 from dlinfer.vendor import registry
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from test_op_tools import wrong_vendor  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +21,7 @@ PROMPTS = ("Quick red river", "The model reads a prompt token by token and the e
 
 @pytest.fixture(scope="module")
 def lmdeploy_capture(tmp_path_factory):
-    import tiny_models
+    from support import tiny_models
 
     folder = tmp_path_factory.mktemp("lmdeploy-ops")
     with cpu_pipeline(tiny_models.tiny_model("llama"), enable_prefix_caching=False) as pipe:

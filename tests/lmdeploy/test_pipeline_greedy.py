@@ -12,7 +12,7 @@ two engine settings:
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
 
 import dlinfer.ops
 import dlinfer.vendor

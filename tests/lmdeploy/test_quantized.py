@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
-from quantized_models import FakeQuantReference, quantized_model
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.quantized_models import FakeQuantReference, quantized_model
 
 import dlinfer.ops
 from dlinfer.vendor import w4_layouts

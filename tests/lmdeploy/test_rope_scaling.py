@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
 
 from dlinfer.framework.lmdeploy_ext.backend.model_support import SUPPORTED_ROPE_TYPES
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from engine_helpers import cpu_pipeline
+from support.engine_helpers import cpu_pipeline
 
 from dlinfer.framework.lmdeploy_ext import serve
 
@@ -37,7 +37,7 @@ NEW_TOKENS = 12
 # detokenizer then holds text back or not depending on how the tokens were grouped in the
 # stream, so the *text* of the same tokens can differ between two runs; the tokens do not.)
 MESSAGES = [{"role": "user", "content": "Answer small five by prefill eight"}]
-# What tests/lmdeploy/engine_helpers.cpu_pipeline runs, as server options.
+# What tests/support/engine_helpers.cpu_pipeline runs, as server options.
 ENGINE_OPTIONS = ("--eager-mode", "--cache-block-seq-len", "16", "--num-gpu-blocks", "128", "--max-batch-size", "32")
 
 

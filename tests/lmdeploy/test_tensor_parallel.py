@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
 
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.backend.op_backend import backend_for

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
 
 import dlinfer.vendor
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from engine_helpers import MIN_TOP2_MARGIN, cpu_pipeline
+from support.engine_helpers import MIN_TOP2_MARGIN, cpu_pipeline
+from support.tiny_vlms import SPECS, tiny_vlm
 from test_pipeline_greedy import _CallCounter
-from tiny_vlms import SPECS, tiny_vlm
 
 from dlinfer.framework.lmdeploy_ext import UnsupportedModelError, devices
 from dlinfer.framework.lmdeploy_ext.backend import model_support

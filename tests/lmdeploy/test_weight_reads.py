@@ -3,8 +3,8 @@ file), and gives HF transformers' greedy tokens with them; other devices keep LM
 
 from __future__ import annotations
 
-from engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
-from tiny_models import tiny_model
+from support.engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
+from support.tiny_models import tiny_model
 
 from dlinfer.framework.lmdeploy_ext.patches import weight_reads
 from dlinfer.utils import safetensors_reader

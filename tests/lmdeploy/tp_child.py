@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: a script, not a pytest module
 
-from engine_helpers import cpu_pipeline, greedy_generate  # noqa: E402
+from support.engine_helpers import cpu_pipeline, greedy_generate  # noqa: E402
 
 
 def main(model_dir: str) -> None:

@@ -4,14 +4,8 @@ dequantised by this file's own code), never widens a group's range, and clips q/
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmdeploy"))  # quantized_models
-
-from quantized_models import unpack_awq  # noqa: E402
+from support.quantized_models import unpack_awq  # noqa: E402
 
 from dlinfer.quantize import awq_clip, pack  # noqa: E402
 

@@ -6,15 +6,10 @@ and only scales and norms differ from a `--no-tune` run."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmdeploy"))  # tiny_models
-
-from tiny_models import tiny_model  # noqa: E402
+from support.tiny_models import tiny_model  # noqa: E402
 
 from dlinfer.__main__ import main  # noqa: E402
 from dlinfer.quantize import awq, calib, distil, writer  # noqa: E402

@@ -3,15 +3,9 @@ the file's checks, and the smoothing factors the int8 head takes from them."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmdeploy"))  # tiny_models
-
-from tiny_models import tiny_model  # noqa: E402
+from support.tiny_models import tiny_model  # noqa: E402
 
 from dlinfer.__main__ import main  # noqa: E402
 from dlinfer.quantize import calib, head_stats  # noqa: E402

@@ -5,16 +5,12 @@ The LMDeploy side (the written checkpoints through `pipeline`) is tests/lmdeploy
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lmdeploy"))  # tiny_models, quantized_models
-
-from quantized_models import unpack_awq  # noqa: E402
-from tiny_models import tiny_model  # noqa: E402
+from support.quantized_models import unpack_awq  # noqa: E402
+from support.tiny_models import tiny_model  # noqa: E402
 
 from dlinfer.__main__ import main  # noqa: E402
 from dlinfer.quantize import awq, kv_scales, pack, smooth_quant, writer  # noqa: E402

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.wrong_ops import wrong_vendor
 
 import dlinfer.ops as ops
 import dlinfer.tools as tools
@@ -20,7 +21,7 @@ from dlinfer import __main__ as cli
 from dlinfer.tools import replayer
 from dlinfer.vendor import registry, selection
 from dlinfer.vendor.base import HEAD_MAJOR, TOKEN_MAJOR, Vendor
-from dlinfer.vendor.op_table import OP_NAMES, OPS
+from dlinfer.vendor.op_table import OP_NAMES
 
 DL = torch.ops.dlinfer
 CPU_VENDORS = [v for v in ("torch", "cpu") if registry.try_load(v) is not None]
@@ -33,27 +34,6 @@ def _no_tool_left_active():
     for tool in leftover:
         tool.stop()
     assert not leftover, f"a test left tools active: {leftover}"
-
-
-def _perturbed(op: str, fn):
-    """fn with every result and in-place output (not caches) scaled by 1.01: a wrong kernel."""
-
-    def wrong(*args):
-        result = fn(*args)
-        if op in ("paged_decode_attention", "paged_prefill_attention", "prefill_attention"):
-            args[OPS[op].arg_names.index("out")].mul_(1.01)
-        if isinstance(result, tuple):
-            return tuple(r * 1.01 if r.is_floating_point() else r for r in result)
-        return None if result is None else result * 1.01
-
-    return wrong
-
-
-def wrong_vendor(bad_op: str, name: str = "wrong", kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR)) -> Vendor:
-    table = dict(registry.load("torch").ops)
-    if bad_op:
-        table[bad_op] = _perturbed(bad_op, table[bad_op])
-    return Vendor(name=name, device_types=("cpu",), kv_layouts=kv_layouts, ops=table)
 
 
 @pytest.fixture

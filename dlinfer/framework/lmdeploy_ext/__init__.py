@@ -18,7 +18,7 @@ from pkgutil import extend_path
 
 # The module paths LMDeploy 0.18 imports from dlinfer itself by name (a vendor package adds the
 # others: `dlinfer.vendor.<device>...`, `cudagraph.<device>_cudagraph`). They stay where they are
-# whatever else moves; tests/vendor/test_lmdeploy_device_modules.py reads LMDeploy's source and
+# whatever else moves; tests/lmdeploy/test_lmdeploy_device_modules.py reads LMDeploy's source and
 # checks this list.
 LMDEPLOY_IMPORTED_MODULES = (
     "dlinfer.framework.lmdeploy_ext",  # lmdeploy.utils.try_import_deeplink: applies the patches

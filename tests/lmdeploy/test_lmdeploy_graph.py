@@ -4,14 +4,11 @@ and lengths change."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "lmdeploy"))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 pytest.importorskip("lmdeploy")
 pytestmark = pytest.mark.slow
@@ -65,8 +62,8 @@ def _run(model_dir: Path, eager: bool, max_batch_size: int = 4, schedule=SCHEDUL
 
 @pytest.fixture(scope="module")
 def runs():
-    from tiny_internlm2 import tiny_internlm2
-    from tiny_models import tiny_model
+    from support.tiny_internlm2 import tiny_internlm2
+    from support.tiny_models import tiny_model
 
     cache = {}
 

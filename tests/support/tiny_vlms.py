@@ -18,7 +18,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from tiny_models import CACHE_ROOT, COMMON, SEED, VOCAB_SIZE, _corpus, cached_folder
+from support.tiny_models import CACHE_ROOT, COMMON, SEED, VOCAB_SIZE, _corpus, cached_folder
 
 # A ChatML template (Qwen2-VL's and InternVL3's): both sides render the same prompt.
 CHAT_TEMPLATE = (

@@ -17,8 +17,9 @@ import json
 from pathlib import Path
 
 import torch
-from engine_helpers import HFReference
-from tiny_models import CACHE_ROOT, cached_folder, tiny_model
+
+from support.engine_helpers import HFReference
+from support.tiny_models import CACHE_ROOT, cached_folder, tiny_model
 
 QUANTIZE_SOURCES = Path(__file__).resolve().parents[2] / "dlinfer" / "quantize"
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -24,7 +24,7 @@ import json
 import shutil
 from pathlib import Path
 
-from tiny_models import CACHE_ROOT, cached_folder, tiny_model
+from support.tiny_models import CACHE_ROOT, cached_folder, tiny_model
 
 SOURCE = "llama"
 _FORMAT = 1  # bump when the conversion changes (the cached folder's name includes it)
