@@ -288,7 +288,7 @@ def test_capture_from_threads_numbers_every_call_once(tmp_path):
 
 _SCRIPT = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tools!r}, {tests!r}]
 from test_op_tools import run_every_op
 from dlinfer.vendor import selection
 run_every_op()
@@ -301,7 +301,7 @@ def test_environment_variables_start_the_tools_in_any_process(tmp_path):
     folder = tmp_path / "ops"
     env = dict(os.environ, DLINFER_OP_CAPTURE=str(folder) + "-{pid}", DLINFER_OP_CAPTURE_LIMIT="12",
                DLINFER_OP_TIMING="1", DLINFER_OP_OVERFLOW="1", DLINFER_OP_COMPARE="1")
-    code = _SCRIPT.format(tests=str(Path(__file__).parent))
+    code = _SCRIPT.format(tools=str(Path(__file__).parent), tests=str(Path(__file__).parents[1]))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr
     err = proc.stderr
