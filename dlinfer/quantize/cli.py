@@ -62,8 +62,11 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     if tune_steps < 0:
         raise source.QuantizeInputError(f"quantize: --tune-steps must be 0 or more, got {tune_steps}.")
     writer.check_destination(dst)
-    log(f"quantize: loading {src} ({config['architectures'][0]}, {config['num_hidden_layers']} layers)")
-    model, tokenizer = source.load(src)
+    dtype = source.load_dtype(config, whole_model_in_float32=bool(tune_steps))
+    log(f"quantize: loading {src} ({config['architectures'][0]}, {config['num_hidden_layers']} layers) in "
+        f"{str(dtype).replace('torch.', '')}" + ("" if dtype == torch.float32 else ", each layer widened to float32 "
+                                                 "while it is quantised"))
+    model, tokenizer = source.load(src, dtype)
     ids = calibration.samples(tokenizer, calib, calib_seqlen, calib_samples)
     log(f"quantize: {ids.shape[0]} calibration samples x {ids.shape[1]} tokens from "
         f"{calib or calibration.DEFAULT_CORPUS}")
@@ -79,51 +82,56 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     num_kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
     tensors, ranges, report, to_tune = {}, [], [], {}
     layers = model.model.layers
-    for i, layer in enumerate(layers):
-        t0 = time.perf_counter()
-        record = walk.recorded(layer) if (method != "rtn" or kv_int8) else ()
-        out, seen = walk.run_layer(layer, hidden, kwargs, record)
-        if kv_int8:
-            ranges.append(kv_scales.head_ranges(seen["self_attn.k_proj:out"], seen["self_attn.v_proj:out"],
-                                                kwargs, num_kv_heads))
-        if method == "awq":
-            groups = awq.scale_layer(layer, seen, group_size, scale_dtype)
-            detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} alpha={'rtn' if a < 0 else f'{a:.2f}'} "
-                               f"err rtn {r:.2e} "
-                               f"awq {e:.2e}" for names, a, r, e in groups)
-        elif method == "smooth_quant":
-            groups = smooth_quant.smooth_layer(layer, seen)
-            detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} max|x| {b:.1f}->{a:.1f}"
-                               for names, b, a in groups)
-        else:
-            detail = "round to nearest"
-        del seen
-        if method != "rtn":
-            # the next layer sees this layer as scaled; the clipping search sees the scaled inputs
-            clipping = method == "awq" and clip
-            out, seen = walk.run_layer(layer, hidden, kwargs, walk.LINEARS if clipping else ())
-            if clipping:
-                clipped = awq_clip.clip_layer(layer, seen, group_size, scale_dtype)
-                detail += "; clip " + ", ".join(f"{n.split('.')[-1]} {b:.2e}->{a:.2e} (r {r:.2f})"
-                                                for n, b, a, r in clipped)
-            del seen
-        for name in walk.linears(layer):
-            linear = layer.get_submodule(name)
-            if method == "smooth_quant":
-                packed = smooth_quant.int8_tensors(linear.weight)
+    with torch.no_grad():  # nothing below needs gradients; an autograd graph would keep float weights alive
+        for i, layer in enumerate(layers):
+            t0 = time.perf_counter()
+            source.widen_layer(layer)
+            record = walk.recorded(layer) if (method != "rtn" or kv_int8) else ()
+            out, seen = walk.run_layer(layer, hidden, kwargs, record)
+            if kv_int8:
+                ranges.append(kv_scales.head_ranges(seen["self_attn.k_proj:out"], seen["self_attn.v_proj:out"],
+                                                    kwargs, num_kv_heads))
+            if method == "awq":
+                groups = awq.scale_layer(layer, seen, group_size, scale_dtype)
+                detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} "
+                                   f"alpha={'rtn' if a < 0 else f'{a:.2f}'} err rtn {r:.2e} awq {e:.2e}"
+                                   for names, a, r, e in groups)
+            elif method == "smooth_quant":
+                groups = smooth_quant.smooth_layer(layer, seen)
+                detail = "; ".join(f"{'+'.join(n.split('.')[-1] for n in names)} max|x| {b:.1f}->{a:.1f}"
+                                   for names, b, a in groups)
             else:
-                codes = awq.quant_params(linear.weight, group_size, scale_dtype)
-                packed = pack.awq_packed(*codes, scale_dtype)
-                if tuning is not None:
-                    to_tune[f"model.layers.{i}.{name}"] = codes
-            for key, value in packed.items():
-                tensors[_tensor_name(i, name, key)] = value
-            if linear.bias is not None:
-                tensors[_tensor_name(i, name, "bias")] = linear.bias.detach().to(store_dtype)
-        hidden = out
-        line = f"quantize: layer {i + 1}/{len(layers)} {method} {time.perf_counter() - t0:.1f} s: {detail}"
-        report.append(line)
-        log(line)
+                detail = "round to nearest"
+            del seen
+            if method != "rtn":
+                # the next layer sees this layer as scaled; the clipping search sees the scaled inputs
+                clipping = method == "awq" and clip
+                out, seen = walk.run_layer(layer, hidden, kwargs, walk.LINEARS if clipping else ())
+                if clipping:
+                    clipped = awq_clip.clip_layer(layer, seen, group_size, scale_dtype)
+                    detail += "; clip " + ", ".join(f"{n.split('.')[-1]} {b:.2e}->{a:.2e} (r {r:.2f})"
+                                                    for n, b, a, r in clipped)
+                del seen
+            for name in walk.linears(layer):
+                linear = layer.get_submodule(name)
+                weight = linear.weight.detach()
+                if method == "smooth_quant":
+                    packed = smooth_quant.int8_tensors(weight)
+                else:
+                    codes = awq.quant_params(weight, group_size, scale_dtype)
+                    packed = pack.awq_packed(*codes, scale_dtype)
+                    if tuning is not None:
+                        to_tune[f"model.layers.{i}.{name}"] = codes
+                for key, value in packed.items():
+                    tensors[_tensor_name(i, name, key)] = value
+                if linear.bias is not None:
+                    tensors[_tensor_name(i, name, "bias")] = linear.bias.detach().to(store_dtype)
+            if tuning is None:
+                source.release_linears(layer, walk.linears(layer))
+            hidden = out
+            line = f"quantize: layer {i + 1}/{len(layers)} {method} {time.perf_counter() - t0:.1f} s: {detail}"
+            report.append(line)
+            log(line)
     tuned = None
     if tuning is not None:
         t0 = time.perf_counter()

@@ -1,4 +1,5 @@
-"""The SRC folder: checked before anything is loaded, then loaded in float32 with transformers."""
+"""The SRC folder: checked before anything is loaded, then loaded with transformers, in float32 or
+in its own dtype with the layers widened to float32 one at a time."""
 
 from __future__ import annotations
 
@@ -83,12 +84,50 @@ def check_group_size(config: dict, group_size: int) -> None:
                                      f"{group_size}, which LMDeploy's AWQ loader requires{hint}.")
 
 
-def load(src: Path):
-    """(model, tokenizer): SRC in float32 on the CPU, in eval mode."""
+def load_dtype(config: dict, whole_model_in_float32: bool):
+    """The dtype SRC is loaded in: float32 when the whole model must run in float32 (AWQ's tuning
+    backpropagates through it), else the checkpoint's own floating dtype, its layers widened to
+    float32 one at a time as they are quantised (`widen_layer`): a bf16 8B model needs 16 GB that
+    way, not 32."""
+    import torch
+
+    if whole_model_in_float32:
+        return torch.float32
+    stored = getattr(torch, str(config.get("torch_dtype") or config.get("dtype") or "float32"), None)
+    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch.float32
+
+
+def load(src: Path, dtype=None):
+    """(model, tokenizer): SRC on the CPU in eval mode, its parameters in `dtype` (default
+    float32) except the embedding and the final norm, which are float32 in any case, so that the
+    calibration's hidden states are float32 from the first layer on. Widening bf16 or float16 to
+    float32 is exact, so a layer widened later holds the values a float32 load gives."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype or torch.float32)
     model.eval()
+    model.model.embed_tokens.float()  # a tied LM head shares the parameter, and follows it
+    model.model.norm.float()
     tokenizer = AutoTokenizer.from_pretrained(src)
     return model, tokenizer
+
+
+def widen_layer(layer) -> None:
+    """Layer `layer` in float32 before its calibration (a no-op for a float32 load)."""
+    layer.float()
+
+
+def release_linears(layer, names) -> None:
+    """Drop the float weights of `layer`'s linears `names` once their quantised tensors are kept:
+    the loop then holds one float32 layer at a time on top of the source dtype's."""
+    import torch
+
+    from dlinfer.utils.huge_pages import release_free_memory
+
+    for name in names:
+        layer.get_submodule(name).weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    # the layer's float32 weights and its forward's temporaries sit in glibc's heaps between the
+    # quantised tensors kept so far: without a trim about a float32 layer's size stayed resident per
+    # layer (measured); with it the process grows by the quantised tensors only
+    release_free_memory()

@@ -66,7 +66,7 @@ def quantization_config(method: str, group_size: int) -> dict:
 def write(src: Path, dst: Path, config: dict, tensors: dict, extra_files: dict | None = None) -> None:
     """Write config.json, model.safetensors (`tensors`: name -> tensor) and `extra_files`
     (name -> writer(path)) into DST, with SRC's other non-weight files."""
-    from safetensors.torch import save_file
+    from dlinfer.utils.safetensors_writer import write_tensors
 
     check_destination(dst)
     staging = dst.parent / f".{dst.name}.partial-{os.getpid()}"
@@ -77,8 +77,8 @@ def write(src: Path, dst: Path, config: dict, tensors: dict, extra_files: dict |
             if item.is_file() and item.name not in _SKIPPED and not item.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copy2(item, staging / item.name)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"),
-                  metadata={"format": "pt"})
+        # tensor by tensor: safetensors' save_file would hold a copy of the whole file in memory
+        write_tensors(str(staging / "model.safetensors"), tensors, metadata={"format": "pt"})
         for name, write_file in (extra_files or {}).items():
             write_file(staging / name)
         if dst.exists():

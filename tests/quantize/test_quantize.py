@@ -13,7 +13,7 @@ from support.quantized_models import unpack_awq  # noqa: E402
 from support.tiny_models import tiny_model  # noqa: E402
 
 from dlinfer.__main__ import main  # noqa: E402
-from dlinfer.quantize import awq, kv_scales, pack, smooth_quant, writer  # noqa: E402
+from dlinfer.quantize import awq, kv_scales, pack, smooth_quant, walk, writer  # noqa: E402
 from dlinfer.vendor import w4_layouts  # noqa: E402
 
 
@@ -212,3 +212,45 @@ def test_calibration_text_too_short_refused(tmp_path, capsys):
     assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "smooth_quant", "--calib",
                  str(calib)]) == 2
     assert "fewer than one sample" in capsys.readouterr().out
+
+
+def _checkpoint_in(dtype: torch.dtype, src: Path, dst: Path) -> Path:
+    """A copy of checkpoint SRC with its weights in `dtype` (tokenizer files copied as they are)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "config.json":
+            shutil.copy2(item, dst / item.name)
+    AutoModelForCausalLM.from_pretrained(src, dtype=dtype).save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("method", ["rtn", "smooth_quant"])
+def test_a_bf16_source_quantised_layer_by_layer_equals_its_float32_copy(tmp_path, method, capsys):
+    """From a bf16 checkpoint the layers are widened to float32 one at a time (memory: the bf16
+    model plus one float32 layer); widening is exact, so every quantised tensor equals the one a
+    float32 copy of the same weights gives, and every other tensor its bf16 rounding."""
+    from safetensors.torch import load_file
+
+    bf16 = _checkpoint_in(torch.bfloat16, tiny_model("llama"), tmp_path / "bf16-src")
+    f32 = _checkpoint_in(torch.float32, bf16, tmp_path / "f32-src")
+    args = ["--method", method, "--calib-samples", "4", "--group-size", "32", "--kv-int8"]
+    assert main(["quantize", str(bf16), str(tmp_path / "from-bf16"), *args]) == 0
+    assert "in bfloat16, each layer widened to float32" in capsys.readouterr().out
+    assert main(["quantize", str(f32), str(tmp_path / "from-f32"), *args]) == 0
+    assert "in float32\n" in capsys.readouterr().out
+    got, want = load_file(tmp_path / "from-bf16" / "model.safetensors"), load_file(tmp_path / "from-f32" /
+                                                                                   "model.safetensors")
+    assert sorted(got) == sorted(want)
+    leaves = {name.split(".")[-1] for name in walk.LINEARS}
+    quantised = [k for k in got if ".layers." in k and k.split(".")[-2] in leaves and not k.endswith(".bias")]
+    assert len(quantised) == len(leaves) * 2 * (3 if method == "rtn" else 2)
+    for key in got:
+        expected = want[key] if key in quantised or not want[key].is_floating_point() else want[key].bfloat16()
+        assert got[key].dtype == expected.dtype and torch.equal(got[key], expected), key
+    for name in (kv_scales.FILE_NAME, "lm_head_input_absmax.safetensors"):
+        a, b = load_file(tmp_path / "from-bf16" / name), load_file(tmp_path / "from-f32" / name)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
