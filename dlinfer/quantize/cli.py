@@ -1,4 +1,4 @@
-"""`python -m dlinfer quantize SRC DST --method awq|rtn|smooth_quant [--group-size 128]
+"""`python -m dlinfer quantize SRC DST --method awq|rtn|smooth_quant [--group-size G]
 [--calib FILE] [--kv-int8] [--no-clip] [--no-tune]` (docs/quantize.md)."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", choices=METHODS, required=True,
                         help="awq: 4-bit with the activation-aware scale search; rtn: the same format, plain "
                              "round-to-nearest; smooth_quant: int8 weights and activations")
-    parser.add_argument("--group-size", type=int, default=128, help="AWQ group size along K (default 128)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="awq / rtn: group size along K (default: the largest of 128, 64, 32 that divides every "
+                             "quantised linear's K and N)")
     parser.add_argument("--calib", type=Path, default=None,
                         help="calibration text file (default: the small corpus shipped in dlinfer/quantize/data)")
     parser.add_argument("--calib-seqlen", type=int, default=128, help="tokens per calibration sample (default 128)")
@@ -39,10 +41,11 @@ def _tensor_name(layer_index: int, linear: str, key: str) -> str:
     return f"model.layers.{layer_index}.{linear}.{key}"
 
 
-def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Path | None = None,
+def quantize(src: Path, dst: Path, method: str, group_size: int | None = None, calib: Path | None = None,
              kv_int8: bool = False, calib_seqlen: int = 128, calib_samples: int = 64, log=None,
              clip: bool = True, tune_steps: int | None = None) -> dict:
     """Quantise SRC into DST; returns {"layers": [per-layer report lines], "seconds": ...}.
+    group_size: awq / rtn (None: source.default_group_size, printed).
     tune_steps: the tuning that ends AWQ (None: distil.STEPS; 0: none; other methods: none)."""
     import torch
 
@@ -57,11 +60,16 @@ def quantize(src: Path, dst: Path, method: str, group_size: int = 128, calib: Pa
     config = source.read_config(src)
     if method != "smooth_quant":
         source.check_dense(config, method)
+        if group_size is None:
+            group_size = source.default_group_size(config)
+            log(f"quantize: group size {group_size} (the largest of "
+                f"{', '.join(map(str, source.GROUP_SIZES))} that divides every linear's K and N)")
         source.check_group_size(config, group_size)
     tune_steps = (distil.STEPS if tune_steps is None else tune_steps) if method == "awq" else 0
     if tune_steps < 0:
         raise source.QuantizeInputError(f"quantize: --tune-steps must be 0 or more, got {tune_steps}.")
     writer.check_destination(dst)
+    writer.clear_interrupted_runs(dst, log)
     dtype = source.load_dtype(config, whole_model_in_float32=bool(tune_steps))
     log(f"quantize: loading {src} ({config['architectures'][0]}, {config['num_hidden_layers']} layers) in "
         f"{str(dtype).replace('torch.', '')}" + ("" if dtype == torch.float32 else ", each layer widened to float32 "

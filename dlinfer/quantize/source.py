@@ -60,20 +60,43 @@ def check_dense(config: dict, method: str) -> None:
                                          "layers are smooth_quant and fp8); use --method smooth_quant.")
 
 
-def check_group_size(config: dict, group_size: int) -> None:
-    """Every AWQ linear needs K % group_size == 0 and N % group_size == 0 (LMDeploy's loader)."""
-    if group_size <= 0 or group_size % 8:
-        raise QuantizeInputError(f"quantize: --group-size must be a positive multiple of 8, got {group_size}.")
+GROUP_SIZES = (128, 64, 32)  # the default group size is the largest of these that fits
+
+
+def linear_shapes(config: dict) -> dict:
+    """{linear: (K, N)} of a decoder layer's quantised linears, from config.json."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads", heads) * head_dim
-    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-              "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
-              "down_proj": (inter, hidden)}
-    fits = [g for g in (128, 64, 32) if all(k % g == 0 and n % g == 0 for k, n in shapes.values())]
+    return {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def _fitting_group_sizes(config: dict) -> list:
+    return [g for g in GROUP_SIZES if all(k % g == 0 and n % g == 0 for k, n in linear_shapes(config).values())]
+
+
+def default_group_size(config: dict) -> int:
+    """The largest of GROUP_SIZES that divides every quantised linear's K and N (what
+    `check_group_size` requires); QuantizeInputError when none does."""
+    fits = _fitting_group_sizes(config)
+    if not fits:
+        shapes = ", ".join(f"{name} {k}x{n}" for name, (k, n) in linear_shapes(config).items())
+        raise QuantizeInputError(f"quantize: none of the group sizes {', '.join(map(str, GROUP_SIZES))} divides "
+                                 f"every linear's K and N ({shapes}); pass --group-size (a multiple of 8 that "
+                                 "does).")
+    return fits[0]
+
+
+def check_group_size(config: dict, group_size: int) -> None:
+    """Every AWQ linear needs K % group_size == 0 and N % group_size == 0 (LMDeploy's loader)."""
+    if group_size <= 0 or group_size % 8:
+        raise QuantizeInputError(f"quantize: --group-size must be a positive multiple of 8, got {group_size}.")
+    fits = _fitting_group_sizes(config)
     hint = f"; try --group-size {fits[0]}" if fits else ""
-    for name, (k, n) in shapes.items():
+    for name, (k, n) in linear_shapes(config).items():
         if k % group_size:
             raise QuantizeInputError(f"quantize: {name} has K={k} input features, not divisible by --group-size "
                                      f"{group_size}{hint}.")

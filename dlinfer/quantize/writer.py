@@ -31,6 +31,35 @@ def check_destination(dst: Path) -> None:
                                  "path or remove it.")
 
 
+def _staging(dst: Path, pid: int) -> Path:
+    return dst.parent / f".{dst.name}.partial-{pid}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clear_interrupted_runs(dst: Path, log=print) -> None:
+    """Remove the staging folders (`.DST.partial-PID`) that runs writing DST left when they were
+    killed before the rename (SIGKILL, OOM, power); a staging folder whose process still runs
+    means another quantize is writing DST now, which is refused."""
+    for staging in sorted(dst.parent.glob(f".{dst.name}.partial-*")):
+        pid = staging.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or not staging.is_dir():
+            continue
+        if int(pid) != os.getpid() and _running(int(pid)):
+            raise QuantizeInputError(f"quantize: another process (pid {pid}) is writing DST {str(dst)!r} "
+                                     f"into {staging}; wait for it, or remove that folder if no quantize runs.")
+        shutil.rmtree(staging, ignore_errors=True)
+        log(f"quantize: removed {staging}, left by an interrupted run (pid {pid})")
+
+
 def cache_name(src_name: str, method: str, group_size: int = 64) -> str:
     """The folder name a cached checkpoint of SRC gets: `SRC-awq-g64-duo-clip`, `SRC-rtn-g64`,
     `SRC-smooth_quant`."""
@@ -69,7 +98,7 @@ def write(src: Path, dst: Path, config: dict, tensors: dict, extra_files: dict |
     from dlinfer.utils.safetensors_writer import write_tensors
 
     check_destination(dst)
-    staging = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    staging = _staging(dst, os.getpid())
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:

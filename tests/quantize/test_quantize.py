@@ -184,11 +184,13 @@ def _fake_src(tmp_path: Path, **config) -> Path:
     (lambda t: _fake_src(t, architectures=["MixtralForCausalLM"]), [], "--method awq is not supported for the MoE "
                                                                        "architecture 'MixtralForCausalLM'"),
     (lambda t: _fake_src(t, quantization_config={"quant_method": "gptq"}), [], "already quantised"),
-    (lambda t: _fake_src(t), [], "q_proj has K=576 input features, not divisible by --group-size 128; try "
-                                 "--group-size 64"),
+    (lambda t: _fake_src(t), ["--group-size", "128"], "q_proj has K=576 input features, not divisible by "
+                                                      "--group-size 128; try --group-size 64"),
+    (lambda t: _fake_src(t, hidden_size=1000, num_attention_heads=8, num_key_value_heads=8), [],
+     "none of the group sizes 128, 64, 32 divides every linear's K and N (q_proj 1000x1000"),
     (lambda t: _fake_src(t), ["--group-size", "12"], "positive multiple of 8"),
     (lambda t: _fake_src(t, hidden_size=1024, num_attention_heads=16, num_key_value_heads=1, intermediate_size=2048),
-     [], "k_proj has N=64 output features, not divisible by --group-size 128, which LMDeploy's AWQ loader requires"),
+     ["--group-size", "128"], "k_proj has N=64 output features, not divisible by --group-size 128, which LMDeploy's AWQ loader requires"),
 ])
 def test_bad_input_refused(tmp_path, capsys, setup, argv, message):
     src = setup(tmp_path)
@@ -254,3 +256,40 @@ def test_a_bf16_source_quantised_layer_by_layer_equals_its_float32_copy(tmp_path
     for name in (kv_scales.FILE_NAME, "lm_head_input_absmax.safetensors"):
         a, b = load_file(tmp_path / "from-bf16" / name), load_file(tmp_path / "from-f32" / name)
         assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_the_default_group_size_is_the_largest_that_fits(tmp_path, capsys):
+    """tiny llama: K 128 / 256, but k_proj's N is 64 (2 KV heads x 32), so 64 and not 128."""
+    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "rtn",
+                 "--calib-samples", "2"]) == 0
+    assert "quantize: group size 64 (the largest of 128, 64, 32 that divides every linear's K and N)" in \
+        capsys.readouterr().out
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["quantization_config"]["group_size"] == 64
+
+
+def _ended_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(proc.stdout)
+
+
+def test_a_run_killed_before_its_rename_is_cleaned_up(tmp_path, capsys):
+    left = tmp_path / f".d.partial-{_ended_pid()}"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"half")
+    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "smooth_quant",
+                 "--calib-samples", "2"]) == 0
+    assert f"removed {left}, left by an interrupted run" in capsys.readouterr().out
+    assert not left.exists() and (tmp_path / "d" / "model.safetensors").is_file()
+
+
+def test_a_run_still_writing_the_destination_is_not_disturbed(tmp_path, capsys):
+    import os
+
+    busy = tmp_path / f".d.partial-{os.getppid()}"  # a process that runs: pytest's parent
+    busy.mkdir()
+    assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "smooth_quant"]) == 2
+    assert f"another process (pid {os.getppid()}) is writing DST" in capsys.readouterr().out
+    assert busy.is_dir() and not (tmp_path / "d").exists()
