@@ -41,6 +41,8 @@ def dynamic_quant(x: Tensor, quant_dtype: torch.dtype = torch.int8,
     x: [..., K] float32/float16/bfloat16, not modified.
     quant_dtype: torch.int8 only.  quant_granularity: "PER_TOKEN" only.
     Returns new tensors (xq [..., K] int8, scale x.shape[:-1] float32), x ~= xq * scale[..., None].
+    A row holding a NaN gets scale NaN, so the next linear_w8a8 row is NaN too (its codes are not
+    specified: the cpu and triton vendors write 0); the same holds for the fused norm forms below.
     """
     op = "dynamic_quant"
     C.rank_at_least(op, "x", x, 1, "[..., K]")

@@ -194,6 +194,23 @@ def test_malformed_request_is_4xx_and_the_server_keeps_serving(server, greedy_re
     assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"input_ids": [1, 2, 10**6], "max_tokens": 4}),
+    ("/generate", {"input_ids": [1, -1, 2], "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [], "input_ids": [1, 2, 10**6], "max_tokens": 4}),
+])
+def test_token_ids_outside_the_vocabulary_are_400_and_the_engine_lives(server, greedy_reference, path, body):
+    """Such ids used to reach the engine's embedding and end the engine (issue 35): every later
+    request got 503. patches/request_checks.py refuses them per request."""
+    if path != "/generate":
+        body = {"model": server.model, **body}
+    bad = next(i for i in body["input_ids"] if not 0 <= i < 10**5)
+    got, answer = server.request("POST", path, body)
+    assert got == 400 and f"= {bad} is not a token id of this model" in answer["message"], (got, answer)
+    choice = server.chat(MESSAGES, return_token_ids=True)["choices"][0]
+    assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
+
+
 def test_sigterm_shuts_down_cleanly_with_no_engine_process_left(server):
     """Runs last: stops the module's server."""
     engine = [p for p in server.descendants if p.name() == "ZMQMPEngine"]

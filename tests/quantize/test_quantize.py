@@ -190,7 +190,8 @@ def _fake_src(tmp_path: Path, **config) -> Path:
      "none of the group sizes 128, 64, 32 divides every linear's K and N (q_proj 1000x1000"),
     (lambda t: _fake_src(t), ["--group-size", "12"], "positive multiple of 8"),
     (lambda t: _fake_src(t, hidden_size=1024, num_attention_heads=16, num_key_value_heads=1, intermediate_size=2048),
-     ["--group-size", "128"], "k_proj has N=64 output features, not divisible by --group-size 128, which LMDeploy's AWQ loader requires"),
+     ["--group-size", "128"],
+     "k_proj has N=64 output features, not divisible by --group-size 128, which LMDeploy's AWQ loader requires"),
 ])
 def test_bad_input_refused(tmp_path, capsys, setup, argv, message):
     src = setup(tmp_path)

@@ -30,12 +30,15 @@ def round_half_even(v):
 
 @triton.jit
 def quantize(x):
-    """x: fp32 row block (padding 0) -> (q int8, scale fp32 scalar): dynamic_quant's rule."""
+    """x: fp32 row block (padding 0) -> (q int8, scale fp32 scalar): dynamic_quant's rule. A row
+    holding a NaN gets scale NaN and codes 0 (tl.max, like fmax, would skip the NaN and hide it
+    from the next linear_w8a8)."""
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.div_rn(amax, 127.0)
-    div = tl.where(scale == 0.0, 1.0, scale)
+    has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
+    scale = tl.where(has_nan, float("nan"), tl.div_rn(amax, 127.0))
+    div = tl.where((scale == 0.0) | has_nan, 1.0, scale)
     q = round_half_even(tl.div_rn(x, tl.zeros_like(x) + div))
-    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    q = tl.where(has_nan, 0.0, tl.minimum(tl.maximum(q, -128.0), 127.0))
     return q.to(tl.int8), scale
 
 

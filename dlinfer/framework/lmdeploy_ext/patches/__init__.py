@@ -22,6 +22,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     mp_engine,
     mp_executor,
     openmp_pool,
+    request_checks,
     vl_preprocess,
     weight_reads,
 )
@@ -42,6 +43,7 @@ PATCHES = (
     mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
     mp_executor,       # tp > 1: ranks import the adaptor, share the cores, end the engine when one dies
     vl_preprocess,     # VLM image preprocessors without torchvision; unsupported VLMs refused first
+    request_checks,    # token ids outside the vocabulary refused per request (400), not by the engine's death
 )
 
 

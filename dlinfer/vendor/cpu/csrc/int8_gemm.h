@@ -5,6 +5,8 @@
 #include "common.h"
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 namespace dlinfer_cpu {
 
@@ -32,14 +34,24 @@ constexpr int64_t kGemvRows = 8;
 at::Tensor int8_matmul_rows(const int8_t* const* a_rows, int64_t M, const at::Tensor& b);
 
 // Per-row symmetric int8 quantisation of n float32 values (dynamic_quant's rule):
-// scale = amax|x| / 127, q = clamp(round_half_even(x / (scale ? scale : 1)), -128, 127). Returns scale.
+// scale = amax|x| / 127, q = clamp(round_half_even(x / (scale ? scale : 1)), -128, 127); a row holding a NaN:
+// scale NaN, q = 0 (the next linear_w8a8 row is NaN, as the torch vendor's). Returns scale.
 inline float quantize_row(const float* x, int8_t* q, int64_t n) {
   Vec vmax(0.f);
   float amax = 0.f;
+  bool nan = false;
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) vmax = at::vec::maximum(vmax, Vec::loadu(x + i).abs());
-  for (; i < n; ++i) amax = std::max(amax, std::abs(x[i]));
-  amax = std::max(amax, at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax));
+  for (; i + kLanes <= n; i += kLanes) vmax = at::vec::maximum(vmax, Vec::loadu(x + i).abs());  // NaN-propagating
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    amax = std::max(amax, std::abs(x[i]));
+  }
+  const float vector_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  if (nan || std::isnan(vector_max)) {  // std::max would drop it: the row's scale is NaN, its codes 0
+    std::memset(q, 0, static_cast<size_t>(n));
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  amax = std::max(amax, vector_max);
   const float scale = amax / 127.f;
   const float div = scale == 0.f ? 1.f : scale;
   const Vec vdiv(div), lo(-128.f), hi(127.f);

@@ -2,7 +2,7 @@
 //
 // Every result is bit-identical to the torch vendor's (dlinfer/vendor/torch/quant.py):
 //  - quantisation (int8_gemm.h quantize_row): float32 amax / 127, float32 division, round half to
-//    even, clamp; a zero row: scale 0, values 0;
+//    even, clamp; a zero row: scale 0, values 0; a row holding a NaN: scale NaN, values 0;
 //  - the fused norms quantise exactly the values this vendor's rms_norm / add_rms_norm write
 //    (norm_row.h), read back as float32, in the same pass over the row;
 //  - linear_w8a8: the exact int32 product (int8_gemm.cpp), then ((float)acc * rms_scale[m]) *
