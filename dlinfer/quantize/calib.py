@@ -11,12 +11,25 @@ DEFAULT_CORPUS = Path(__file__).with_name("data") / "calibration.txt"
 TUNING_CORPUS = Path(__file__).with_name("data") / "tuning.txt"
 
 
+class CalibrationTextWarning(UserWarning):
+    """The calibration file is mostly not UTF-8 text."""
+
+
 def _read(path: Path) -> str:
     from dlinfer.quantize.source import QuantizeInputError
 
     if not path.is_file():
         raise QuantizeInputError(f"quantize: --calib {str(path)!r} is not a file.")
-    return path.read_text(encoding="utf-8", errors="replace")
+    raw = path.read_bytes()
+    text = raw.decode("utf-8", errors="replace")
+    unreadable = text.count("\ufffd") + raw.count(b"\0")
+    if unreadable > 0.01 * max(1, len(text)):  # calibrating on bytes the tokenizer never sees in use
+        import warnings
+
+        warnings.warn(f"quantize: --calib {str(path)!r} does not look like text ({unreadable} of {len(text)} "
+                      "characters are not UTF-8 or are NUL); the scales will fit those bytes, not the model's "
+                      "inputs.", CalibrationTextWarning, stacklevel=2)
+    return text
 
 
 def _windows(tokenizer, text: str, where: str, seqlen: int, max_samples: int):

@@ -3,7 +3,6 @@ in its own dtype with the layers widened to float32 one at a time."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 # Architectures whose decoder layer this package knows (names of the norms and linears, below)
@@ -12,8 +11,6 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MixtralForCa
 # Mixture-of-experts architectures among them: smooth_quant only (LMDeploy 0.18 builds its
 # quantised fused MoE for smooth_quant and fp8, not for AWQ).
 MOE_ARCHITECTURES = ("MixtralForCausalLM",)
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
 
 
 class QuantizeInputError(ValueError):
@@ -25,19 +22,14 @@ class UnsupportedCheckpointError(QuantizeInputError):
 
 
 def read_config(src: Path) -> dict:
-    """SRC's config.json, after checking that SRC is a HF checkpoint folder of a supported model."""
-    if not src.is_dir():
-        raise QuantizeInputError(f"quantize: SRC {str(src)!r} is not a folder (expected a HF checkpoint folder).")
-    config_path = src / "config.json"
-    if not config_path.is_file():
-        raise QuantizeInputError(f"quantize: SRC {str(src)!r} has no config.json: not a HF checkpoint folder.")
-    if not any((src / name).is_file() for name in WEIGHT_FILES):
-        raise QuantizeInputError(f"quantize: SRC {str(src)!r} has no weights "
-                                 f"(expected one of {', '.join(WEIGHT_FILES)}).")
+    """SRC's config.json, after checking that SRC is a HF checkpoint folder (config, tokenizer,
+    untruncated weights: dlinfer/utils/model_folder.py) of a supported model."""
+    from dlinfer.utils.model_folder import ModelFolderError, check_model_folder
+
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as exc:
-        raise QuantizeInputError(f"quantize: {config_path} is not valid JSON: {exc}") from None
+        config = check_model_folder(src, "quantize: SRC")
+    except ModelFolderError as exc:
+        raise QuantizeInputError(str(exc)) from None
     arch = (config.get("architectures") or ["?"])[0]
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")

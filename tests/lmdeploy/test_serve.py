@@ -242,6 +242,24 @@ def test_engine_process_exits_when_the_server_is_killed(model_dir, tmp_path):
         srv.stop()
 
 
+def test_server_exits_when_its_engine_process_dies(model_dir, tmp_path):
+    """A dead engine used to leave the server answering errors forever, so a supervisor that
+    restarts on exit never fired: now it exits with status 3 within seconds (patches/mp_engine.py)."""
+    from dlinfer.framework.lmdeploy_ext.patches.mp_engine import ENGINE_DIED_STATUS
+
+    srv = Server(model_dir("llama"), tmp_path / "server.log")
+    try:
+        srv.wait_ready()
+        (engine,) = [p for p in srv.descendants if p.name() == "ZMQMPEngine"]
+        engine.kill()
+        assert srv.proc.wait(30) == ENGINE_DIED_STATUS
+        assert "the engine process (pid" in (tmp_path / "server.log").read_text()
+        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
+        assert alive == [], f"left running: {alive}"
+    finally:
+        srv.stop()
+
+
 def test_tensor_parallel_server_answers_and_stops_with_its_ranks(model_dir, tmp_path, greedy_reference):
     """`serve MODEL --tp 2`: the engine process runs LMDeploy's mp executor with two rank processes
     (gloo); the server answers with the tp=1 pipeline's greedy tokens, and SIGTERM ends all of it."""
@@ -323,6 +341,51 @@ def test_cli_refuses_a_model_the_device_cannot_run_in_one_line(model_dir, monkey
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m dlinfer serve: error: device_type='cpu' cannot run architecture "
                           "'Gemma2ForCausalLM'") and "\n" not in err, err
+
+
+def _copy_without(model_dir, tmp_path, *missing):
+    import shutil
+
+    dst = tmp_path / "copy"
+    shutil.copytree(model_dir("llama"), dst)
+    for name in missing:
+        (dst / name).unlink()
+    return dst
+
+
+def _truncate_weights(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return folder
+
+
+def _gguf(folder: Path) -> Path:
+    (folder / "m.gguf").write_bytes(b"GGUF")
+    return folder / "m.gguf"
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda d, t: t / "missing", "MODEL '{path}' does not exist."),
+    (lambda d, t: _gguf(t), "MODEL '{path}' is a GGUF file;"),
+    (lambda d, t: (t / "empty").mkdir() or t / "empty", "MODEL '{path}' has no config.json"),
+    (lambda d, t: _copy_without(d, t, "tokenizer.json", "tokenizer_config.json"), "MODEL '{path}' has no tokenizer"),
+    (lambda d, t: _truncate_weights(_copy_without(d, t)), "model.safetensors is truncated"),
+    (lambda d, t: "no-such-org/no-such-model", "MODEL 'no-such-org/no-such-model' is not a local folder, and "
+                                                "fetching it as a model id failed"),
+])
+def test_cli_refuses_what_is_not_a_model_folder_in_one_line(make, message, model_dir, tmp_path, monkeypatch, capsys):
+    from lmdeploy.serve.openai import api_server
+
+    monkeypatch.setattr(api_server, "serve", lambda *a, **k: pytest.fail("server started"))
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub id case: no network is asked for
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    path = str(make(model_dir, tmp_path))
+    assert serve.main([path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m dlinfer serve: error: ") and message.format(path=path) in err, err
+    assert "\n" not in err, err
 
 
 def test_cli_device_choices_are_dlinfers():

@@ -172,12 +172,29 @@ def _fake_src(tmp_path: Path, **config) -> Path:
     (src / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
         "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 1, **config}))
-    (src / "model.safetensors").write_bytes(b"")
+    from dlinfer.utils.safetensors_writer import write_tensors
+
+    write_tensors(str(src / "model.safetensors"), {"x": torch.zeros(2)})
+    (src / "tokenizer.json").write_text("{}")
+    return src
+
+
+def _gguf(folder: Path) -> Path:
+    (folder / "m.gguf").write_bytes(b"GGUF")
+    return folder / "m.gguf"
+
+
+def _truncated(src: Path) -> Path:
+    data = (src / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(data[:-3])
     return src
 
 
 @pytest.mark.parametrize("setup,argv,message", [
-    (lambda t: t / "missing", [], "is not a folder"),
+    (lambda t: t / "missing", [], "does not exist"),
+    (lambda t: _gguf(t), [], "is a GGUF file; LMDeploy loads HF checkpoint"),
+    (lambda t: (_fake_src(t) / "tokenizer.json").unlink() or t / "src", [], "has no tokenizer"),
+    (lambda t: _truncated(_fake_src(t)), [], "model.safetensors is truncated"),
     (lambda t: (t / "empty").mkdir() or t / "empty", [], "has no config.json"),
     (lambda t: _fake_src(t, architectures=["DeepseekV2ForCausalLM"]), [], "architecture 'DeepseekV2ForCausalLM' is "
                                                                           "not supported"),
@@ -294,3 +311,19 @@ def test_a_run_still_writing_the_destination_is_not_disturbed(tmp_path, capsys):
     assert main(["quantize", str(tiny_model("llama")), str(tmp_path / "d"), "--method", "smooth_quant"]) == 2
     assert f"another process (pid {os.getppid()}) is writing DST" in capsys.readouterr().out
     assert busy.is_dir() and not (tmp_path / "d").exists()
+
+
+def test_a_calibration_file_that_is_not_text_is_warned_about(tmp_path):
+    from dlinfer.quantize import calib
+
+    binary = tmp_path / "calib.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    with pytest.warns(calib.CalibrationTextWarning, match="does not look like text"):
+        calib._read(binary)
+    text = tmp_path / "calib.txt"
+    text.write_text("Plain text, with an odd byte: \u00e9.\n" * 50)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", calib.CalibrationTextWarning)
+        assert calib._read(text).startswith("Plain text")

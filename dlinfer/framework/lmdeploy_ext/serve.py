@@ -96,19 +96,33 @@ def main(argv=None) -> int:
     """Run the server until it is stopped (SIGINT/SIGTERM); 2 for a setting the device cannot run."""
     from lmdeploy.cli.serve import SubCliServe
 
+    from dlinfer.utils.model_folder import check_model_folder
+
     args = parse_args(argv)
-    if not os.path.exists(args.model_path):
+    if not os.path.exists(args.model_path) and not args.model_path.startswith(("/", ".", "~")):
         from lmdeploy.utils import get_model
 
-        args.model_path = get_model(args.model_path, download_dir=args.download_dir, revision=args.revision)
+        try:  # a hub id: LMDeploy fetches it (offline, its error is one line here)
+            args.model_path = get_model(args.model_path, download_dir=args.download_dir, revision=args.revision)
+        except Exception as exc:  # noqa: BLE001 (the hub client's errors have no common base)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            print(f"{PROG}: error: MODEL {args.model_path!r} is not a local folder, and fetching it as a model id "
+                  f"failed: {first}", file=sys.stderr)
+            return 2
+    from dlinfer.framework.lmdeploy_ext.patches import mp_engine
+
     try:
+        check_model_folder(args.model_path)
         check_model_here(args)
+        mp_engine.exit_on_engine_death(True)  # a dead engine ends the server (status 3), for its supervisor
         SubCliServe.api_server(args)
     except ValueError as exc:  # the config checks (patches/engine_config.py), the model check
         if args.log_level.upper() == "DEBUG":
             raise
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        mp_engine.exit_on_engine_death(False)
     return 0
 
 

@@ -30,19 +30,38 @@ main module, environment variable or import hook involved). `engine_process` the
   seen the port otherwise) (3);
 - runs LMDeploy's `_mp_proc` unchanged.
 For LMDeploy's own device types the child gets the same patches (inert there) its parent had.
+
+4. The reverse: when the engine process dies (killed, OOM-killed, a crash), LMDeploy's RPC client
+   marks the backend dead (`ZMQMPEngine._mark_backend_dead`, called by the client's sentinel
+   watch) and the API server goes on answering 5xx forever, so a supervisor that restarts on
+   exit (systemd, Docker, Kubernetes) never fires. `python -m dlinfer serve` sets
+   `exit_on_engine_death(True)` for its process: the wrapped `_mark_backend_dead` then logs one
+   line with the engine's exit code and ends the server with status `ENGINE_DIED_STATUS` half a
+   second later. A `close()` in progress (a clean shutdown, which stops the engine itself) turns
+   it off. Pipelines in a user's own process are never exited this way: only `serve` asks.
 """
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 
 from dlinfer.framework.lmdeploy_ext.patching import original_of, wrap
 
 # Seconds an orphaned engine process gets to close after its own SIGTERM before it exits anyway.
 ORPHAN_GRACE_S = 10.0
+# The server's exit status when its engine process died (4 above).
+ENGINE_DIED_STATUS = 3
+_exit_on_death = threading.Event()  # set by `exit_on_engine_death(True)`: the serve command's process
+
+
+def exit_on_engine_death(enabled: bool) -> None:
+    """Whether this process exits (status ENGINE_DIED_STATUS) when its multi-process engine dies."""
+    (_exit_on_death.set if enabled else _exit_on_death.clear)()
 
 
 def engine_process(shared_dict, condition, *args, **kwargs):
@@ -96,7 +115,36 @@ def _patch_mp_proc(original):
     return staticmethod(engine_process)
 
 
+def _patch_mark_backend_dead(original):
+
+    @functools.wraps(original)
+    def _mark_backend_dead(self):
+        original(self)
+        if not _exit_on_death.is_set() or getattr(self, "_dlinfer_closing", False):
+            return
+        proc = getattr(self, "proc", None)
+        code = getattr(proc, "exitcode", None)
+        print(f"[dlinfer] the engine process (pid {getattr(proc, 'pid', '?')}) died (exit code {code}); the "
+              f"server exits with status {ENGINE_DIED_STATUS} so that its supervisor can restart it",
+              file=sys.stderr, flush=True)
+        threading.Timer(0.5, os._exit, (ENGINE_DIED_STATUS,)).start()
+
+    return _mark_backend_dead
+
+
+def _patch_close(original):
+
+    @functools.wraps(original)
+    def close(self):
+        self._dlinfer_closing = True  # the engine is stopped on purpose: not a death
+        return original(self)
+
+    return close
+
+
 def apply() -> None:
     from lmdeploy.pytorch.engine.mp_engine.zmq_engine import ZMQMPEngine
 
     wrap(ZMQMPEngine, "_mp_proc", _patch_mp_proc)
+    wrap(ZMQMPEngine, "_mark_backend_dead", _patch_mark_backend_dead)
+    wrap(ZMQMPEngine, "close", _patch_close)
