@@ -211,6 +211,17 @@ def test_token_ids_outside_the_vocabulary_are_400_and_the_engine_lives(server, g
     assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
 
 
+def test_sleep_then_wakeup_serves_the_same_tokens(server, greedy_reference):
+    """/sleep (level 1) drops the KV cache; /wakeup used to answer 500 on CPU (LMDeploy moves the
+    weights back with torch.cuda) and leave the server asleep (patches/model_agent.py)."""
+    assert server.request("POST", "/sleep?level=1", {})[0] == 200
+    assert server.request("GET", "/is_sleeping")[1] == {"is_sleeping": True}
+    assert server.request("POST", "/wakeup", {})[0] == 200
+    assert server.request("GET", "/is_sleeping")[1] == {"is_sleeping": False}
+    choice = server.chat(MESSAGES, return_token_ids=True)["choices"][0]
+    assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
+
+
 def test_sigterm_shuts_down_cleanly_with_no_engine_process_left(server):
     """Runs last: stops the module's server."""
     engine = [p for p in server.descendants if p.name() == "ZMQMPEngine"]

@@ -15,7 +15,12 @@ How: for an agent whose device context names a dlinfer device type, and for no o
   this agent's inputs strategy a `make_dummy` that builds dummies there;
 - `get_free_mem` returns available host RAM when the device is the CPU;
 - `start` runs inside `devices.engine_device_scope`, so the asyncio tasks it creates (input
-  upload, forward loop) carry the engine's torch device for `_try_to_cuda`.
+  upload, forward loop) carry the engine's torch device for `_try_to_cuda`;
+- `wakeup` on the CPU: a level-1 `sleep` "offloads" the weights to the CPU, where they already
+  are, and drops the KV cache and the graphs. LMDeploy's `wakeup` would move them back with
+  `.to(torch.cuda.current_device())`, which raises on a CPU engine (the /wakeup endpoint
+  answered 500 and the server stayed asleep); with the weights on the CPU the wrapper leaves
+  them and lets LMDeploy rebuild the KV cache and warm up.
 """
 
 from __future__ import annotations
@@ -97,9 +102,26 @@ def _patch_start(original):
     return start
 
 
+def _patch_wakeup(original):
+
+    @functools.wraps(original)
+    def wakeup(self, tags=None):
+        spec = _agent_spec(self)
+        if spec is None or spec.torch_device != "cpu":
+            return original(self, tags)
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        weights = next(self.patched_model.get_model().parameters(), None)
+        if "weights" in tags and weights is not None and weights.device.type == "cpu":
+            tags.remove("weights")  # already in place: level 1 on the CPU moved nothing
+        return original(self, tags)
+
+    return wakeup
+
+
 def apply() -> None:
     from lmdeploy.pytorch.engine.model_agent.agent import BaseModelAgent
 
     wrap(BaseModelAgent, "__init__", _patch_init)
     wrap(BaseModelAgent, "get_free_mem", _patch_get_free_mem)
     wrap(BaseModelAgent, "start", _patch_start)
+    wrap(BaseModelAgent, "wakeup", _patch_wakeup)
