@@ -11,6 +11,7 @@ from dlinfer.conformance.suites import (  # noqa: F401  (registration order = ru
     kv_int8,
     kv_int8_bad,
     moe,
+    non_finite,
     norm,
     opcheck,
     quant,
