@@ -54,6 +54,9 @@ SETTINGS: Tuple[Setting, ...] = (
             "loading", "framework/lmdeploy_ext/backend/lm_head.py, when the engine builds its model"),
     Setting("DLINFER_HUGE_PAGES", "1", "0: leave a CPU engine's weights where they load instead of moving them "
             "onto 2 MB pages", "framework/lmdeploy_ext/patches/huge_pages.py, when the engine builds its model"),
+    Setting("DLINFER_SERVE_SHUTDOWN_S", "30", "seconds `python -m dlinfer serve` lets in-flight requests run after "
+            "SIGTERM/SIGINT before it cancels them (uvicorn's graceful-shutdown timeout); the engine then closes in "
+            "at most 10 s more", "framework/lmdeploy_ext/serve.py, when the server starts"),
     Setting("DLINFER_THREADS_PER_RANK", "cores / tp", "compute threads of each tensor-parallel rank on one machine",
             "framework/lmdeploy_ext/patches/mp_executor.py, when the ranks start"),
     # op tools

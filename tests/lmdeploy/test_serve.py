@@ -271,6 +271,52 @@ def test_server_exits_when_its_engine_process_dies(model_dir, tmp_path):
         srv.stop()
 
 
+def test_sigterm_cancels_a_long_generation_after_the_shutdown_bound(model_dir, tmp_path, monkeypatch):
+    """SIGTERM used to wait for every in-flight generation (76 s seen); DLINFER_SERVE_SHUTDOWN_S
+    bounds it (serve.py): here 1 s against a stream that would run for tens of seconds."""
+    import threading
+
+    monkeypatch.setenv("DLINFER_SERVE_SHUTDOWN_S", "1")
+    srv = Server(model_dir("llama"), tmp_path / "server.log", "--session-len", "8192", "--num-gpu-blocks", "512")
+    streamed = threading.Event()
+
+    def long_stream():
+        body = dict(model=srv.model, messages=MESSAGES, temperature=0, max_tokens=7000, ignore_eos=True, stream=True)
+        req = urllib.request.Request(srv.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                for _ in resp:
+                    streamed.set()
+        except OSError:
+            pass  # the server goes away mid-stream: what this test causes
+
+    try:
+        srv.wait_ready()
+        threading.Thread(target=long_stream, daemon=True).start()
+        assert streamed.wait(60), srv.log_tail()
+        time.sleep(1.0)
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), srv.log_tail()
+        assert time.monotonic() - start < 1 + 10 + 5, srv.log_tail()  # the bound, the engine's close, slack
+        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
+        assert alive == [], f"left running after SIGTERM: {alive}"
+    finally:
+        srv.stop()
+
+
+def test_a_bad_shutdown_bound_is_one_line(model_dir, monkeypatch, capsys):
+    from lmdeploy.serve.openai import api_server
+
+    monkeypatch.setattr(api_server, "serve", lambda *a, **k: pytest.fail("server started"))
+    monkeypatch.setenv("DLINFER_SERVE_SHUTDOWN_S", "soon")
+    assert serve.main([str(model_dir("llama"))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("python -m dlinfer serve: error: DLINFER_SERVE_SHUTDOWN_S must be a number of seconds >= 0, "
+                   "got 'soon'")
+
+
 def test_tensor_parallel_server_answers_and_stops_with_its_ranks(model_dir, tmp_path, greedy_reference):
     """`serve MODEL --tp 2`: the engine process runs LMDeploy's mp executor with two rank processes
     (gloo); the server answers with the tp=1 pipeline's greedy tokens, and SIGTERM ends all of it."""

@@ -24,10 +24,13 @@ status 2, before anything starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import sys
 
 import dlinfer.framework.lmdeploy_ext  # noqa: F401  (patches LMDeploy in this process)
+from dlinfer import envs
 from dlinfer.framework.lmdeploy_ext import devices
 
 PROG = "python -m dlinfer serve"
@@ -92,6 +95,42 @@ def check_model_here(args: argparse.Namespace) -> None:
         check_model(ModelConfig.from_pretrained(args.model_path, trust_remote_code=True), spec)
 
 
+SHUTDOWN_ENV = "DLINFER_SERVE_SHUTDOWN_S"
+
+
+def shutdown_seconds() -> float:
+    """DLINFER_SERVE_SHUTDOWN_S (default 30): how long in-flight requests may run after SIGTERM."""
+    raw = envs.get(SHUTDOWN_ENV) or "30"
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{SHUTDOWN_ENV} must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+@contextlib.contextmanager
+def bounded_shutdown(seconds: float):
+    """While inside, `uvicorn.run` (which LMDeploy's api_server calls without a bound, so SIGTERM
+    waited for every in-flight generation: 76 s seen) gets `timeout_graceful_shutdown=seconds`:
+    uvicorn then cancels what still runs and the lifespan's shutdown closes the engine."""
+    import uvicorn
+
+    original = uvicorn.run
+
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        kwargs.setdefault("timeout_graceful_shutdown", seconds)
+        return original(*args, **kwargs)
+
+    uvicorn.run = run
+    try:
+        yield
+    finally:
+        uvicorn.run = original
+
+
 def main(argv=None) -> int:
     """Run the server until it is stopped (SIGINT/SIGTERM); 2 for a setting the device cannot run."""
     from lmdeploy.cli.serve import SubCliServe
@@ -114,8 +153,10 @@ def main(argv=None) -> int:
     try:
         check_model_folder(args.model_path)
         check_model_here(args)
+        grace = shutdown_seconds()
         mp_engine.exit_on_engine_death(True)  # a dead engine ends the server (status 3), for its supervisor
-        SubCliServe.api_server(args)
+        with bounded_shutdown(grace):
+            SubCliServe.api_server(args)
     except ValueError as exc:  # the config checks (patches/engine_config.py), the model check
         if args.log_level.upper() == "DEBUG":
             raise
