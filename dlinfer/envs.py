@@ -57,6 +57,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("DLINFER_SERVE_SHUTDOWN_S", "30", "seconds `python -m dlinfer serve` lets in-flight requests run after "
             "SIGTERM/SIGINT before it cancels them (uvicorn's graceful-shutdown timeout); the engine then closes in "
             "at most 10 s more", "framework/lmdeploy_ext/serve.py, when the server starts"),
+    Setting("DLINFER_SERVE_MAX_BODY", "64M", "the largest request body `python -m dlinfer serve` reads (64M, 512k, "
+            "1G); a larger one is answered 413", "framework/lmdeploy_ext/serve.py, when the server starts"),
     Setting("DLINFER_THREADS_PER_RANK", "cores / tp", "compute threads of each tensor-parallel rank on one machine",
             "framework/lmdeploy_ext/patches/mp_executor.py, when the ranks start"),
     # op tools

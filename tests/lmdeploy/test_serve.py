@@ -211,6 +211,24 @@ def test_token_ids_outside_the_vocabulary_are_400_and_the_engine_lives(server, g
     assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
 
 
+def test_a_body_over_the_limit_is_413_before_it_is_read(server, greedy_reference):
+    """LMDeploy read any body (patch: body_limit.py, DLINFER_SERVE_MAX_BODY, 64M by default): the
+    headers alone announce 1 GB, none of it is sent, and the answer comes at once."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=REQUEST_TIMEOUT_S)
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(2**30))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413, response.read()
+    assert "over the limit of 67108864 bytes" in json.loads(response.read())["error"]["message"]
+    conn.close()
+    choice = server.chat(MESSAGES, return_token_ids=True)["choices"][0]
+    assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
+
+
 def test_sleep_then_wakeup_serves_the_same_tokens(server, greedy_reference):
     """/sleep (level 1) drops the KV cache; /wakeup used to answer 500 on CPU (LMDeploy moves the
     weights back with torch.cuda) and leave the server asleep (patches/model_agent.py)."""

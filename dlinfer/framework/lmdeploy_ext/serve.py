@@ -110,19 +110,36 @@ def shutdown_seconds() -> float:
     return value
 
 
+MAX_BODY_ENV = "DLINFER_SERVE_MAX_BODY"
+
+
+def max_body_bytes() -> int:
+    """DLINFER_SERVE_MAX_BODY (default 64M): the largest request body the server reads."""
+    from dlinfer.tools.env import parse_size
+
+    raw = envs.get(MAX_BODY_ENV) or "64M"
+    value = parse_size(raw, MAX_BODY_ENV)
+    if value <= 0:
+        raise ValueError(f"{MAX_BODY_ENV}={raw!r}: expected a size above 0, such as 64M")
+    return value
+
+
 @contextlib.contextmanager
-def bounded_shutdown(seconds: float):
-    """While inside, `uvicorn.run` (which LMDeploy's api_server calls without a bound, so SIGTERM
-    waited for every in-flight generation: 76 s seen) gets `timeout_graceful_shutdown=seconds`:
-    uvicorn then cancels what still runs and the lifespan's shutdown closes the engine."""
+def server_limits(shutdown_s: float, max_body: int):
+    """While inside, `uvicorn.run` (which LMDeploy's api_server calls with neither) serves its app
+    behind `body_limit.BodyLimit(max_body)` and with `timeout_graceful_shutdown=shutdown_s`: without
+    the latter SIGTERM waited for every in-flight generation (76 s seen); with it uvicorn cancels
+    what still runs after `shutdown_s` and the lifespan's shutdown closes the engine."""
     import uvicorn
+
+    from dlinfer.framework.lmdeploy_ext.body_limit import BodyLimit
 
     original = uvicorn.run
 
     @functools.wraps(original)
-    def run(*args, **kwargs):
-        kwargs.setdefault("timeout_graceful_shutdown", seconds)
-        return original(*args, **kwargs)
+    def run(app, *args, **kwargs):
+        kwargs.setdefault("timeout_graceful_shutdown", shutdown_s)
+        return original(BodyLimit(app, max_body), *args, **kwargs)
 
     uvicorn.run = run
     try:
@@ -153,9 +170,9 @@ def main(argv=None) -> int:
     try:
         check_model_folder(args.model_path)
         check_model_here(args)
-        grace = shutdown_seconds()
+        limits = server_limits(shutdown_seconds(), max_body_bytes())
         mp_engine.exit_on_engine_death(True)  # a dead engine ends the server (status 3), for its supervisor
-        with bounded_shutdown(grace):
+        with limits:
             SubCliServe.api_server(args)
     except ValueError as exc:  # the config checks (patches/engine_config.py), the model check
         if args.log_level.upper() == "DEBUG":
