@@ -149,12 +149,16 @@ def server_limits(shutdown_s: float, max_body: int):
 
 
 def main(argv=None) -> int:
-    """Run the server until it is stopped (SIGINT/SIGTERM); 2 for a setting the device cannot run."""
+    """Run the server until it is stopped (SIGINT/SIGTERM): 0 then; 2 (one line on stderr) for a
+    MODEL that is not a loadable folder, a setting or model the device cannot run, or a bad
+    DLINFER_SERVE_* value; 3 when the engine process dies under it (patches/mp_engine.py)."""
     from lmdeploy.cli.serve import SubCliServe
 
+    from dlinfer.framework.lmdeploy_ext.patches import mp_engine
     from dlinfer.utils.model_folder import check_model_folder
 
     args = parse_args(argv)
+    args.model_path = os.path.expanduser(args.model_path)
     if not os.path.exists(args.model_path) and not args.model_path.startswith(("/", ".", "~")):
         from lmdeploy.utils import get_model
 
@@ -165,8 +169,6 @@ def main(argv=None) -> int:
             print(f"{PROG}: error: MODEL {args.model_path!r} is not a local folder, and fetching it as a model id "
                   f"failed: {first}", file=sys.stderr)
             return 2
-    from dlinfer.framework.lmdeploy_ext.patches import mp_engine
-
     try:
         check_model_folder(args.model_path)
         check_model_here(args)
