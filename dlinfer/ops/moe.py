@@ -78,7 +78,9 @@ def fused_moe(
     hidden_states: [T, H].
     gate_up_weights: [E, 2I, H]: rows :I are the gate projection, rows I: the up projection.
     down_weights: [E, H, I].
-    topk_weights: [T, K] (any float dtype; combined in fp32); topk_ids: [T, K] int32/int64 in [0, E).
+    topk_weights: [T, K] (any float dtype; combined in fp32); topk_ids: [T, K] int32/int64 in [0, E);
+    with value checks off an id outside it adds nothing on every in-tree vendor (an expert-parallel
+    rank's foreign ids), with them on it is refused.
     topk: K.  renormalize: rescale each token's K weights to sum to 1 first.
     moe_metadata: None for single device; ep_size > 1 raises UnsupportedError.
     chunked_moe_layout: an Ascend weight-storage layout; must be None here.

@@ -14,6 +14,15 @@ def moe_gating_topk_softmax(router_logits: Tensor, topk: int):
     return weights[:, :topk].contiguous(), ids[:, :topk].contiguous()
 
 
+def expert_order(flat_ids, num_experts: int):
+    """(order, counts): the (token, expert) pairs sorted by expert (stable) and the pairs per expert
+    [0, E). Ids outside [0, E) are keyed E, so they sort last and no expert runs them: they add
+    nothing, as on the cpu and triton vendors (value checks on reject them in the op layer); one
+    bincount, whose `tolist` is the only sync."""
+    keyed = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
+    return torch.argsort(keyed, stable=True), torch.bincount(keyed, minlength=num_experts + 1).tolist()[:num_experts]
+
+
 def fused_moe(hidden_states: Tensor, gate_up_weights: Tensor, down_weights: Tensor, topk_weights: Tensor,
               topk_ids: Tensor, renormalize: bool) -> Tensor:
     """hidden [T, H], gate_up [E, 2I, H], down [E, H, I], weights/ids [T, K] -> [T, H].
@@ -28,8 +37,7 @@ def fused_moe(hidden_states: Tensor, gate_up_weights: Tensor, down_weights: Tens
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     flat_ids = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    order, counts = expert_order(flat_ids, num_experts)
     flat_weights = weights.reshape(-1)
     out = torch.zeros(t, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
     start = 0

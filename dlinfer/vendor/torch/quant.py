@@ -11,6 +11,7 @@ torch._int_mm, which constrains the shapes).
 import torch
 from torch import Tensor
 
+from dlinfer.vendor.torch.moe import expert_order
 from dlinfer.vendor.torch.norm import add_rms_norm, rms_norm
 
 
@@ -72,8 +73,7 @@ def fused_moe_w8a8(hidden_states: Tensor, gate_up_weights: Tensor, gate_up_scale
         weights = weights / weights.sum(dim=-1, keepdim=True)
     xq, x_scale = dynamic_quant(hidden_states)
     flat_ids = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    order, counts = expert_order(flat_ids, num_experts)
     flat_weights = weights.reshape(-1)
     # float32 (float64 when the op tools rerun the call in float64, scales included)
     acc_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
