@@ -1,4 +1,5 @@
-"""Non-finite activations through the W8A8 family: NaN in, NaN out; inf in, non-finite out.
+"""Non-finite activations through the W8A8 family: NaN in, NaN out; inf in, non-finite out (the
+one test of this rule: tests/ops/test_suites.py runs it on every vendor).
 
 A quantising op (dynamic_quant, rms_norm_w8a8, add_rms_norm_w8a8) gives a row holding a NaN the
 scale NaN; a row holding +-inf (and no NaN) a non-finite scale. Either way the next linear_w8a8
@@ -47,12 +48,16 @@ def _check(vendor, op, dtype):
     out = ops.linear_w8a8(xq, b, scale, linear_scale, torch.float32)
     for row in (1, 2):
         expect(bool(torch.isnan(scale[row])), f"{op}: a row holding a NaN has scale {float(scale[row])}, not NaN")
+        expect(bool(torch.isnan(out[row]).all()), f"linear_w8a8 after {op}: row {row} (a NaN in its input) is not "
+                                                  "NaN in every column")
     for row in BAD:
         expect(not bool(torch.isfinite(scale[row])), f"{op}: row {row} ({BAD[row][1]} in it) has a finite scale "
                                                      f"{float(scale[row])}")
         expect(not bool(torch.isfinite(out[row]).any()),
                f"linear_w8a8 after {op}: row {row} ({BAD[row][1]} in its input) has finite outputs")
     for row in (0, 5):
+        expect(bool(torch.isfinite(scale[row])) and float(scale[row]) > 0, f"{op}: finite row {row} has scale "
+                                                                          f"{float(scale[row])}")
         expect(bool(torch.isfinite(out[row]).all()), f"linear_w8a8 after {op}: finite row {row} is not finite")
     assert_equal(scale[[0, 5]], clean_scale[[0, 5]], op, name="the finite rows' scales")
 
