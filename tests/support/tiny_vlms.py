@@ -38,6 +38,17 @@ QWEN2_VL_TOKENS = {"vision_start_token": "<|vision_start|>", "vision_end_token":
 
 _TEXT = dict(COMMON, intermediate_size=256)
 
+
+def _qwen_vl_text(model_type: str) -> dict:
+    """The language model of the tiny Qwen2-VL and Qwen2.5-VL: M-RoPE, tied to the embeddings."""
+    return dict(model_type=model_type, use_sliding_window=False,
+                rope_scaling=dict(type="mrope", mrope_section=[4, 6, 6]), **dict(_TEXT, tie_word_embeddings=True))
+
+
+# Their image processor: 14-pixel patches merged 2x2, at most 64 merged tokens an image.
+_QWEN_VL_IMAGES = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=14, temporal_patch_size=2,
+                       merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 64)
+
 # Bump when the builder below changes what it writes (the cache key covers SPECS, not the code).
 BUILDER_VERSION = 1
 
@@ -69,12 +80,9 @@ SPECS: dict[str, dict] = {
             model_type="qwen2_vl",
             vision_config=dict(depth=2, embed_dim=64, num_heads=4, mlp_ratio=2, hidden_size=_TEXT["hidden_size"],
                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2),
-            text_config=dict(model_type="qwen2_vl_text", use_sliding_window=False,
-                             rope_scaling=dict(type="mrope", mrope_section=[4, 6, 6]),
-                             **dict(_TEXT, tie_word_embeddings=True)),
+            text_config=_qwen_vl_text("qwen2_vl_text"),
             tie_word_embeddings=True),
-        image_processor=dict(image_processor_type="Qwen2VLImageProcessor", patch_size=14, temporal_patch_size=2,
-                             merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 64),
+        image_processor=dict(_QWEN_VL_IMAGES),
         processor=dict(processor_class="Qwen2VLProcessor"),
         tokens=QWEN2_VL_TOKENS),
     # Qwen2.5-VL: as Qwen2-VL, with RMSNorm/SwiGLU vision blocks and window attention (56-pixel
@@ -87,12 +95,9 @@ SPECS: dict[str, dict] = {
                                out_hidden_size=_TEXT["hidden_size"], patch_size=14, spatial_merge_size=2,
                                temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1, 3],
                                initializer_range=0.2),
-            text_config=dict(model_type="qwen2_5_vl_text", use_sliding_window=False,
-                             rope_scaling=dict(type="mrope", mrope_section=[4, 6, 6]),
-                             **dict(_TEXT, tie_word_embeddings=True)),
+            text_config=_qwen_vl_text("qwen2_5_vl_text"),
             tie_word_embeddings=True),
-        image_processor=dict(image_processor_type="Qwen2VLImageProcessor", patch_size=14, temporal_patch_size=2,
-                             merge_size=2, min_pixels=56 * 56, max_pixels=28 * 28 * 64),
+        image_processor=dict(_QWEN_VL_IMAGES),
         processor=dict(processor_class="Qwen2_5_VLProcessor"),
         tokens=QWEN2_VL_TOKENS),
 }
