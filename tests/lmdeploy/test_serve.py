@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.broken_models import gguf_file, truncated
 from support.engine_helpers import cpu_pipeline
 
 from dlinfer.framework.lmdeploy_ext import serve
@@ -428,23 +429,12 @@ def _copy_without(model_dir, tmp_path, *missing):
     return dst
 
 
-def _truncate_weights(folder):
-    weights = folder / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:-100])
-    return folder
-
-
-def _gguf(folder: Path) -> Path:
-    (folder / "m.gguf").write_bytes(b"GGUF")
-    return folder / "m.gguf"
-
-
 @pytest.mark.parametrize("make,message", [
     (lambda d, t: t / "missing", "MODEL '{path}' does not exist."),
-    (lambda d, t: _gguf(t), "MODEL '{path}' is a GGUF file;"),
+    (lambda d, t: gguf_file(t), "MODEL '{path}' is a GGUF file;"),
     (lambda d, t: (t / "empty").mkdir() or t / "empty", "MODEL '{path}' has no config.json"),
     (lambda d, t: _copy_without(d, t, "tokenizer.json", "tokenizer_config.json"), "MODEL '{path}' has no tokenizer"),
-    (lambda d, t: _truncate_weights(_copy_without(d, t)), "model.safetensors is truncated"),
+    (lambda d, t: truncated(_copy_without(d, t), 100), "model.safetensors is truncated"),
     (lambda d, t: "no-such-org/no-such-model", "MODEL 'no-such-org/no-such-model' is not a local folder, and "
                                                 "fetching it as a model id failed"),
 ])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.broken_models import gguf_file, truncated  # noqa: E402
 from support.quantized_models import unpack_awq  # noqa: E402
 from support.tiny_models import tiny_model  # noqa: E402
 
@@ -179,22 +180,11 @@ def _fake_src(tmp_path: Path, **config) -> Path:
     return src
 
 
-def _gguf(folder: Path) -> Path:
-    (folder / "m.gguf").write_bytes(b"GGUF")
-    return folder / "m.gguf"
-
-
-def _truncated(src: Path) -> Path:
-    data = (src / "model.safetensors").read_bytes()
-    (src / "model.safetensors").write_bytes(data[:-3])
-    return src
-
-
 @pytest.mark.parametrize("setup,argv,message", [
     (lambda t: t / "missing", [], "does not exist"),
-    (lambda t: _gguf(t), [], "is a GGUF file; LMDeploy loads HF checkpoint"),
+    (lambda t: gguf_file(t), [], "is a GGUF file; LMDeploy loads HF checkpoint"),
     (lambda t: (_fake_src(t) / "tokenizer.json").unlink() or t / "src", [], "has no tokenizer"),
-    (lambda t: _truncated(_fake_src(t)), [], "model.safetensors is truncated"),
+    (lambda t: truncated(_fake_src(t), 3), [], "model.safetensors is truncated"),
     (lambda t: (t / "empty").mkdir() or t / "empty", [], "has no config.json"),
     (lambda t: _fake_src(t, architectures=["DeepseekV2ForCausalLM"]), [], "architecture 'DeepseekV2ForCausalLM' is "
                                                                           "not supported"),
