@@ -85,8 +85,8 @@ def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator):
         q = L.pack(torch.randint(0, 16, (k, n), generator=g, dtype=torch.int32))
         zeros = L.pack(torch.randint(0, 16, (k // GROUP, n), generator=g, dtype=torch.int32))
         scale = (torch.rand(k // GROUP, n, generator=g) * 0.02).half()
-        first = (wq.k_interleaved(q) if kernel == "w4-ki" else wq.column_tiled(q), scale, zeros)
-    nbytes = sum(t.numel() * t.element_size() for t in first)
+        first = (wq.k_interleaved(q, scale, zeros, GROUP) if kernel == "w4-ki" else wq.column_tiled(q), scale, zeros)
+    nbytes = sum(t.numel() * t.element_size() for t in (first[:1] if kernel == "w4-ki" else first))
     copies = max(1, -(-target // nbytes))
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)], nbytes
 

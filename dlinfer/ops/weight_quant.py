@@ -22,7 +22,7 @@ from dlinfer.vendor import w4_layouts as L
 from dlinfer.vendor.selection import resolve
 
 I32 = (torch.int32,)
-_REPACKED = "column_tiled int32 [ceil(N/128), K, 16], or k_interleaved uint8 [ceil(N/64), K/8, 4, 64]"
+_REPACKED = "column_tiled int32 [ceil(N/128), K, 16], or k_interleaved uint8 [ceil(N/64), K/g, B]"
 
 
 def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int], dtype, device):
@@ -32,15 +32,18 @@ def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int]
     n = scale.shape[1]
     if n % 8:
         raise C.InvalidArgumentError(op, "scale", "N (dim 1 of [K/g, N]) a multiple of 8", C.describe(scale))
-    if not isinstance(qweight, Tensor) or qweight.dim() not in (2, 3, 4):
+    if not isinstance(qweight, Tensor) or qweight.dim() not in (2, 3):
         raise C.InvalidArgumentError(op, "qweight", f"a tensor int32 [K, N/8] (or {_REPACKED})", C.describe(qweight))
-    if L.is_column_tiled(qweight):
+    if qweight.dim() == 3 and qweight.dtype != torch.uint8:
         C.tensor(op, "qweight", qweight, (L.num_tiles(n), "K", L.TILE_WORDS), I32, device)
         k_w = qweight.shape[1]
-    elif qweight.dim() == 4:
-        C.tensor(op, "qweight", qweight, (L.ki_num_tiles(n), "K/8", L.KI_VECTORS, L.KI_LINE_BYTES), (torch.uint8,),
-                 device)
-        k_w = qweight.shape[1] * L.KI_BLOCK_K
+    elif qweight.dim() == 3:
+        C.tensor(op, "qweight", qweight, (L.ki_num_tiles(n), scale.shape[0], "B"), (torch.uint8,), device)
+        block = L.ki_block_format(qweight.shape[2])
+        if block is None:
+            raise C.InvalidArgumentError(op, "qweight", "k_interleaved blocks of B = 192 + 32 g or 320 + 32 g bytes "
+                                         "(g % 8 == 0)", C.describe(qweight))
+        k_w = qweight.shape[1] * block[0]
     else:
         C.tensor(op, "qweight", qweight, ("K", n // 8), I32, device)
         k_w = qweight.shape[0]
@@ -67,7 +70,8 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     x: [..., K] float32/float16/bfloat16, not modified.
     qweight: int32 [K, N/8], output column 8*j + [0, 2, 4, 6, 1, 3, 5, 7][i] at bits 4i..4i+3 of
         qweight[:, j] (or what `repack_weight_quant` returned: column_tiled int32 [ceil(N/128), K, 16]
-        or k_interleaved uint8 [ceil(N/64), K/8, 4, 64], dlinfer/vendor/w4_layouts.py).
+        or k_interleaved uint8 [ceil(N/64), K/g, B] with each group's scales and zero points in its
+        block, dlinfer/vendor/w4_layouts.py).
     scale: [K/g, N] in x's dtype, or float16 (AWQ checkpoints' own dtype, widened exactly to float32
         in the kernel; what the cpu vendor's `repack_weight_quant` returns).
     offset: the zero points, int32 [K/g, N/8] packed like qweight, or None (zero point 8).
@@ -106,7 +110,7 @@ def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor]
     qweight: int32 [K, N/8] (canonical AWQ gemm layout).  scale: [K/g, N] float.
     offset: int32 [K/g, N/8] or None.  group_size: g (0: one group of K).  All on one device.
     Returns (qweight', scale', offset'): the vendor's `repack_weight_quant` hook's result (the cpu
-    vendor: qweight k_interleaved uint8 [ceil(N/64), K/8, 4, 64] on a CPU with AVX-512 VNNI and
+    vendor: qweight k_interleaved uint8 [ceil(N/64), K/g, B] on a CPU with AVX-512 VNNI and
     AMX-INT8, else column_tiled int32 [ceil(N/128), K, 16], and float32 scales as float16 when every one of them
     is a float16 value, so the same numbers in half the bytes), or the arguments
     themselves when the vendor has none or qweight is repacked already. A hook may change the

@@ -105,22 +105,43 @@ def column_tile(qweight):
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
-def k_interleave(qweight):
-    """canonical int32 [K, N/8] -> k_interleaved uint8 [ceil(N/64), K/8, 4, 64] (the layout's
-    nibbles regrouped: line (t, b, v), byte 4l + r: row 8b + r of column 64t + 16v + l in the low
-    nibble, row 8b + 4 + r in the high one; zero past N)."""
+def k_interleave(qweight, scale, offset, group):
+    """canonical int32 [K, N/8], scale [K/g, N], offset or None, g (0: K) -> k_interleaved uint8
+    [ceil(N/64), K/g, B], built from the layout's words: per tile t and group gi a block holding
+    the 64 columns' scales (float16 when every scale is a float16 value, else float32), their 64
+    zero points (a byte each; 8 without offset), then g/8 x 4 lines: line (b, v), byte 4l + r holds
+    row g gi + 8b + r of column 64t + 16v + l in the low nibble, row g gi + 8b + 4 + r in the high
+    one; zero past N."""
     k, words = qweight.shape
-    n = 8 * words
-    q = qweight.to(torch.int64) & 0xFFFFFFFF
-    values = torch.zeros(k, n, dtype=torch.int64, device=qweight.device)
-    for p, col in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
-        values[:, col::8] = (q >> (4 * p)) & 15
-    out = torch.zeros(-(-n // 64), k // 8, 4, 64, dtype=torch.int64, device=qweight.device)
+    n, g = 8 * words, group or k
+    groups, tiles = k // g, -(-n // 64)
+
+    def values_of(packed):
+        q = packed.to(torch.int64) & 0xFFFFFFFF
+        out = torch.zeros(packed.shape[0], n, dtype=torch.int64, device=packed.device)
+        for p, col in enumerate((0, 2, 4, 6, 1, 3, 5, 7)):
+            out[:, col::8] = (q >> (4 * p)) & 15
+        return out
+
+    values = values_of(qweight)
+    zeros = values_of(offset) if offset is not None else torch.full((groups, n), 8, dtype=torch.int64)
+    sdtype = torch.float16 if torch.equal(scale.to(torch.float16).to(scale.dtype), scale) else torch.float32
+    sbytes = 2 if sdtype == torch.float16 else 4
+    lines_at = 64 * sbytes + 64
+    out = torch.zeros(tiles, groups, lines_at + g // 8 * 256, dtype=torch.uint8)
+    values, zeros, scale = values.cpu(), zeros.cpu(), scale.cpu().to(sdtype)
+    b = torch.arange(g // 8).view(-1, 1)
+    r = torch.arange(4).view(1, -1)
     for c in range(n):
-        t, v, lane = c // 64, (c % 64) // 16, c % 16
-        for r in range(4):
-            out[t, :, v, 4 * lane + r] = values[r::8, c] | (values[4 + r::8, c] << 4)
-    return out.to(torch.uint8)
+        t, lane = c // 64, c % 64
+        at = lines_at + (b * 4 + lane // 16) * 64 + 4 * (lane % 16) + r  # [g/8, 4]: the bytes of rows 8b + r
+        for gi in range(groups):
+            block = out[t, gi]
+            block[lane * sbytes:(lane + 1) * sbytes] = scale[gi, c:c + 1].view(torch.uint8)
+            block[64 * sbytes + lane] = int(zeros[gi, c])
+            rows = gi * g + 8 * b + r
+            block[at] = (values[rows, c] | (values[rows + 4, c] << 4)).to(torch.uint8)
+    return out.to(qweight.device)
 
 
 def _check(out, expected, case, dtype, what=OP):
@@ -143,7 +164,7 @@ def _parity(vendor, case, dtype, strided=False, tiled=False, half_scales=False):
     if tiled == "suite":  # the column_tiled layout, built here
         qweight = column_tile(qweight)
     elif tiled == "suite_k_interleaved":  # the k_interleaved layout, built here
-        qweight = k_interleave(qweight)
+        qweight = k_interleave(qweight, scale, offset, case.group)
     elif tiled == "vendor":  # whatever the active vendor's load-time repack returns
         qweight, scale, offset = ops.repack_weight_quant(qweight, scale, offset, case.group)
     out = ops.weight_quant_matmul(x, qweight, scale, offset=offset, bias=bias, all_reduce=False,
@@ -239,10 +260,11 @@ BAD = [
     ("qweight", "tiled_tiles", lambda a: _i32(2, 64, 16)),
     ("qweight", "tiled_words", lambda a: _i32(1, 64, 8)),
     ("qweight", "tiled_rows", lambda a: _i32(1, 65, 16)),
-    ("qweight", "k_interleaved_tiles", lambda a: _u8(2, 8, 4, 64)),
-    ("qweight", "k_interleaved_rows", lambda a: _u8(1, 9, 4, 64)),
-    ("qweight", "k_interleaved_line", lambda a: _u8(1, 8, 4, 32)),
-    ("qweight", "k_interleaved_int32", lambda a: _i32(1, 8, 4, 64)),
+    ("qweight", "k_interleaved_tiles", lambda a: _u8(2, 2, 320 + 32 * 32)),
+    ("qweight", "k_interleaved_groups", lambda a: _u8(1, 3, 320 + 32 * 32)),
+    ("qweight", "k_interleaved_block", lambda a: _u8(1, 2, 320 + 32 * 32 + 64)),
+    ("qweight", "k_interleaved_group_size", lambda a: _u8(1, 2, 320 + 32 * 16)),
+    ("qweight", "k_interleaved_rank4", lambda a: _u8(1, 8, 4, 64)),
     ("scale", "dtype", lambda a: a["scale"].to(torch.bfloat16)),  # float16 is allowed, bfloat16 is not
     ("scale", "float64", lambda a: a["scale"].to(torch.float64)),
     ("scale", "int", lambda a: a["scale"].to(I32)),

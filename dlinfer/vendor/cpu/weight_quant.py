@@ -72,7 +72,7 @@ def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], b
 def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
                         group_size: int) -> Tensor:
     """x [M, K], qweight int32 [K, N/8], column_tiled [ceil(N/128), K, 16] or k_interleaved uint8
-    [ceil(N/64), K/8, 4, 64], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
+    [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
     bias [N]?, group_size g -> [M, N] in x's dtype."""
     if w4_layouts.is_k_interleaved(qweight):
         if integer_kernel_takes(group_size):
@@ -98,9 +98,11 @@ def half_scales(scale: Tensor) -> Tensor:
     return half if torch.equal(half.to(torch.float32), scale) else scale
 
 
-def k_interleaved(qweight: Tensor) -> Tensor:
-    """canonical int32 [K, N/8] (K % 8 == 0) -> k_interleaved uint8 [ceil(N/64), K/8, 4, 64] (C++, one pass)."""
-    return _k_interleaved(qweight)
+def k_interleaved(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], group_size: int) -> Tensor:
+    """canonical int32 [K, N/8], scale [K/g, N], offset int32 [K/g, N/8]?, g (K % 8 == g % 8 == 0)
+    -> k_interleaved uint8 [ceil(N/64), K/g, B], each group's scales and zero points in its block
+    (C++, one pass; w4_layouts.k_interleaved is the reference)."""
+    return _k_interleaved(qweight, scale, offset, group_size)
 
 
 def integer_kernel_takes(group_size: int) -> bool:
@@ -140,5 +142,7 @@ def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor]
     integer kernel 1.19x faster again over a decode step's GEMVs on the Intel Xeon VM; float16
     scales cut a decode step's W4 bytes by 6% at group 64, 11% at group 32 (docs/benchmarks.md)."""
     q = qweight.contiguous()
-    packed = k_interleaved(q) if layout_for(q.shape[0], group_size) == "k_interleaved" else column_tiled(q)
-    return packed, half_scales(scale.contiguous()), offset
+    scale = half_scales(scale.contiguous())
+    if layout_for(q.shape[0], group_size) == "k_interleaved":
+        return k_interleaved(q, scale, offset, group_size), scale, offset
+    return column_tiled(q), scale, offset

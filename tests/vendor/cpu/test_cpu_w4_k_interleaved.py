@@ -44,17 +44,23 @@ def test_packers_agree_and_round_trip(k, n):
     """The layout module's packer, the C++ one and the suite's (written from the layout's words)
     give the same bytes, and `canonical` gives the canonical words back."""
     g = torch.Generator().manual_seed(k + n)
-    qweight = weights(W4Case("pack", (1,), k, n, 8, fill="extreme"), torch.float32, g)[0]
-    want = k_interleave(qweight)
-    assert want.shape == (-(-n // 64), k // 8, 4, 64) and want.dtype == torch.uint8
-    assert torch.equal(w4_layouts.k_interleaved(qweight), want)
-    assert torch.equal(_cpu().k_interleaved(qweight), want)
-    assert torch.equal(w4_layouts.canonical(want, n), qweight)
+    qweight, scale, offset, _ = weights(W4Case("pack", (1,), k, n, 8, fill="extreme"), torch.float32, g)
+    for s, o, scale_bytes in ((scale, offset, 4), (scale.half(), None, 2), (scale.half().float(), offset, 2)):
+        want = k_interleave(qweight, s, o, 8)
+        assert want.shape == (-(-n // 64), k // 8, 64 * scale_bytes + 64 + 32 * 8) and want.dtype == torch.uint8
+        assert w4_layouts.ki_block_format(want.shape[2]) == (8, scale_bytes)
+        assert torch.equal(w4_layouts.k_interleaved(qweight, s, o, 8), want)
+        assert torch.equal(_cpu().k_interleaved(qweight, s, o, 8), want)
+        assert torch.equal(w4_layouts.canonical(want, n), qweight)
 
 
-def test_layout_refuses_k_not_a_multiple_of_8():
+def test_layout_refuses_k_or_a_group_not_a_multiple_of_8():
     with pytest.raises(ValueError, match="K % 8"):
-        w4_layouts.k_interleaved(torch.zeros(12, 1, dtype=torch.int32))
+        w4_layouts.k_interleaved(torch.zeros(12, 1, dtype=torch.int32), torch.ones(1, 8), None, 0)
+    with pytest.raises(ValueError, match="g % 8"):
+        w4_layouts.k_interleaved(torch.zeros(24, 1, dtype=torch.int32), torch.ones(2, 8), None, 12)
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        _cpu().k_interleaved(torch.zeros(24, 1, dtype=torch.int32), torch.ones(2, 8), None, 12)
 
 
 def test_hook_picks_the_layout_the_cpu_runs_best_and_obeys_the_variable(monkeypatch):
@@ -65,7 +71,7 @@ def test_hook_picks_the_layout_the_cpu_runs_best_and_obeys_the_variable(monkeypa
         monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)  # auto: k_interleaved with VNNI and AMX
         packed = ops.repack_weight_quant(qweight, scale, offset, 32)[0]
         if cpu.VNNI and cpu.AMX:
-            assert torch.equal(packed, k_interleave(qweight))
+            assert torch.equal(packed, k_interleave(qweight, scale, offset, 32))
         else:
             assert packed.dtype == torch.int32 and packed.dim() == 3
         monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "column_tiled")
@@ -100,7 +106,7 @@ def test_every_path_gives_the_portable_paths_bits(path, dtype, m, k, n, group, z
     g = torch.Generator().manual_seed(m + k + n)
     qweight, scale, offset, bias = weights(W4Case("paths", (m,), k, n, group, zeros, True), dtype, g)
     x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k)[torch.randperm(k, generator=g)]).to(dtype)
-    packed = k_interleave(qweight)
+    packed = k_interleave(qweight, scale, offset, group)
     a = _kernel(x, packed, scale, offset, group, path, bias)
     b = _kernel(x, packed, scale, offset, group, PORTABLE, bias)
     view = torch.int32 if dtype == torch.float32 else torch.int16
@@ -111,7 +117,8 @@ def test_an_unavailable_path_is_refused():
     g = torch.Generator().manual_seed(2)
     qweight, scale, offset, _ = weights(W4Case("path", (1,), 192, 64, 96), torch.float32, g)
     with pytest.raises(RuntimeError, match=r"path 2 \(AMX\) cannot run here.*g = 96"):  # AMX never takes g = 96
-        torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(2, 192), k_interleave(qweight), scale, offset,
+        torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(2, 192), k_interleave(qweight, scale, offset, 96),
+                                                       scale, offset,
                                                        None, 96, 2)
 
 
@@ -133,7 +140,7 @@ def test_error_within_the_documented_bound_at_a_wide_range(path):
     k, n, group = 256, 136, 64
     g = torch.Generator().manual_seed(11)
     qweight, scale, offset, _ = weights(W4Case("bound", (1,), k, n, group), torch.float32, g)
-    packed = k_interleave(qweight)
+    packed = k_interleave(qweight, scale, offset, group)
     for span in (2.0**24, 2.0**5):
         x = torch.randn(4, k, generator=g).sign() * span ** torch.rand(4, k, generator=g)
         out = _kernel(x, packed, scale, offset, group, path).double()
@@ -153,21 +160,22 @@ def test_non_finite_activations_give_nan_rows(path):
     g = torch.Generator().manual_seed(5)
     qweight, scale, offset, _ = weights(W4Case("nan", (3,), 64, 48, 32), torch.float32, g)
     x = torch.randn(3, 64, generator=g)
-    clean = _kernel(x, k_interleave(qweight), scale, offset, 32, path)
+    clean = _kernel(x, k_interleave(qweight, scale, offset, 32), scale, offset, 32, path)
     x[0, 3], x[1, 40] = float("inf"), float("nan")
-    out = _kernel(x, k_interleave(qweight), scale, offset, 32, path)
+    out = _kernel(x, k_interleave(qweight, scale, offset, 32), scale, offset, 32, path)
     assert out[:2].isnan().all() and torch.equal(out[2], clean[2])
 
 
 def test_a_group_the_kernel_cannot_take_reads_the_weight_as_canonical():
-    """A k_interleaved weight with a group that is not a multiple of 8 (not from the hook, which
-    keeps column_tiled then) is read as canonical: the canonical call's bits."""
+    """A k_interleaved weight with a group past the kernel's 1024 (not from the hook, which keeps
+    column_tiled then) is read as canonical: the canonical call's bits."""
     g = torch.Generator().manual_seed(9)
-    qweight, scale, offset, bias = weights(W4Case("g12", (2,), 96, 136, 12, bias=True), torch.float32, g)
-    x = torch.randn(2, 96, generator=g)
+    qweight, scale, offset, bias = weights(W4Case("g2048", (2,), 2048, 72, 2048, bias=True), torch.float32, g)
+    x = torch.randn(2, 2048, generator=g)
     with dlinfer.vendor.using("cpu"):
-        want = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, 12)
-        got = ops.weight_quant_matmul(x, k_interleave(qweight), scale, offset, bias, False, 12)
+        want = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, 2048)
+        got = ops.weight_quant_matmul(x, w4_layouts.k_interleaved(qweight, scale, offset, 2048), scale, offset, bias,
+                                      False, 2048)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
@@ -182,7 +190,7 @@ def test_one_group_with_power_of_two_scales_is_correctly_rounded(path):
     qweight, _, offset, _ = weights(W4Case("exact", (1,), k, n, k), torch.float32, g)
     scale = torch.full((1, n), 2.0**-4)
     x = (torch.rand(16, k, generator=g) + 1) * torch.randint(0, 2, (16, k), generator=g).mul(2).sub(1) * 3.7
-    out = _kernel(x, k_interleave(qweight), scale, offset, k, path)
+    out = _kernel(x, k_interleave(qweight, scale, offset, k), scale, offset, k, path)
     exact, _ = _exact(x, qweight, scale, offset, k)
     assert torch.equal(out, exact.float())
 
@@ -192,7 +200,8 @@ def test_a_bias_of_the_wrong_length_is_refused():
     g = torch.Generator().manual_seed(4)
     qweight, scale, offset, _ = weights(W4Case("bias", (1,), 64, 64, 32), torch.float32, g)
     with pytest.raises(RuntimeError, match=r"bias \[N\]"):
-        torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(1, 64), k_interleave(qweight), scale, offset,
+        torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(1, 64), k_interleave(qweight, scale, offset, 32),
+                                                       scale, offset,
                                                        torch.randn(3), 32, -1)
 
 
@@ -205,7 +214,7 @@ def test_huge_activations_do_not_overflow_before_the_result(path):
     scale = torch.full((1, n), 1e-3)
     x = torch.zeros(1, k)
     x[0, :8] = 3e38
-    out = _kernel(x, k_interleave(qweight), scale, offset, 64, path)
+    out = _kernel(x, k_interleave(qweight, scale, offset, 64), scale, offset, 64, path)
     exact, _ = _exact(x, qweight, scale, offset, 64)
     assert torch.isfinite(out).all()
     assert torch.allclose(out.double(), exact, rtol=1e-6, atol=0)

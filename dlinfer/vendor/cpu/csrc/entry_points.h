@@ -81,7 +81,8 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight);
 
 // quant_w4_int.cpp: W4A16 as integer dot products on the k_interleaved layout (path: -1 the best
 // this CPU runs, 0 portable, 1 VNNI, 2 AMX; the same bits on every path).
-at::Tensor w4_k_interleaved(const at::Tensor& qweight);
+at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                            int64_t group_size);
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                                    const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path);

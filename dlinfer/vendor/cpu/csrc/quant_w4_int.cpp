@@ -53,22 +53,36 @@ constexpr int64_t kBlockK = 8;      // rows of k per line
 constexpr int64_t kMaxGroup = 1024; // D01 stays inside int32 (see above)
 // Lines this far ahead are prefetched into L2 (_MM_HINT_T1): from memory, one call streaming 3.8 MB
 // read at 0.81-0.83 of a float32 sum's rate with T1 against 0.73-0.76 with T0 (at 2-16 KB ahead
-// alike) and 0.58 with none (docs/benchmarks.md; why T0 is slower was not measured: perhaps its
-// misses hold L1 fill buffers for the whole trip from memory).
+// alike) and 0.58 with none (docs/notes/w4a16-kernels.md; why T0 is slower was not measured:
+// perhaps its misses hold L1 fill buffers for the whole trip from memory). With the group
+// parameters inside the stream, 4 KB stayed best at the 1B shapes (2 KB: step 0.74 of the probe,
+// 1 KB: 0.64, 4 KB: 0.80).
 constexpr int64_t kPrefetchBytes = 4096;
 
 inline int64_t num_tiles(int64_t n) { return (n + kCols - 1) / kCols; }
 
-// The byte of column c (in the tile's vector v, lane l = c % 16) and row k in tile t: line
-// (t * K/8 + k/8) * 4 + v, byte 4 * l + k % 4, nibble k % 8 / 4 (low: k % 8 < 4).
+// A k_interleaved weight (dlinfer/vendor/w4_layouts.py): per tile t and group gi a block of
+// `block_bytes`: the group's 64 scales (S: float16 or float32), its 64 zero points (a byte each),
+// then its g/8 x 4 lines. The byte of column c (vector v, lane l = c % 16) and row k (kb = k / 8 over
+// K) is byte 4 * l + k % 4 of line(t, kb, v), nibble k % 8 / 4 (low: k % 8 < 4).
 struct Layout {
   const uint8_t* q;
-  int64_t K, N;
+  int64_t K, N, g, G;
+  int64_t scale_bytes;  // 2 (float16) or 4 (float32)
+  int64_t param_bytes;  // scales and zero points, before a group's lines
+  int64_t block_bytes;
+  inline const uint8_t* block(int64_t t, int64_t gi) const { return q + (t * G + gi) * block_bytes; }
+  inline const uint8_t* zeros(int64_t t, int64_t gi) const { return block(t, gi) + kCols * scale_bytes; }
+  // line v of rows 8 kb .. 8 kb + 7 (kb counted over the whole K)
   inline const uint8_t* line(int64_t t, int64_t kb, int v) const {
-    return q + ((t * (K / kBlockK) + kb) * kVecs + v) * kLineBytes;
+    const int64_t per = g / kBlockK, gi = kb / per;
+    return block(t, gi) + param_bytes + ((kb - gi * per) * kVecs + v) * kLineBytes;
   }
-  inline const uint8_t* end() const { return q + num_tiles(N) * K * kCols / 2; }
+  inline const uint8_t* end() const { return q + num_tiles(N) * G * block_bytes; }
 };
+
+inline int64_t param_bytes_of(int64_t scale_bytes) { return kCols * scale_bytes + kCols; }
+inline int64_t block_bytes_of(int64_t g, int64_t scale_bytes) { return param_bytes_of(scale_bytes) + g / kBlockK * kVecs * kLineBytes; }
 
 // One group of g values (g % 8 == 0) into digits d[0..3][0..g) and (factor, S01, S23). The
 // scaling by 2^(30 - e) is exact in float32 (a power of two, results below 2^30), and the rounding
@@ -182,26 +196,12 @@ Digits split_activations(const float* x, int64_t M, int64_t K, int64_t g) {
   return out;
 }
 
-// Zero points of the 16 columns c0..c0+15 (c0 % 16 == 0) of group gi from canonical qzeros
-// (column c: nibble kNibbleOf[c % 8] of word c / 8; zero past N; 8 without offsets).
-inline void zero_points16(const int32_t* zeros, int64_t words, int64_t gi, int64_t c0, int64_t N, int32_t* z) {
-  for (int l = 0; l < 16; ++l) {
-    const int64_t c = c0 + l;
-    z[l] = c >= N ? 0 : zeros ? (zeros[gi * words + c / 8] >> (4 * w4::kNibbleOf[c % 8])) & 15 : 8;
-  }
-}
-
-template <typename T>
-inline void scales16(const T* scale, int64_t N, int64_t gi, int64_t c0, float* s) {
-  for (int l = 0; l < 16; ++l) s[l] = c0 + l < N ? static_cast<float>(scale[gi * N + c0 + l]) : 0.f;
-}
-
-template <typename T>
+// S: the scales' type inside the blocks (at::Half or float).
+template <typename S>
 struct Problem {
   Layout w;
   const Digits* a;
-  const T* scale;        // [G, N]
-  const int32_t* zeros;  // [G, N / 8] or null
+  inline const S* scales(int64_t t, int64_t gi) const { return reinterpret_cast<const S*>(w.block(t, gi)); }
 };
 
 // The group epilogue of one 16-column vector (portable and vector paths alike, lane by lane):
@@ -215,12 +215,11 @@ inline float epilogue_lane(int32_t a0, int32_t a1, int32_t a2, int32_t a3, int32
 }
 
 // Portable: row m of tile t over groups g0..g1 into lanes[64] (columns 64t..64t+63).
-template <typename T>
-void tile_row_portable(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes) {
+template <typename S>
+void tile_row_portable(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes) {
   const int64_t g = p.a->g;
   for (int v = 0; v < kVecs; ++v) {
     float y[16] = {};
-    const int64_t c0 = kCols * t + 16 * v;
     for (int64_t gi = g0; gi < g1; ++gi) {
       int32_t acc[4][16] = {};
       for (int64_t kb = gi * g / kBlockK; kb < (gi + 1) * g / kBlockK; ++kb) {
@@ -231,13 +230,12 @@ void tile_row_portable(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, in
             for (int j = 0; j < 4; ++j) acc[j][l] += q * p.a->digits(m, j)[kb * kBlockK + r];
           }
       }
-      int32_t z[16];
-      float s[16];
-      zero_points16(p.zeros, p.w.N / 8, gi, c0, p.w.N, z);
-      scales16(p.scale, p.w.N, gi, c0, s);
+      const uint8_t* z = p.w.zeros(t, gi) + 16 * v;
+      const S* s = p.scales(t, gi) + 16 * v;
       const GroupSplit& gs = p.a->group(m, gi);
       for (int l = 0; l < 16; ++l)
-        y[l] = epilogue_lane(acc[0][l], acc[1][l], acc[2][l], acc[3][l], z[l], gs.s01, gs.s23, gs.factor, s[l], y[l]);
+        y[l] = epilogue_lane(acc[0][l], acc[1][l], acc[2][l], acc[3][l], z[l], gs.s01, gs.s23, gs.factor,
+                             static_cast<float>(s[l]), y[l]);
     }
     std::memcpy(lanes + 16 * v, y, sizeof(y));
   }
@@ -246,19 +244,15 @@ void tile_row_portable(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, in
 #if defined(CPU_CAPABILITY_AVX512)
 #define kVnniTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma")))
 
-// The 16 scales of columns c0.. of group gi as float32 (zero past N): quant_w4.h's scales16.
-template <typename T>
-kVnniTarget inline __m512 scales_vec(const T* scale, int64_t N, int64_t gi, int64_t c0) {
-  return w4::scales16(scale + gi * N, static_cast<int>(c0), static_cast<int>(N));
+// Vector v's 16 scales of a group as float32 (zero past N, as the block holds them).
+template <typename S>
+kVnniTarget inline __m512 scales_vec(const Problem<S>& p, int64_t t, int64_t gi, int v) {
+  return w4::scales16(p.scales(t, gi), 16 * v, static_cast<int>(kCols));
 }
 
-// The zero points of columns c0..c0+15 (c0 % 16 == 0) of group gi, zero past N (8 without
-// offsets): their two canonical words, read as quant_w4.h reads a column_tiled tile's first pair.
-kVnniTarget inline __m512i zero_vec(const int32_t* zeros, int64_t words, int64_t gi, int64_t c0, int64_t N) {
-  const __mmask16 inside = static_cast<__mmask16>((1u << (std::min<int64_t>(16, N - c0) / 8)) - 1u);
-  const __m512i zw = zeros ? _mm512_maskz_loadu_epi32(inside, zeros + gi * words + c0 / 8)
-                           : _mm512_maskz_mov_epi32(inside, _mm512_set1_epi32(static_cast<int32_t>(0x88888888u)));
-  return w4::tiled_zero_points(zw, 0);
+// Vector v's 16 zero points of a group, int32 (0 past N, as the block holds them).
+kVnniTarget inline __m512i zero_vec(const Layout& w, int64_t t, int64_t gi, int v) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + 16 * v)));
 }
 
 // Four digit bytes as one 32-bit lane (vpdpbusd's activation operand).
@@ -279,9 +273,9 @@ kVnniTarget inline __m512 epilogue_vec(__m512 s, float factor, __m512i a0, __m51
   return _mm512_fmadd_ps(f, _mm512_mul_ps(_mm512_set1_ps(factor), s), y);
 }
 
-template <typename T>
-kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes) {
-  const int64_t g = p.a->g;
+template <typename S>
+kVnniTarget void tile_row_vnni(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes) {
+  const int64_t g = p.a->g, per = g / kBlockK;
   const __m512i low = _mm512_set1_epi8(15);
   const int8_t* dj[4];
   for (int j = 0; j < 4; ++j) dj[j] = p.a->digits(m, j);
@@ -292,9 +286,11 @@ kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_
     __m512i acc[4][kVecs];
     for (int j = 0; j < 4; ++j)
       for (int v = 0; v < kVecs; ++v) acc[j][v] = _mm512_setzero_si512();
-    for (int64_t kb = gi * g / kBlockK; kb < (gi + 1) * g / kBlockK; ++kb) {
-      const uint8_t* line = p.w.line(t, kb, 0);
-      for (int v = 0; v < kVecs; ++v)  // the 4 lines kPrefetchBytes on (past the tensor's end: its last line)
+    const uint8_t* const lines = p.w.block(t, gi) + p.w.param_bytes;
+    for (int64_t b = 0; b < per; ++b) {
+      const uint8_t* line = lines + b * kVecs * kLineBytes;
+      const int64_t kb = gi * per + b;
+      for (int v = 0; v < kVecs; ++v)  // the stream kPrefetchBytes on (past the tensor's end: its last line)
         _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + v * kLineBytes, end)), _MM_HINT_T1);
       __m512i lo[kVecs], hi[kVecs];
       for (int v = 0; v < kVecs; ++v) {
@@ -313,12 +309,11 @@ kVnniTarget void tile_row_vnni(const Problem<T>& p, int64_t t, int64_t m, int64_
     }
     const GroupSplit& gs = p.a->group(m, gi);
     for (int v = 0; v < kVecs; ++v) {
-      const int64_t c0 = kCols * t + 16 * v;
-      if (c0 >= p.w.N) break;
-      const __m512i z = zero_vec(p.zeros, p.w.N / 8, gi, c0, p.w.N);  // the zero point, subtracted in int32
+      if (kCols * t + 16 * v >= p.w.N) break;
+      const __m512i z = zero_vec(p.w, t, gi, v);  // the zero point, subtracted in int32
       const __m512i a1 = _mm512_sub_epi32(acc[1][v], _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s01)));
       const __m512i a3 = _mm512_sub_epi32(acc[3][v], _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s23)));
-      y[v] = epilogue_vec(scales_vec(p.scale, p.w.N, gi, c0), gs.factor, acc[0][v], a1, acc[2][v], a3, y[v]);
+      y[v] = epilogue_vec(scales_vec(p, t, gi, v), gs.factor, acc[0][v], a1, acc[2][v], a3, y[v]);
     }
   }
   for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(lanes + 16 * v, y[v]);
@@ -376,8 +371,9 @@ kAmxTarget inline void amx_configure(int mr, int64_t kc) {
 kAmxTarget inline void amx_unpack(const Layout& w, int64_t t, int64_t k0, int64_t kc, int v, __m512i zb, uint8_t* b,
                                   const uint8_t* end) {
   const __m512i low = _mm512_set1_epi8(15);
+  const uint8_t* const first = w.line(t, k0 / kBlockK, v);  // rows k0..k0+kc lie in one group: lines 256 bytes apart
   for (int64_t kb = k0 / kBlockK; kb < (k0 + kc) / kBlockK; ++kb) {
-    const uint8_t* line = w.line(t, kb, v);
+    const uint8_t* line = first + (kb - k0 / kBlockK) * kVecs * kLineBytes;
     if (v == 0)
       for (int u = 0; u < kVecs; ++u)
         _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + u * kLineBytes, end)), _MM_HINT_T1);
@@ -389,8 +385,8 @@ kAmxTarget inline void amx_unpack(const Layout& w, int64_t t, int64_t k0, int64_
 }
 
 // Rows 0..M-1 of tile t over groups g0..g1, into out(m) + 0..63 (row m's 64 lanes; y += per group).
-template <typename T, typename Out>
-kAmxTarget void tile_rows_amx(const Problem<T>& p, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+template <typename S, typename Out>
+kAmxTarget void tile_rows_amx(const Problem<S>& p, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
   const int64_t g = p.a->g, kc = amx_chunk(g), K = p.w.K;
   const int64_t chunks = g / kc;
   alignas(64) uint8_t b[16][kVecs][16 * 64];  // a group's B tiles: [chunk][vector] (g <= 1024: 16 chunks)
@@ -401,11 +397,10 @@ kAmxTarget void tile_rows_amx(const Problem<T>& p, int64_t t, int64_t M, int64_t
   for (int64_t gi = g0; gi < g1; ++gi) {
     __m512 sc[kVecs];  // the group's scales, shared by the rows
     for (int v = 0; v < kVecs; ++v) {
-      // zero points past N: 0 (zero_vec), as the weight's zero padding there
-      const __m512i z = v < vecs ? zero_vec(p.zeros, p.w.N / 8, gi, kCols * t + 16 * v, p.w.N) : _mm512_setzero_si512();
+      const __m512i z = zero_vec(p.w, t, gi, v);  // 0 past N, as the weight's zero padding there
       const __m512i zb = _mm512_mullo_epi32(z, _mm512_set1_epi32(0x01010101));
       for (int64_t ch = 0; ch < chunks; ++ch) amx_unpack(p.w, t, gi * g + ch * kc, kc, v, zb, b[ch][v], end);
-      if (v < vecs) sc[v] = scales_vec(p.scale, p.w.N, gi, kCols * t + 16 * v);
+      if (v < vecs) sc[v] = scales_vec(p, t, gi, v);
     }
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));  // rows of the block to keep
@@ -447,8 +442,8 @@ bool amx_here() { return false; }
 inline int64_t amx_chunk(int64_t) { return 0; }
 #endif
 
-template <typename T>
-void tile_row(const Problem<T>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes, bool vnni) {
+template <typename S>
+void tile_row(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, int64_t g1, float* lanes, bool vnni) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (vnni) return tile_row_vnni(p, t, m, g0, g1, lanes);
 #endif
@@ -460,8 +455,8 @@ constexpr int64_t kSplitBelowTiles = 16;  // 64-column tiles: as quant_w4.cpp's 
 // The paths, best last; each gives the same bits.
 enum Path : int64_t { kPortable = 0, kVnni = 1, kAmx = 2 };
 
-template <typename T>
-void run(const Problem<T>& p, int64_t M, const float* bias, float* y, int64_t path) {
+template <typename S>
+void run(const Problem<S>& p, int64_t M, const float* bias, float* y, int64_t path) {
   const int64_t N = p.w.N, tiles = num_tiles(N), G = p.a->G;
   const int64_t halves = tiles < kSplitBelowTiles && G >= 2 ? 2 : 1;
   const int64_t items = tiles * halves;
@@ -506,39 +501,61 @@ void run(const Problem<T>& p, int64_t M, const float* bias, float* y, int64_t pa
 
 }  // namespace w4v
 
-// canonical int32 [K, N/8] -> k_interleaved uint8 [ceil(N/64), K/8, 4, 64] (zero past N).
-at::Tensor w4_k_interleaved(const at::Tensor& qweight) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "w4_k_interleaved: int32 [K, N/8]");
+// canonical int32 [K, N/8], scale [K/g, N], offset int32 [K/g, N/8]? -> k_interleaved uint8
+// [ceil(N/64), K/g, B] (dlinfer/vendor/w4_layouts.py: scales as float16 where each is a float16
+// value, else float32; zero points a byte each, 8 without offsets; zero past N).
+at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale_in, const std::optional<at::Tensor>& offset_in,
+                            int64_t group_size) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "w4_k_interleaved: qweight int32 [K, N/8]");
   const at::Tensor q = qweight.contiguous();
-  const int64_t K = q.size(0), N = q.size(1) * 8, tiles = w4v::num_tiles(N);
-  TORCH_CHECK(K % w4v::kBlockK == 0, "w4_k_interleaved: K must be a multiple of 8");
-  at::Tensor out = at::zeros({tiles, K / w4v::kBlockK, w4v::kVecs, w4v::kLineBytes}, q.options().dtype(at::kByte));
+  const int64_t K = q.size(0), N = q.size(1) * 8, tiles = w4v::num_tiles(N), g = group_size > 0 ? group_size : K;
+  TORCH_CHECK(K % w4v::kBlockK == 0 && g % w4v::kBlockK == 0, "w4_k_interleaved: K and the group size must be multiples of 8, got K = ",
+              K, ", g = ", g);
+  TORCH_CHECK(scale_in.scalar_type() == at::kFloat || scale_in.scalar_type() == at::kBFloat16 || scale_in.scalar_type() == at::kHalf,
+              "w4_k_interleaved: scale float32, bfloat16 or float16");
+  const at::Tensor scale = scale_in.contiguous();
+  const std::optional<at::Tensor> offset = offset_in.has_value() ? std::optional<at::Tensor>(offset_in->contiguous()) : std::nullopt;
+  w4::check_common(scale, offset, K, g);
+  TORCH_CHECK(scale.size(1) == N, "w4_k_interleaved: scale [K/g, N] with N = 8 x qweight's columns");
+  const at::Tensor half = scale.to(at::kHalf);
+  const at::Tensor s = scale.scalar_type() == at::kHalf || half.to(scale.scalar_type()).equal(scale) ? half : scale.to(at::kFloat);
+  const int64_t sb = s.element_size(), G = K / g, B = w4v::block_bytes_of(g, sb), pb = w4v::param_bytes_of(sb);
+  at::Tensor out = at::zeros({tiles, G, B}, q.options().dtype(at::kByte));
   const uint32_t* src = reinterpret_cast<const uint32_t*>(q.data_ptr<int32_t>());
+  const uint8_t* sbytes = reinterpret_cast<const uint8_t*>(s.data_ptr());
+  const uint32_t* zsrc = offset.has_value() ? reinterpret_cast<const uint32_t*>(offset->data_ptr<int32_t>()) : nullptr;
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t words = N / 8;
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t)
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t c = w4v::kCols * t; c < std::min(N, w4v::kCols * (t + 1)); ++c) {
-          const uint8_t v = (src[k * words + c / 8] >> (4 * w4::kNibbleOf[c % 8])) & 15u;
-          const int64_t lane = c % 16, vec = (c % w4v::kCols) / 16;
-          uint8_t* byte = dst + ((t * (K / w4v::kBlockK) + k / w4v::kBlockK) * w4v::kVecs + vec) * w4v::kLineBytes +
-                          4 * lane + k % 4;
-          *byte |= (k % 8 < 4) ? v : static_cast<uint8_t>(v << 4);
+      for (int64_t gi = 0; gi < G; ++gi) {
+        uint8_t* blk = dst + (t * G + gi) * B;
+        const int64_t c1 = std::min(N, w4v::kCols * (t + 1));
+        for (int64_t c = w4v::kCols * t; c < c1; ++c) {
+          const int64_t l = c - w4v::kCols * t;
+          std::memcpy(blk + l * sb, sbytes + (gi * N + c) * sb, sb);
+          blk[w4v::kCols * sb + l] = zsrc ? static_cast<uint8_t>((zsrc[gi * words + c / 8] >> (4 * w4::kNibbleOf[c % 8])) & 15u) : 8;
+          for (int64_t k = gi * g; k < (gi + 1) * g; ++k) {
+            const uint8_t v = (src[k * words + c / 8] >> (4 * w4::kNibbleOf[c % 8])) & 15u;
+            uint8_t* byte = blk + pb + (((k - gi * g) / w4v::kBlockK) * w4v::kVecs + l / 16) * w4v::kLineBytes + 4 * (l % 16) + k % 4;
+            *byte |= (k % 8 < 4) ? v : static_cast<uint8_t>(v << 4);
+          }
         }
+      }
   });
   return out;
 }
 
-// x [M, K], qweight k_interleaved, scale [K/g, N] (x's dtype or float16), offset?, bias? -> [M, N]
-// in x's dtype. path: -1 the best this CPU runs (AMX where the group fits a tile, else VNNI, else
-// portable), or 0 portable, 1 VNNI, 2 AMX (an error where it cannot run): the same bits.
+// x [M, K], qweight k_interleaved [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16),
+// offset?, bias? -> [M, N] in x's dtype. The kernel reads the scales and zero points the blocks
+// hold (the hook made them from these scale and offset, which are checked for shape only). path: -1
+// the best this CPU runs (AMX where the group fits a tile, else VNNI, else portable), or 0 portable,
+// 1 VNNI, 2 AMX (an error where it cannot run): the same bits.
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_in,
                                    const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path) {
-  TORCH_CHECK(qweight.dim() == 4 && qweight.scalar_type() == at::kByte && qweight.is_contiguous() &&
-                  qweight.size(2) == w4v::kVecs && qweight.size(3) == w4v::kLineBytes,
-              "w4_matmul_k_interleaved: qweight uint8 [ceil(N/64), K/8, 4, 64]");
+  TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "w4_matmul_k_interleaved: qweight uint8 [ceil(N/64), K/g, B], contiguous");
   TORCH_CHECK(x.dim() == 2, "w4_matmul_k_interleaved: x [M, K]");
   const at::Tensor scale = scale_in.contiguous();
   const std::optional<at::Tensor> offset = offset_in.has_value() ? std::optional<at::Tensor>(offset_in->contiguous()) : std::nullopt;
@@ -546,8 +563,11 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   w4::check_common(scale, offset, K, group_size);
   TORCH_CHECK(group_size % w4v::kBlockK == 0 && group_size <= w4v::kMaxGroup,
               "w4_matmul_k_interleaved: group size a multiple of 8, at most 1024");
-  TORCH_CHECK(qweight.size(0) == w4v::num_tiles(N) && qweight.size(1) * w4v::kBlockK == K,
-              "w4_matmul_k_interleaved: qweight shape");
+  const int64_t B = qweight.size(2);
+  const int64_t sb = B == w4v::block_bytes_of(group_size, 2) ? 2 : B == w4v::block_bytes_of(group_size, 4) ? 4 : 0;
+  TORCH_CHECK(qweight.size(0) == w4v::num_tiles(N) && qweight.size(1) * group_size == K && sb != 0,
+              "w4_matmul_k_interleaved: qweight [ceil(N/64), K/g, B] with B = ", w4v::block_bytes_of(group_size, 2), " or ",
+              w4v::block_bytes_of(group_size, 4), " at g = ", group_size, ", got ", qweight.sizes());
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
               "w4_matmul_k_interleaved: scale in x's dtype or float16");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "w4_matmul_k_interleaved: bias [N]");
@@ -566,12 +586,13 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
     // best: one row on VNNI (measured faster than a tile instruction's 4-row A at M = 1), more on AMX
     const int64_t use = path != -1 ? path : best == w4v::kAmx && M == 1 ? w4v::kVnni : best;
     const w4v::Digits digits = w4v::split_activations(xf.data_ptr<float>(), M, K, group_size);
-    const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N};
-    AT_DISPATCH_V2(scale.scalar_type(), "w4_matmul_k_interleaved", AT_WRAP([&] {
-      using T = scalar_t;
-      const w4v::Problem<T> p{w, &digits, scale.data_ptr<T>(), offset.has_value() ? offset->data_ptr<int32_t>() : nullptr};
-      w4v::run(p, M, bias.has_value() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), use);
-    }), at::kFloat, at::kBFloat16, at::kHalf);
+    const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N, group_size, K / group_size, sb, w4v::param_bytes_of(sb), B};
+    const float* bias_ptr = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+    if (sb == 2) {
+      w4v::run(w4v::Problem<at::Half>{w, &digits}, M, bias_ptr, y.data_ptr<float>(), use);
+    } else {
+      w4v::run(w4v::Problem<float>{w, &digits}, M, bias_ptr, y.data_ptr<float>(), use);
+    }
   }
   return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
 }
@@ -580,7 +601,7 @@ bool w4_vnni_available() { return w4v::vnni_here(); }
 bool w4_amx_available() { return w4v::amx_here(); }
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("w4_k_interleaved(Tensor qweight) -> Tensor");
+  m.def("w4_k_interleaved(Tensor qweight, Tensor scale, Tensor? offset, int group_size) -> Tensor");
   m.impl("w4_k_interleaved", c10::DispatchKey::CPU, &w4_k_interleaved);
   m.def("w4_matmul_k_interleaved(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, int group_size, "
         "int path=-1) -> Tensor");
