@@ -3,6 +3,7 @@ vendors, LMDeploy adaptor, devices), every failure reported as a line rather tha
 `replay DIR`: rerun captured op calls on a vendor (dlinfer/tools/replayer.py, docs/tools.md).
 `serve MODEL [...]`: LMDeploy's OpenAI-compatible server on CPU (dlinfer/framework/lmdeploy_ext/serve.py).
 `quantize SRC DST --method ...`: AWQ / SmoothQuant checkpoints for LMDeploy (dlinfer/quantize, docs/quantize.md).
+`chat MODEL [...]`: a multi-turn chat through LMDeploy on CPU (dlinfer/framework/lmdeploy_ext/chat.py).
 
 Subcommands: one `_cmd_<name>(args) -> int` each, registered in `_build_parser`.
 """
@@ -238,10 +239,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.main(args.argv)
 
 
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from dlinfer.framework.lmdeploy_ext import chat
+
+    return chat.main(args)
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from dlinfer.quantize import cli
 
     return cli.main(args)
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """`chat`'s options (here, so that building the parser imports no LMDeploy adaptor)."""
+    parser.add_argument("model", help="a local HF model folder (float, AWQ or SmoothQuant)")
+    parser.add_argument("--device", default="cpu", help="dlinfer device type (docs/lmdeploy.md; default cpu)")
+    parser.add_argument("--dtype", default="auto", help="auto (the checkpoint's float32 or bfloat16 on cpu), "
+                                                        "float32, bfloat16 or float16, as the device allows")
+    parser.add_argument("--system", default=None, help="a system message that starts the conversation")
+    parser.add_argument("--graph", action="store_true",
+                        help="compile the decode step (dlinfer's torch.compile backend): faster tokens, "
+                             "slower start (one compile per batch bucket)")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer, in tokens")
+    parser.add_argument("--session-len", type=int, default=None,
+                        help="longest conversation, in tokens (default: the model's context length)")
+    parser.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -270,6 +297,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                 "api_server options] (docs/lmdeploy.md)")
     serve.add_argument("argv", nargs=argparse.REMAINDER)
     serve.set_defaults(func=_cmd_serve)
+    chat = sub.add_parser("chat", help="chat with a model through LMDeploy on CPU: chat MODEL [--system ...] "
+                                       "(turns from a terminal or a pipe; docs/lmdeploy.md)")
+    _add_chat_arguments(chat)
+    chat.set_defaults(func=_cmd_chat)
     from dlinfer.quantize import cli as quantize_cli
 
     quantize = sub.add_parser("quantize", help=quantize_cli.HELP)
