@@ -159,7 +159,8 @@ def prompt_of_length(folder: Path, n: int) -> list[int]:
 def _step_bytes(pipe) -> int:
     """Bytes of weights a decode step of the engine's model reads: every parameter and buffer once
     (by its own data, not its storage: on CPU the engine moves all of them into one huge-page
-    arena), less the input embedding table unless the LM head reads that table (a tied float head);
+    arena), less the input embedding table unless the LM head reads that table (a tied float head;
+    the int8 head of a tied model keeps the table as its `weight` but reads its own int8 copy);
     a lookup reads only its rows."""
     runner = pipe.async_engine.engine.executor.model_agent.patched_model
     model = runner.get_model() if hasattr(runner, "get_model") else runner
@@ -169,7 +170,8 @@ def _step_bytes(pipe) -> int:
     embed = next((m.weight for name, m in model.named_modules() if name.endswith("embed_tokens")), None)
     head = next((m for name, m in model.named_modules() if name.endswith("lm_head")), None)
     head_weight = getattr(head, "weight", None)
-    if embed is not None and not (head_weight is not None and head_weight.data_ptr() == embed.data_ptr()):
+    int8_head = getattr(head, "qweight", None) is not None  # backend/lm_head.py: keeps a tied table as `weight`
+    if embed is not None and (int8_head or head_weight is None or head_weight.data_ptr() != embed.data_ptr()):
         spans.pop(embed.data_ptr(), None)
     return sum(spans.values())
 
