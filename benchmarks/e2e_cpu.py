@@ -20,7 +20,8 @@ logit), batch 1 and batch 8. The sides and their precisions are listed in
 GGUFs converted from the same folder (benchmarks/llama_bench.py; optional, a llama.cpp tree built
 by hand).
 
-Decode tokens/s is measured the same way on every side: B * (N - 1) / (T(N) - T(1)), where T(n)
+Decode tokens/s is measured the same way on every side, and as `python -m dlinfer bench` measures it
+(the same code: dlinfer/tools/decode_timing.py): B * (N - 1) / (T(N) - T(1)), where T(n)
 is the wall time to generate n new tokens for the whole batch (prefill and first token cancel
 out). Each T is the best of `--repeats` runs, taken round-robin across the sides so that a busy
 moment of the machine hits all of them alike (llama-bench: its tokens/s of N new tokens, the
@@ -62,26 +63,17 @@ from smollm2 import build_smollm2  # noqa: E402
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 from e2e_sides import SIDES, make_side  # noqa: E402
 
-QUESTIONS = (
-    "What is the capital of France?",
-    "Give three tips for staying healthy.",
-    "Explain in two sentences what a CPU cache is.",
-    "Write a haiku about the sea.",
-    "Why is the sky blue?",
-    "Name three primary colors.",
-    "What does a compiler do?",
-    "Describe a cat in one sentence.",
-)
+from dlinfer.tools import decode_timing  # noqa: E402  (the method, shared with python -m dlinfer bench)
+
 DOC = REPO_ROOT / "docs" / "benchmarks.md"
 SECTION = "## End to end on CPU"
 
 
 def chat_prompts(folder: Path) -> list[str]:
+    """The 8 chat-templated prompts of every side (dlinfer/tools/decode_timing.py)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                          add_generation_prompt=True) for q in QUESTIONS]
+    return decode_timing.chat_prompts(AutoTokenizer.from_pretrained(folder))
 
 
 # ---------------------------------------------------------------- the sides (worker processes)
@@ -148,32 +140,10 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int, work=None) 
 
 
 def prompt_of_length(folder: Path, n: int) -> list[int]:
-    """n token ids, the same on every side: the chat prompts' tokens one after another, repeated."""
+    """n token ids, the same on every side (dlinfer/tools/decode_timing.py)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    pool = [i for p in chat_prompts(folder) for i in tokenizer(p, add_special_tokens=False).input_ids]
-    return (pool * (n // len(pool) + 1))[:n]
-
-
-def _step_bytes(pipe) -> int:
-    """Bytes of weights a decode step of the engine's model reads: every parameter and buffer once
-    (by its own data, not its storage: on CPU the engine moves all of them into one huge-page
-    arena), less the input embedding table unless the LM head reads that table (a tied float head;
-    the int8 head of a tied model keeps the table as its `weight` but reads its own int8 copy);
-    a lookup reads only its rows."""
-    runner = pipe.async_engine.engine.executor.model_agent.patched_model
-    model = runner.get_model() if hasattr(runner, "get_model") else runner
-    spans = {}
-    for t in [*model.parameters(), *model.buffers()]:
-        spans[t.data_ptr()] = max(spans.get(t.data_ptr(), 0), t.numel() * t.element_size())
-    embed = next((m.weight for name, m in model.named_modules() if name.endswith("embed_tokens")), None)
-    head = next((m for name, m in model.named_modules() if name.endswith("lm_head")), None)
-    head_weight = getattr(head, "weight", None)
-    int8_head = getattr(head, "qweight", None) is not None  # backend/lm_head.py: keeps a tied table as `weight`
-    if embed is not None and (int8_head or head_weight is None or head_weight.data_ptr() != embed.data_ptr()):
-        spans.pop(embed.data_ptr(), None)
-    return sum(spans.values())
+    return decode_timing.prompt_ids(AutoTokenizer.from_pretrained(folder), n, chat_prompts(folder))
 
 
 def worker_main(side: str, args) -> int:
@@ -219,7 +189,7 @@ def worker_main(side: str, args) -> int:
                 runner = pipe.async_engine.engine.executor.model_agent.patched_model if pipe else None
                 reply = {"threads": torch.get_num_threads(), "vendor": dlinfer.vendor.vendor_name,
                          "startup_s": startup, "graphs": getattr(runner, "compiles", 0),
-                         "step_bytes": _step_bytes(pipe) if pipe else None}
+                         "step_bytes": decode_timing.step_bytes(pipe) if pipe else None}
             print(json.dumps(reply), file=out, flush=True)
     finally:
         if owner is not None:
@@ -305,7 +275,8 @@ def decode_rates(workers: list[Worker], new_tokens: int, repeats: int, probe=Non
                 readings.append(probe_reading(probe))
             bench_best[name] = max(bench_best[name], rate())
     rates: dict[str, dict[int, float | None]] = {
-        w.name: {b: b * (new_tokens - 1) / (best[(w.name, b, new_tokens)] - best[(w.name, b, 1)]) for b in (1, 8)}
+        w.name: {b: decode_timing.decode_rate(b, new_tokens, best[(w.name, b, new_tokens)], best[(w.name, b, 1)])
+                 for b in (1, 8)}
         for w in workers}
     rates.update({name: {1: r, 8: None} for name, r in bench_best.items()})
     return rates, readings

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,7 +96,9 @@ def hf_side(folder: Path, prompts: list[str]) -> Callable[[int, int], list]:
 def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str, quant: dict | None = None):
     """(run, pipe) through LMDeploy's pipeline on device_type="cpu"."""
     import dlinfer.framework.lmdeploy_ext  # noqa: F401  (the device type "cpu")
-    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy import PytorchEngineConfig, pipeline
+
+    from dlinfer.tools import decode_timing
 
     if mode == "inductor":
         os.environ["DLINFER_GRAPH_COMPILER"] = "inductor"  # read when the graph runner is built
@@ -111,21 +112,10 @@ def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str, qua
                                  dtype=dtype)
     pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
 
+    generate = decode_timing.generator(pipe)  # the method shared with python -m dlinfer bench
+
     def run(batch: int, n: int, ids: list | None = None) -> list:
-        gen = GenerationConfig(max_new_tokens=n, do_sample=False, ignore_eos=True)
-        if ids is not None:  # token ids in: the pipeline's request path with input_ids instead of messages
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # Pipeline._infer is marked deprecated in 0.18
-                request = dict(session_id=pipe.session_mgr.get(), messages=None, input_ids=list(ids), gen_config=gen,
-                               stream_response=False)
-                out = None
-                for piece in next(iter(pipe._infer(iter([request]), multiplex=False))):
-                    out = out.extend(piece) if out else piece
-            assert len(out.token_ids) == n, (out.finish_reason, len(out.token_ids))
-            return [list(out.token_ids)]
-        outs = pipe.infer(prompts[:batch], gen_config=gen, do_preprocess=False)
-        assert all(len(o.token_ids) == n for o in outs), [len(o.token_ids) for o in outs]
-        return [list(o.token_ids) for o in outs]
+        return generate(batch, n, prompts=prompts, ids=ids)
 
     return run, pipe
 

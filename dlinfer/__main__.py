@@ -4,6 +4,8 @@ vendors, LMDeploy adaptor, devices), every failure reported as a line rather tha
 `serve MODEL [...]`: LMDeploy's OpenAI-compatible server on CPU (dlinfer/framework/lmdeploy_ext/serve.py).
 `quantize SRC DST --method ...`: AWQ / SmoothQuant checkpoints for LMDeploy (dlinfer/quantize, docs/quantize.md).
 `chat MODEL [...]`: a multi-turn chat through LMDeploy on CPU (dlinfer/framework/lmdeploy_ext/chat.py).
+`bench MODEL [...]`: decode tokens/s, time to first token, weight GB/s against the read-bandwidth
+probe (dlinfer/framework/lmdeploy_ext/bench.py).
 
 Subcommands: one `_cmd_<name>(args) -> int` each, registered in `_build_parser`.
 """
@@ -245,6 +247,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return chat.main(args)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from dlinfer.framework.lmdeploy_ext import bench
+
+    return bench.main(args)
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from dlinfer.quantize import cli
 
@@ -268,6 +276,23 @@ def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=None, help="sampling temperature")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench`'s options (here, so that building the parser imports no LMDeploy adaptor)."""
+    parser.add_argument("model", help="a local HF model folder (float, AWQ or SmoothQuant)")
+    parser.add_argument("--mode", default="graph", help="eager, graph or eager,graph (default graph: compiled "
+                                                         "decode steps, as a deployment runs)")
+    parser.add_argument("--dtype", default="auto", help="comma-separated dtypes, each its own engine (default auto: "
+                                                        "the checkpoint's float32 or bfloat16 on cpu)")
+    parser.add_argument("--batch", default="1,8", help="batch sizes of the decode timings (default 1,8)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per decode timing (default 64)")
+    parser.add_argument("--prompt-lengths", default="32,512",
+                        help="prompt lengths of the time-to-first-token timings (default 32,512)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings of each kind; the best is kept (default 3)")
+    parser.add_argument("--no-probe", action="store_true", help="no read-bandwidth probe (no share column)")
+    parser.add_argument("--device", default="cpu", help="dlinfer device type (default cpu)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (processes)")
 
 
@@ -301,6 +326,10 @@ def _build_parser() -> argparse.ArgumentParser:
                                        "(turns from a terminal or a pipe; docs/lmdeploy.md)")
     _add_chat_arguments(chat)
     chat.set_defaults(func=_cmd_chat)
+    bench = sub.add_parser("bench", help="decode tokens/s at batch 1 and N, time to first token, weight GB/s "
+                                         "against the read-bandwidth probe: bench MODEL (docs/lmdeploy.md)")
+    _add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     from dlinfer.quantize import cli as quantize_cli
 
     quantize = sub.add_parser("quantize", help=quantize_cli.HELP)

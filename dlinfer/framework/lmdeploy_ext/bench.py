@@ -1,0 +1,202 @@
+"""`python -m dlinfer bench MODEL [options]`: decode speed and time to first token of a model
+through LMDeploy on a dlinfer device type, in the spirit of llama.cpp's `llama-bench`.
+
+For each mode (`--mode eager,graph`) and dtype (`--dtype`), one engine in this process, then:
+- decode tokens/s at each batch size of `--batch` (default 1 and 8): chat-templated prompts,
+  exactly `--new-tokens` greedy tokens each; the method of benchmarks/e2e_cpu.py, with the same
+  code (dlinfer/tools/decode_timing.py): B * (N - 1) / (T(N) - T(1)), each T the best of
+  `--repeats`;
+- time to first token at each prompt length of `--prompt-lengths` (default 32 and 512 tokens);
+- at batch 1, the weights a decode step reads (GB), the rate it reads them at, and its share of
+  the read-bandwidth probe (the cpu vendor's, read right before each batch-1 timing; where the
+  cpu vendor does not load, the table says so).
+One progress line per step on stderr, one Markdown table at the end on stdout. MODEL: any local
+folder the engine runs (HF float, AWQ, SmoothQuant); a folder that is not one, an unknown device
+or a setting the device refuses is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+from dlinfer.tools import decode_timing as timing
+
+PROG = "python -m dlinfer bench"  # its options: dlinfer/__main__.py (parsing them patches nothing)
+
+
+def _ints(text: str, what: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} {text!r}: expected comma-separated integers >= 1")
+    return values
+
+
+class Probe:
+    """The cpu vendor's read-bandwidth probe, explored once; None-valued where it cannot run."""
+
+    def __init__(self, enabled: bool, log):
+        self.probe, self.summary, self.readings = None, "no read-bandwidth probe (--no-probe)", []
+        if not enabled:
+            return
+        try:
+            from dlinfer.vendor.cpu import read_probe
+
+            log("[bench] exploring the read-bandwidth probe (a few seconds) ...")
+            probe = read_probe.ReadProbe()
+            self.summary = read_probe.summary(probe.explore(rounds=2))
+            probe.keep_best()
+            self.probe = probe
+        except Exception as exc:  # noqa: BLE001 (no compiler, no cpu vendor: the table says why)
+            self.summary = f"no read-bandwidth probe available here ({type(exc).__name__}: {exc})"
+
+    def read(self) -> Optional[float]:
+        if self.probe is None:
+            return None
+        time.sleep(0.1)  # the side just timed goes idle first (its OpenMP workers spin for a moment)
+        value = statistics.median(self.probe.measure() for _ in range(3))
+        self.readings.append(value)
+        return value
+
+    def release(self) -> None:
+        if self.probe is not None:
+            self.probe.release()
+
+
+def measure(pipe, args, probe: Probe, log, label: str) -> Dict:
+    """One engine's row: {batch: tok/s}, {prompt length: ttft s}, step bytes, probe at batch 1."""
+    tokenizer = pipe.async_engine.tokenizer.model.model
+    prompts = timing.chat_prompts(tokenizer, max(args.batch))
+    run = timing.generator(pipe)
+    for batch in args.batch:  # warm-up: allocators, lazy inits, every batch size once
+        run(batch, args.new_tokens, prompts=prompts)
+    best: Dict[tuple, float] = {}
+    readings = []
+    for r in range(args.repeats):
+        for batch in args.batch:
+            for n in (args.new_tokens, 1):
+                if batch == 1 and n == args.new_tokens:
+                    reading = probe.read()
+                    if reading is not None:
+                        readings.append(reading)
+                start = time.perf_counter()
+                run(batch, n, prompts=prompts)
+                best[(batch, n)] = min(best.get((batch, n), float("inf")), time.perf_counter() - start)
+        rates = {b: timing.decode_rate(b, args.new_tokens, best[(b, args.new_tokens)], best[(b, 1)])
+                 for b in args.batch}
+        log(f"[bench] {label}: round {r + 1}/{args.repeats}: decode tokens/s "
+            + ", ".join(f"batch {b} {rate:.1f}" for b, rate in rates.items()))
+    ttft = {}
+    for length in args.prompt_lengths:
+        ids = timing.prompt_ids(tokenizer, length, prompts)
+        run(1, 1, ids=ids)  # warm-up of this prompt length
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            run(1, 1, ids=ids)
+            times.append(time.perf_counter() - start)
+        ttft[length] = min(times)
+        log(f"[bench] {label}: first token of a {length}-token prompt after {ttft[length]:.3f} s")
+    return dict(rates=rates, ttft=ttft, step_bytes=timing.step_bytes(pipe),
+                probe=statistics.median(readings) if readings else None)
+
+
+def render(rows: Dict[str, Dict], args, probe: Probe, model: str) -> str:
+    import os
+    import platform
+
+    import torch
+
+    head = ["mode, dtype", *(f"batch {b} tok/s" for b in args.batch),
+            *(f"TTFT {n} tok (s)" for n in args.prompt_lengths), "GB a step", "weights GB/s (batch 1)",
+            "share of the probe"]
+    lines = [f"## {PROG} {model}",
+             f"{args.new_tokens} new tokens, greedy, best of {args.repeats}; {os.cpu_count()} CPUs "
+             f"({platform.processor() or platform.machine()}), torch {torch.__version__} "
+             f"({torch.get_num_threads()} threads); probe: {probe.summary}", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, row in rows.items():
+        gb = row["step_bytes"] / 1e9
+        rate = row["rates"].get(1)
+        streamed = gb * rate if rate and rate == rate else None
+        share = f"{streamed / (row['probe'] / 1e9):.2f}" if streamed and row["probe"] else "-"
+        cells = [label, *(f"{row['rates'][b]:.1f}" for b in args.batch),
+                 *(f"{row['ttft'][n]:.3f}" for n in args.prompt_lengths),
+                 f"{gb:.4g}", f"{streamed:.3g}" if streamed else "-", share]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace, out=None, err=None) -> int:
+    """Measure, print the table: 0; 2 (one line on stderr) for a MODEL the engine cannot load, an
+    unknown device, bad option values or a setting the device refuses."""
+    import os
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds dlinfer's device types to LMDeploy)
+    from dlinfer.framework.lmdeploy_ext import devices
+    from dlinfer.framework.lmdeploy_ext.serve import check_model_here
+    from dlinfer.utils.model_folder import check_model_folder
+
+    out, err = out or sys.stdout, err or sys.stderr
+
+    def log(msg: str) -> None:
+        err.write(msg + "\n")
+        err.flush()
+
+    args.model = os.path.expanduser(args.model)
+    try:
+        if args.device not in devices.DEVICES:
+            raise ValueError(f"--device {args.device!r}: expected one of {', '.join(devices.DEVICES)}")
+        modes = [m for m in args.mode.split(",") if m]
+        if not modes or any(m not in ("eager", "graph") for m in modes):
+            raise ValueError(f"--mode {args.mode!r}: expected eager, graph or eager,graph")
+        dtypes = [d for d in args.dtype.split(",") if d]
+        args.batch = _ints(args.batch, "--batch") if isinstance(args.batch, str) else args.batch
+        args.prompt_lengths = (_ints(args.prompt_lengths, "--prompt-lengths") if isinstance(args.prompt_lengths, str)
+                               else args.prompt_lengths)
+        if args.new_tokens < 2 or args.repeats < 1:
+            raise ValueError(f"--new-tokens >= 2 and --repeats >= 1, got {args.new_tokens} and {args.repeats}")
+        check_model_folder(args.model)
+        check_model_here(argparse.Namespace(model_path=args.model, device=args.device))
+        configs = {f"{mode}, {dtype}": _engine_config(args, mode, dtype) for mode in modes for dtype in dtypes}
+    except ValueError as exc:
+        log(f"{PROG}: error: {exc}")
+        return 2
+    from lmdeploy import pipeline
+
+    probe = Probe(not args.no_probe, log)
+    rows = {}
+    try:
+        for label, config in configs.items():
+            log(f"[bench] {label}: loading {args.model} ...")
+            start = time.perf_counter()
+            try:
+                pipe = pipeline(args.model, backend_config=config, log_level="ERROR")
+            except ValueError as exc:
+                log(f"{PROG}: error: {exc}")
+                return 2
+            try:
+                log(f"[bench] {label}: ready in {time.perf_counter() - start:.1f} s")
+                rows[label] = measure(pipe, args, probe, log, label)
+            finally:
+                pipe.close()
+    finally:
+        probe.release()
+    out.write(render(rows, args, probe, args.model))
+    out.flush()
+    return 0
+
+
+def _engine_config(args, mode: str, dtype: str):
+    from lmdeploy import PytorchEngineConfig
+
+    longest = max(args.prompt_lengths) + args.new_tokens + 64
+    config = dict(device_type=args.device, dtype=dtype, eager_mode=mode == "eager", tp=args.tp,
+                  max_batch_size=max(args.batch), session_len=max(longest, 2048), enable_metrics=False)
+    return PytorchEngineConfig(**config)
