@@ -36,6 +36,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "vendor/torch/linear.py, at the first float32 CPU call"),
     Setting("DLINFER_CPU_W4_LAYOUT", "auto", "the layout W4A16 weights are repacked into at load: auto, "
             "column_tiled or k_interleaved", "vendor/cpu/weight_quant.py, at each repack"),
+    Setting("DLINFER_CPU_PREBUILT", "1", "0: build the cpu vendor's kernels here even where a wheel carries "
+            "prebuilt ones for these sources and this torch", "vendor/cpu/build.py, at the first cpu op"),
     Setting("DLINFER_BUILD_VERBOSE", "0", "1: show the compiler's output while the cpu vendor's kernels build",
             "vendor/cpu/build.py, at the build"),
     # graph mode

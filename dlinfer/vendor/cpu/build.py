@@ -1,4 +1,12 @@
-"""Building the cpu vendor's C++ kernels (once per machine type, cached).
+"""Building the cpu vendor's C++ kernels (once per machine type, cached), or loading the ones a
+wheel carries.
+
+A wheel built with `pip wheel . --no-build-isolation` (setup.py) carries the kernels compiled
+ahead of time for each instruction set (`build_flags.ISAS`: AVX512, AVX2, DEFAULT) as
+`dlinfer.vendor.cpu._kernels_<isa>`. `module()` first imports the one for this CPU's instruction
+set and uses it when it was built from these very sources (their hash) against this torch
+version; no compiler is needed then. Otherwise (a source checkout, an edited source, another
+torch, or `DLINFER_CPU_PREBUILT=0`) it builds them as follows.
 
 The kernels (`csrc/*.cpp`) are compiled on first use with torch's own extension builder
 (`torch.utils.cpp_extension.load`) against the installed torch, into one extension module whose
@@ -7,18 +15,18 @@ also registered as `torch.ops.dlinfer_cpu.*` for tests and tools. The builder ca
 (torch's extension directory, `TORCH_EXTENSIONS_DIR` to move it) and redoes it only when a source,
 header or flag changes: about a minute the first time, a fraction of a second after. A build that
 takes more than a moment says so on stderr; a machine without a C++ compiler or ninja gets a
-one-line `VendorError` before anything runs.
+one-line `VendorError` before anything runs (saying why a prebuilt module could not be used).
 
 The instruction set is chosen from what this torch detects at run time
 (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or plain), not `-march=native`, and it is
 part of the module's name: a cache shared between different machines never hands one machine a
-build for another's CPU. `-ffp-contract=off` keeps a * b + c as two roundings wherever the code
-writes them as two (only `fmadd` fuses), so the elementwise ops round as PyTorch's do.
+build for another's CPU. The flags: build_flags.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import shutil
 import subprocess
@@ -32,32 +40,26 @@ import torch
 
 from dlinfer import envs
 from dlinfer.errors import VendorError
+from dlinfer.vendor.cpu import build_flags
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(sorted(p.name for p in CSRC.glob("*.cpp")))  # every kernel file of csrc/ (one module)
 COMPILERS = ("c++", "g++", "clang++")  # looked for in this order when $CXX is not set
 _ANNOUNCE_AFTER_S = 2.0  # a load still running after this long is compiling: say so
-_loaded = None  # the extension module, once built and imported
+_loaded = None  # the extension module, once built (or found prebuilt) and imported
+_origin = None  # how it came: "prebuilt" or "built"
 _load_lock = threading.Lock()
-
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2", "-mf16c",
-               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
-}
+PREBUILT_ENV = "DLINFER_CPU_PREBUILT"
 
 
 def isa() -> str:
     """The vector instruction set the kernels are built for: AVX512, AVX2 or DEFAULT."""
     capability = torch.backends.cpu.get_cpu_capability()
-    return capability if capability in _ISA_FLAGS else "DEFAULT"
+    return capability if capability in build_flags.ISA_FLAGS else "DEFAULT"
 
 
 def flags() -> list:
-    out = ["-O3", "-ffp-contract=off", "-DNDEBUG", *_ISA_FLAGS.get(isa(), [])]
-    if torch.backends.openmp.is_available():
-        out.append("-fopenmp")  # at::parallel_for is an inline OpenMP region: without it, one thread
-    return out
+    return build_flags.flags(isa(), torch.backends.openmp.is_available())
 
 
 def module_name() -> str:
@@ -112,30 +114,60 @@ def _log(msg: str) -> None:
 
 
 def module():
-    """The kernels' extension module (built and loaded by `build()` first if need be): its functions
-    are csrc/entry_points.h's."""
+    """The kernels' extension module (a wheel's prebuilt one, or built and loaded by `build()` first
+    if need be): its functions are csrc/entry_points.h's."""
     return _loaded if _loaded is not None else build()
 
 
+def origin() -> Optional[str]:
+    """How the loaded kernels came: "prebuilt" (a wheel's), "built" (here), None (not loaded yet)."""
+    return _origin
+
+
 def build():
-    """Compile (or find in the cache) and load the kernels, returning their extension module; a
-    one-line VendorError when no compiler or no ninja can build them."""
-    global _loaded
+    """The kernels' extension module: a wheel's prebuilt one when it fits (`prebuilt()`), else
+    compiled (or found in the cache) and loaded; a one-line VendorError when neither can be had."""
+    global _loaded, _origin
     with _load_lock:
         if _loaded is None:
-            _loaded = _build()
+            found, why = prebuilt()
+            if found is not None:
+                _loaded, _origin = found, "prebuilt"
+            else:
+                _loaded, _origin = _build(why), "built"
     return _loaded
 
 
-def _build():
+def prebuilt():
+    """(module, None) when a wheel carries kernels for this CPU's instruction set built from these
+    sources against this torch, else (None, why not)."""
+    if (envs.get(PREBUILT_ENV) or "1") == "0":
+        return None, f"{PREBUILT_ENV}=0"
+    name = build_flags.prebuilt_name(isa())
+    try:
+        found = importlib.import_module(f"dlinfer.vendor.cpu.{name}")
+    except ImportError as exc:
+        if getattr(exc, "name", None) == f"dlinfer.vendor.cpu.{name}":
+            return None, f"no prebuilt kernels for {isa()} (a source checkout, or a wheel built without them)"
+        return None, f"the prebuilt kernels for {isa()} do not load ({exc})"
+    sources_hash, built_torch, _ = found.build_info()
+    if sources_hash != build_flags.sources_hash(CSRC):
+        return None, f"the prebuilt kernels for {isa()} were built from other sources than csrc/'s"
+    if built_torch != torch.__version__:
+        return None, f"the prebuilt kernels for {isa()} were built for torch {built_torch}, this is {torch.__version__}"
+    return found, None
+
+
+def _build(prebuilt_why: str = ""):
     compiler, ninja = find_compiler(), _ninja_folder()
+    why = f" ({prebuilt_why})" if prebuilt_why else ""
     if compiler is None:
         looked = f"$CXX={os.environ['CXX']}" if os.environ.get("CXX") else "$CXX, " + ", ".join(COMPILERS)
-        raise VendorError(f"no C++ compiler found (looked for {looked}): the cpu vendor's kernels cannot be built; "
-                          "install g++ (or set CXX)")
+        raise VendorError(f"no C++ compiler found (looked for {looked}): the cpu vendor's kernels cannot be built"
+                          f"{why}; install g++ (or set CXX), or a dlinfer wheel with prebuilt kernels")
     if ninja is None:
-        raise VendorError("ninja not found (looked on PATH and beside this Python): the cpu vendor's kernels cannot "
-                          "be built; pip install ninja")
+        raise VendorError(f"ninja not found (looked on PATH and beside this Python): the cpu vendor's kernels cannot "
+                          f"be built{why}; pip install ninja")
     from torch.utils.cpp_extension import load
 
     env = {}  # the builder runs `ninja` from PATH and compiles with $CXX, c++ when unset: make both the ones found

@@ -1,0 +1,99 @@
+"""A wheel carries the cpu vendor's kernels prebuilt (setup.py): built here for this CPU's
+instruction set, installed into a folder of its own and imported with no C++ compiler on PATH, the
+cpu vendor loads them and passes its conformance suite; a stamp that does not match (edited
+sources) or DLINFER_CPU_PREBUILT=0 sends the vendor back to building, which then fails with a line
+saying why."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dlinfer.vendor
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")]
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD_TIMEOUT_S = 900  # one instruction set: about 1.5 minutes on 2 cores
+RUN_TIMEOUT_S = 600
+IGNORED = shutil.ignore_patterns(".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__",
+                                 ".pytest_cache", "*.so")
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """The folder a wheel built from a copy of this checkout was installed into (pip --target)."""
+    from dlinfer.vendor.cpu import build
+
+    base = tmp_path_factory.mktemp("wheel")
+    src, dist, target = base / "src", base / "dist", base / "site"
+    shutil.copytree(REPO, src, ignore=IGNORED)
+    env = dict(os.environ, DLINFER_WHEEL_ISAS=build.isa().lower())
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
+    subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(dist)], env=env,
+                   check=True, timeout=BUILD_TIMEOUT_S, cwd=base)
+    wheels = list(dist.glob("dlinfer-*.whl"))
+    assert len(wheels) == 1, wheels
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheels[0])], check=True,
+                   timeout=RUN_TIMEOUT_S)
+    assert list((target / "dlinfer" / "vendor" / "cpu").glob(f"_kernels_{build.isa().lower()}*.so"))
+    return target
+
+
+def _run_without_compiler(target: Path, code: list, **extra_env):
+    """`python <code>` with the installed wheel first on the path, no compiler or ninja on PATH, an
+    empty torch extension cache, and no CXX."""
+    env = {"HOME": str(target.parent), "PATH": "/nonexistent", "PYTHONPATH": str(target),
+           "TORCH_EXTENSIONS_DIR": str(target.parent / "no-extensions"), **extra_env}
+    return subprocess.run([sys.executable, *code], env=env, cwd=target.parent, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+
+
+PROBE = """
+import dlinfer, dlinfer.vendor as v
+from dlinfer.vendor.cpu import build
+print(dlinfer.__file__)
+print("available", "cpu" in v.available())
+try:
+    v.load("cpu")
+    print("origin", build.origin())
+except Exception as exc:
+    print("error", exc)
+"""
+
+
+def test_the_installed_wheel_loads_its_kernels_with_no_compiler(installed):
+    run = _run_without_compiler(installed, ["-c", PROBE])
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith(str(installed)), lines  # the wheel's dlinfer, not the checkout's
+    assert "available True" in lines and "origin prebuilt" in lines, run.stdout + run.stderr
+    assert "building" not in run.stderr
+
+
+def test_the_cpu_vendor_passes_its_conformance_suite_from_the_wheel(installed, tmp_path):
+    report = tmp_path / "report.json"
+    run = _run_without_compiler(installed, ["-m", "dlinfer", "conformance", "--vendor", "cpu", "--quiet",
+                                            "--report", str(report)])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert report.stat().st_size > 0 and "building" not in run.stderr
+
+
+def test_prebuilt_kernels_refused_for_other_sources_or_on_request(installed, tmp_path):
+    """DLINFER_CPU_PREBUILT=0, or a source file that differs from the stamp: the vendor builds
+    instead, and with no compiler says why in its one-line error."""
+    run = _run_without_compiler(installed, ["-c", PROBE], DLINFER_CPU_PREBUILT="0")
+    assert "available False" in run.stdout and "no C++ compiler found" in run.stdout, run.stdout
+    assert "DLINFER_CPU_PREBUILT=0" in run.stdout
+    edited = tmp_path / "site"
+    shutil.copytree(installed, edited)
+    norm = edited / "dlinfer" / "vendor" / "cpu" / "csrc" / "norm.cpp"
+    norm.write_text(norm.read_text() + "\n// edited\n")
+    run = _run_without_compiler(edited, ["-c", PROBE])
+    assert "available False" in run.stdout and "built from other sources" in run.stdout, run.stdout
