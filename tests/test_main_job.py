@@ -1,12 +1,7 @@
 """scripts/main_job.py's choice of the fast float path (the job itself runs as the README's main
 command; tests/lmdeploy covers the engine it drives)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from main_job import fast_path  # noqa: E402
+from main_job import fast_path  # scripts/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_bfloat16_only_where_the_cpu_has_avx512_bf16_and_graph_mode_always():
