@@ -4,12 +4,13 @@ compiled ahead of time into a wheel so that an installed dlinfer needs no C++ co
     pip wheel . --no-deps --no-build-isolation -w dist      # torch must be importable while building
 
 One extension module per instruction set (dlinfer/vendor/cpu/build_flags.py: AVX512, AVX2,
-DEFAULT), `dlinfer.vendor.cpu._kernels_<isa>`, each stamped with the sources' hash, the torch
-version and the ISA (csrc/bindings.cpp's `build_info`); at run time the cpu vendor imports the one
-for this CPU and uses it only when the stamp matches (dlinfer/vendor/cpu/build.py), else it builds
-the kernels as a source checkout does. `DLINFER_WHEEL_ISAS=avx512,default` builds a subset (each
-level is about a minute on 2 cores); `DLINFER_WHEEL_ISAS=none`, an editable install, or a build
-without torch (build isolation) gives a wheel without prebuilt kernels.
+DEFAULT), `dlinfer.vendor.cpu._kernels_<isa>`, each stamped with the hash of the sources and
+flags, the torch version and the ISA (a string in the file: build_flags.stamp); at run time the
+cpu vendor reads the stamp of the one for this CPU from its bytes and imports it only when it
+matches (dlinfer/vendor/cpu/build.py), else it builds the kernels as a source checkout does.
+`DLINFER_WHEEL_ISAS=avx512,default` builds a subset (each level is about a minute on 2 cores);
+`DLINFER_WHEEL_ISAS=none`, an editable install, or a build without torch (build isolation) gives a
+wheel without prebuilt kernels.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ def _kernels():
     if unknown:
         raise SystemExit(f"DLINFER_WHEEL_ISAS: unknown {sorted(unknown)}; expected some of "
                          f"{', '.join(i.lower() for i in bf.ISAS)} (or none)")
-    stamp = [f'-DDLINFER_SOURCES_HASH="{bf.sources_hash(CSRC)}"', f'-DDLINFER_BUILT_TORCH="{torch.__version__}"']
+    openmp = torch.backends.openmp.is_available()
     sources = [str(p.relative_to(ROOT)) for p in bf.sources(CSRC) if p.suffix == ".cpp"]
-    ext = [CppExtension(f"dlinfer.vendor.cpu.{bf.prebuilt_name(isa)}", sources, include_dirs=[str(CSRC)],
-                        extra_compile_args=[*bf.flags(isa, torch.backends.openmp.is_available()), *stamp,
-                                            f'-DDLINFER_BUILT_ISA="{isa}"'])
-           for isa in isas]
+    ext = []
+    for isa in isas:
+        stamp = bf.stamp(bf.sources_hash(CSRC, isa, openmp), torch.__version__, isa)
+        ext.append(CppExtension(f"dlinfer.vendor.cpu.{bf.prebuilt_name(isa)}", sources, include_dirs=[str(CSRC)],
+                                extra_compile_args=[*bf.flags(isa, openmp), f'-DDLINFER_STAMP="{stamp}"']))
     return ext, {"build_ext": BuildExtension}
 
 

@@ -2,7 +2,7 @@
 instruction set, installed into a folder of its own and imported with no C++ compiler on PATH, the
 cpu vendor loads them and passes its conformance suite; a stamp that does not match (edited
 sources) or DLINFER_CPU_PREBUILT=0 sends the vendor back to building, which then fails with a line
-saying why."""
+saying why where there is no compiler, and succeeds where there is one."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def _run_without_compiler(target: Path, code: list, **extra_env):
 
 
 PROBE = """
+import sys
 import dlinfer, dlinfer.vendor as v
 from dlinfer.vendor.cpu import build
 print(dlinfer.__file__)
@@ -65,6 +66,7 @@ try:
     print("origin", build.origin())
 except Exception as exc:
     print("error", exc)
+print("prebuilt imported", any(m.startswith("dlinfer.vendor.cpu._kernels_") for m in sys.modules))
 """
 
 
@@ -97,3 +99,22 @@ def test_prebuilt_kernels_refused_for_other_sources_or_on_request(installed, tmp
     norm.write_text(norm.read_text() + "\n// edited\n")
     run = _run_without_compiler(edited, ["-c", PROBE])
     assert "available False" in run.stdout and "built from other sources" in run.stdout, run.stdout
+    assert "prebuilt imported False" in run.stdout  # refused from its stamp, never loaded
+
+
+def test_refused_prebuilt_kernels_leave_the_build_free_to_register_the_ops(installed, tmp_path):
+    """Edited sources with a compiler present: the stamp refuses the prebuilt module before it is
+    loaded, so the kernels built here register their ops (a loaded-then-refused module would have
+    registered them first) and run."""
+    edited = tmp_path / "site"
+    shutil.copytree(installed, edited)
+    norm = edited / "dlinfer" / "vendor" / "cpu" / "csrc" / "norm.cpp"
+    norm.write_text(norm.read_text() + "\n// edited\n")
+    code = PROBE + "import torch, dlinfer.ops as ops\nprint('rms_norm', tuple(ops.rms_norm(torch.randn(2, 64), " \
+                   "torch.ones(64), 1e-6).shape))\n"
+    env = dict(os.environ, PYTHONPATH=str(edited), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=BUILD_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "origin built" in run.stdout and "prebuilt imported False" in run.stdout, run.stdout
+    assert "rms_norm (2, 64)" in run.stdout, run.stdout

@@ -59,7 +59,24 @@ def _check_weights(op: str, qweight, scale, offset, group_size, k: Optional[int]
         raise C.InvalidArgumentError(op, "scale", f"dtype {dtype} (same as x) or torch.float16", C.describe(scale))
     if offset is not None:
         C.tensor(op, "offset", offset, (k_w // g, n // 8), I32, device)
+    if L.is_k_interleaved(qweight) and C.check_values_enabled():
+        _check_carried_parameters(op, qweight, scale, offset, n)
     return n, g
+
+
+def _check_carried_parameters(op, qweight, scale, offset, n):
+    """Value check: a k_interleaved weight's own scales and zero points (which the cpu kernel reads)
+    are the ones given (which every other reader of the weight uses)."""
+    carried_scale, carried_zeros = L.ki_params(qweight, n)
+    given = scale.float()
+    same = (carried_scale.float() == given) | (carried_scale.isnan() & given.isnan())
+    if not bool(same.all()):
+        raise C.InvalidArgumentError(op, "scale", "the scales the k_interleaved qweight carries in its blocks",
+                                     f"{int((~same).sum())} of {same.numel()} different")
+    zeros = L.unpack(offset) if offset is not None else torch.full_like(carried_zeros, 8)
+    if not torch.equal(carried_zeros, zeros):
+        raise C.InvalidArgumentError(op, "offset", "the zero points the k_interleaved qweight carries in its blocks",
+                                     f"{int((carried_zeros != zeros).sum())} of {zeros.numel()} different")
 
 
 def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor] = None,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import warnings
 from typing import Callable, List, Optional, Sequence
 
+import torch
+
 QUESTIONS = (
     "What is the capital of France?",
     "Give three tips for staying healthy.",
@@ -81,17 +83,30 @@ def decode_rate(batch: int, new_tokens: int, t_n: float, t_1: float) -> float:
     return batch * (new_tokens - 1) / (t_n - t_1) if t_n > t_1 else float("nan")
 
 
-def step_bytes(pipe) -> int:
+def step_bytes(pipe) -> Optional[int]:
     """Bytes of weights a decode step of the engine's model reads: every parameter and buffer once
     (by its own data, not its storage: on CPU the engine moves all of them into one huge-page
     arena), less the input embedding table unless the LM head reads that table (a tied float head;
     the int8 head of a tied model keeps the table as its `weight` but reads its own int8 copy,
-    backend/lm_head.py); a lookup reads only its rows. Needs the engine in this process."""
-    runner = pipe.async_engine.engine.executor.model_agent.patched_model
+    backend/lm_head.py), and less the canonical scales and zero points of a W4A16 layer whose weight
+    is in the k_interleaved layout (which carries its own copy in the stream, dlinfer/vendor/
+    w4_layouts.py); a lookup reads only its rows. None when the model is not in this process (the
+    engine's ranks run in processes of their own: tp > 1)."""
+    agent = getattr(pipe.async_engine.engine.executor, "model_agent", None)
+    if agent is None:
+        return None
+    runner = agent.patched_model
     model = runner.get_model() if hasattr(runner, "get_model") else runner
+    unread = set()
+    for module in model.modules():
+        qweight = getattr(module, "qweight", None)
+        if isinstance(qweight, torch.Tensor) and qweight.dtype == torch.uint8 and qweight.dim() == 3:
+            unread.update(t.data_ptr() for t in (getattr(module, "scales", None), getattr(module, "qzeros", None))
+                          if isinstance(t, torch.Tensor))
     spans = {}
     for t in [*model.parameters(), *model.buffers()]:
-        spans[t.data_ptr()] = max(spans.get(t.data_ptr(), 0), t.numel() * t.element_size())
+        if t.data_ptr() not in unread:
+            spans[t.data_ptr()] = max(spans.get(t.data_ptr(), 0), t.numel() * t.element_size())
     embed = next((m.weight for name, m in model.named_modules() if name.endswith("embed_tokens")), None)
     head = next((m for name, m in model.named_modules() if name.endswith("lm_head")), None)
     head_weight = getattr(head, "weight", None)

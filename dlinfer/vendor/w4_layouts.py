@@ -26,7 +26,8 @@ k_interleaved: for integer dot products over k (the cpu vendor's integer kernel,
       rows of one column that a 4-byte dot product (vpdpbusd) takes, and its high nibbles the next 4.
     Columns past N are zero. uint8 and rank 3 tell it from the others. A kernel reading it walks
     one stream per tile: the canonical scales and zero points are rows N columns apart per group,
-    and their 2 x G extra streams per tile cost the integer kernel ~20% from memory (measured,
+    and their 2 x G extra streams per tile cost the integer kernel about a tenth of a decode step's time
+    from memory at the 1B shape (measured,
     docs/notes/w4a16-kernels.md). The loader's scales and offsets stay as they are (every vendor
     still receives them; the cpu kernel reads the copies in the blocks).
 `repack_weight_quant` (dlinfer.ops) asks the active vendor for its layout once, at load time;
@@ -116,6 +117,9 @@ def k_interleaved(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], grou
         raise ValueError(f"k_interleaved needs K % {KI_BLOCK_K} == 0 and a group g with g % {KI_BLOCK_K} == 0 "
                          f"dividing K, got K = {k}, g = {g}")
     n, groups = words * WORD_COLS, k // g
+    if tuple(scale.shape) != (groups, n) or (offset is not None and tuple(offset.shape) != (groups, words)):
+        raise ValueError(f"k_interleaved: scale [{groups}, {n}] and offset [{groups}, {words}] or None, got "
+                         f"{list(scale.shape)} and {None if offset is None else list(offset.shape)}")
     tiles = ki_num_tiles(n)
     width = tiles * KI_TILE_COLS
     values = torch.zeros(k, width, dtype=torch.int32, device=qweight.device)
@@ -130,6 +134,19 @@ def k_interleaved(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], grou
     z[:, :n] = unpack(offset) if offset is not None else 8
     z_bytes = z.view(groups, tiles, KI_TILE_COLS).transpose(0, 1).to(torch.uint8)
     return torch.cat((s_bytes, z_bytes, lines), dim=2)
+
+
+def ki_params(qweight: Tensor, n: int):
+    """The scales (float16 or float32, as the blocks hold them) and zero points (int32) `[K/g, N]` a
+    k_interleaved weight carries, n: the output columns N."""
+    tiles, groups, block = qweight.shape
+    _, scale_bytes = ki_block_format(block)
+    dtype = torch.float16 if scale_bytes == 2 else torch.float32
+    at = KI_TILE_COLS * scale_bytes
+    scales = qweight[:, :, :at].contiguous().view(dtype)  # [tiles, G, 64]
+    zeros = qweight[:, :, at:at + KI_ZERO_BYTES].to(torch.int32)
+    return (scales.transpose(0, 1).reshape(groups, tiles * KI_TILE_COLS)[:, :n],
+            zeros.transpose(0, 1).reshape(groups, tiles * KI_TILE_COLS)[:, :n])
 
 
 def column_tiled(qweight: Tensor) -> Tensor:

@@ -190,8 +190,8 @@ def weight_quant_matmul_column_tiled(layouts):
             for how in ("suite", "vendor") for c in TILED_CASES for dt in DTYPES]
 
 
-# the k_interleaved layout needs K % 8 == 0 (every case but g0 at K = 80 has it too, which is kept:
-# a group the cpu vendor's integer kernel cannot take, so it reads the weight as canonical)
+# the k_interleaved layout needs K and g multiples of 8 (every case here has them; g0 at K = 80 is one
+# group of 80 rows)
 KI_CASES = TILED_CASES + [c for c in CASES if c.id in ("m2_k192_n128_g64_nozero", "b1_t5_k128_n40_g0_nozero",
                                                        "m33_k4096_n520_g128_bias", "m0_k64_n64_g64")]
 

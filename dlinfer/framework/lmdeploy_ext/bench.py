@@ -122,13 +122,13 @@ def render(rows: Dict[str, Dict], args, probe: Probe, model: str) -> str:
              f"({torch.get_num_threads()} threads); probe: {probe.summary}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, row in rows.items():
-        gb = row["step_bytes"] / 1e9
+        gb = row["step_bytes"] / 1e9 if row["step_bytes"] else None  # None: the ranks' own processes (tp > 1)
         rate = row["rates"].get(1)
-        streamed = gb * rate if rate and rate == rate else None
+        streamed = gb * rate if gb and rate and rate == rate else None
         share = f"{streamed / (row['probe'] / 1e9):.2f}" if streamed and row["probe"] else "-"
         cells = [label, *(f"{row['rates'][b]:.1f}" for b in args.batch),
                  *(f"{row['ttft'][n]:.3f}" for n in args.prompt_lengths),
-                 f"{gb:.4g}", f"{streamed:.3g}" if streamed else "-", share]
+                 f"{gb:.4g}" if gb else "-", f"{streamed:.3g}" if streamed else "-", share]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -178,12 +178,16 @@ def main(args: argparse.Namespace, out=None, err=None) -> int:
             start = time.perf_counter()
             try:
                 pipe = pipeline(args.model, backend_config=config, log_level="ERROR")
-            except ValueError as exc:
-                log(f"{PROG}: error: {exc}")
+            except (ValueError, RuntimeError, OSError) as exc:  # a setting or model refused, a vendor error
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                log(f"{PROG}: error: {label}: {type(exc).__name__}: {first}")
                 return 2
             try:
                 log(f"[bench] {label}: ready in {time.perf_counter() - start:.1f} s")
                 rows[label] = measure(pipe, args, probe, log, label)
+            except RuntimeError as exc:  # the engine did not give the tokens asked for
+                log(f"{PROG}: error: {label}: {exc}")
+                return 1
             finally:
                 pipe.close()
     finally:

@@ -139,7 +139,7 @@ def converse(chat: Chat, stdin: TextIO, out: TextIO, err: TextIO, interactive: b
             err.write(f"unknown command {command!r} (/help lists them)\n")
             continue
         try:
-            stats = chat.answer(line, out)
+            stats = chat.answer(text, out)
         except KeyboardInterrupt:
             err.write("[answer stopped; the turn is dropped]\n")
             continue
@@ -179,8 +179,9 @@ def main(args: argparse.Namespace, stdin: TextIO = None, out: TextIO = None, err
     start = time.perf_counter()
     try:
         pipe = pipeline(args.model, backend_config=config, log_level="ERROR")
-    except ValueError as exc:
-        err.write(f"{PROG}: error: {exc}\n")
+    except (ValueError, RuntimeError, OSError) as exc:  # a setting or model refused, a vendor error
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        err.write(f"{PROG}: error: {type(exc).__name__}: {first}\n")
         return 2
     try:
         if interactive:

@@ -3,9 +3,9 @@ wheel carries.
 
 A wheel built with `pip wheel . --no-build-isolation` (setup.py) carries the kernels compiled
 ahead of time for each instruction set (`build_flags.ISAS`: AVX512, AVX2, DEFAULT) as
-`dlinfer.vendor.cpu._kernels_<isa>`. `module()` first imports the one for this CPU's instruction
-set and uses it when it was built from these very sources (their hash) against this torch
-version; no compiler is needed then. Otherwise (a source checkout, an edited source, another
+`dlinfer.vendor.cpu._kernels_<isa>`. `module()` first reads the stamp of the one for this CPU's
+instruction set from its file and imports it when it was built from these very sources and flags
+against this torch version; no compiler is needed then. Otherwise (a source checkout, an edited source, another
 torch, or `DLINFER_CPU_PREBUILT=0`) it builds them as follows.
 
 The kernels (`csrc/*.cpp`) are compiled on first use with torch's own extension builder
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -140,22 +141,27 @@ def build():
 
 def prebuilt():
     """(module, None) when a wheel carries kernels for this CPU's instruction set built from these
-    sources against this torch, else (None, why not)."""
+    sources and flags against this torch, else (None, why not). The stamp is read from the file
+    before anything is loaded: a module loaded and then refused would have registered its
+    `torch.ops.dlinfer_cpu` schemas, and the build that follows could not register them again."""
     if (envs.get(PREBUILT_ENV) or "1") == "0":
         return None, f"{PREBUILT_ENV}=0"
-    name = build_flags.prebuilt_name(isa())
+    name = f"dlinfer.vendor.cpu.{build_flags.prebuilt_name(isa())}"
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.origin:
+        return None, f"no prebuilt kernels for {isa()} (a source checkout, or a wheel built without them)"
+    found = build_flags.read_stamp(Path(spec.origin))
+    want = build_flags.sources_hash(CSRC, isa(), torch.backends.openmp.is_available())
+    if found is None or found[2] != isa():
+        return None, f"the prebuilt kernels for {isa()} carry no stamp for it"
+    if found[0] != want:
+        return None, f"the prebuilt kernels for {isa()} were built from other sources or flags than these"
+    if found[1] != torch.__version__:
+        return None, f"the prebuilt kernels for {isa()} were built for torch {found[1]}, this is {torch.__version__}"
     try:
-        found = importlib.import_module(f"dlinfer.vendor.cpu.{name}")
+        return importlib.import_module(name), None
     except ImportError as exc:
-        if getattr(exc, "name", None) == f"dlinfer.vendor.cpu.{name}":
-            return None, f"no prebuilt kernels for {isa()} (a source checkout, or a wheel built without them)"
-        return None, f"the prebuilt kernels for {isa()} do not load ({exc})"
-    sources_hash, built_torch, _ = found.build_info()
-    if sources_hash != build_flags.sources_hash(CSRC):
-        return None, f"the prebuilt kernels for {isa()} were built from other sources than csrc/'s"
-    if built_torch != torch.__version__:
-        return None, f"the prebuilt kernels for {isa()} were built for torch {built_torch}, this is {torch.__version__}"
-    return found, None
+        raise VendorError(f"the prebuilt kernels for {isa()} do not load: {exc}") from exc
 
 
 def _build(prebuilt_why: str = ""):

@@ -35,13 +35,34 @@ def sources(csrc: Path) -> List[Path]:
     return sorted([*csrc.glob("*.cpp"), *csrc.glob("*.h")])
 
 
-def sources_hash(csrc: Path) -> str:
-    """sha256 of the sources' names and bytes: a prebuilt module is used only for the sources it was
-    built from."""
-    digest = hashlib.sha256()
+def sources_hash(csrc: Path, isa: str, openmp: bool) -> str:
+    """sha256 of the sources' names and bytes and of the flags of a build for `isa`: a prebuilt
+    module is used only for the sources and flags it was built from."""
+    digest = hashlib.sha256(" ".join(flags(isa, openmp)).encode() + b"\0")
     for path in sources(csrc):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+STAMP_START, STAMP_END = b"dlinfer-stamp[", b"]dlinfer-stamp"  # around csrc/bindings.cpp's stamp
+
+
+def stamp(sources_digest: str, torch_version: str, isa: str) -> str:
+    """What a prebuilt module carries as a string constant (csrc/bindings.cpp), readable from the
+    file's bytes before it is loaded."""
+    return f"{sources_digest}:{torch_version}:{isa}"
+
+
+def read_stamp(shared_object: Path):
+    """(sources digest, torch version, isa) stamped into a prebuilt module's file, or None; read from
+    its bytes, without loading it (a module loaded and then refused would have registered its ops)."""
+    data = shared_object.read_bytes()
+    start = data.find(STAMP_START)
+    end = data.find(STAMP_END, start + len(STAMP_START))
+    if start < 0 or end < 0:
+        return None
+    parts = data[start + len(STAMP_START):end].decode("ascii", "replace").split(":")
+    return tuple(parts) if len(parts) == 3 else None
 
 
 def prebuilt_name(isa: str) -> str:

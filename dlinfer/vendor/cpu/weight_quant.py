@@ -75,8 +75,8 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
     bias [N]?, group_size g -> [M, N] in x's dtype."""
     if w4_layouts.is_k_interleaved(qweight):
-        if integer_kernel_takes(group_size):
-            return _w4_matmul_k_interleaved(x, qweight, scale, offset, bias, group_size, -1)
+        if integer_kernel_takes(group_size):  # the kernel reads the blocks in place: dense (a copy if not)
+            return _w4_matmul_k_interleaved(x, qweight.contiguous(), scale, offset, bias, group_size, -1)
         qweight = w4_layouts.canonical(qweight, scale.shape[1])  # a group the kernel cannot take (not from our hook)
     if x.shape[0] <= GEMV_MAX_ROWS:  # the kernels make qweight, scale and offset dense (C++, no copy if they are)
         return _w4_matmul(x, qweight, scale, offset, bias, group_size)

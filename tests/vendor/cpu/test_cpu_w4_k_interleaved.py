@@ -11,6 +11,7 @@ import dlinfer.ops as ops
 import dlinfer.vendor
 from dlinfer.conformance.reference import awq_unpack
 from dlinfer.conformance.suites.weight_quant import W4Case, awq_pack, k_interleave, weights
+from dlinfer.errors import InvalidArgumentError
 from dlinfer.vendor import w4_layouts
 
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")
@@ -39,19 +40,65 @@ def _kernel(x, qweight, scale, offset, group, path, bias=None):
     return torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(x, qweight, scale, offset, bias, group, path)
 
 
-@pytest.mark.parametrize("k,n", [(8, 8), (64, 200), (576, 584), (160, 264)])
-def test_packers_agree_and_round_trip(k, n):
+@pytest.mark.parametrize("k,n,group", [(8, 8, 8), (64, 200, 8), (64, 200, 32), (576, 584, 64), (160, 264, 32),
+                                        (160, 264, 0), (96, 72, 48)])
+def test_packers_agree_and_round_trip(k, n, group):
     """The layout module's packer, the C++ one and the suite's (written from the layout's words)
     give the same bytes, and `canonical` gives the canonical words back."""
-    g = torch.Generator().manual_seed(k + n)
-    qweight, scale, offset, _ = weights(W4Case("pack", (1,), k, n, 8, fill="extreme"), torch.float32, g)
+    g = torch.Generator().manual_seed(k + n + group)
+    qweight, scale, offset, _ = weights(W4Case("pack", (1,), k, n, group, fill="extreme"), torch.float32, g)
+    rows = group or k
     for s, o, scale_bytes in ((scale, offset, 4), (scale.half(), None, 2), (scale.half().float(), offset, 2)):
-        want = k_interleave(qweight, s, o, 8)
-        assert want.shape == (-(-n // 64), k // 8, 64 * scale_bytes + 64 + 32 * 8) and want.dtype == torch.uint8
-        assert w4_layouts.ki_block_format(want.shape[2]) == (8, scale_bytes)
-        assert torch.equal(w4_layouts.k_interleaved(qweight, s, o, 8), want)
-        assert torch.equal(_cpu().k_interleaved(qweight, s, o, 8), want)
+        want = k_interleave(qweight, s, o, group)
+        assert want.shape == (-(-n // 64), k // rows, 64 * scale_bytes + 64 + 32 * rows) and want.dtype == torch.uint8
+        assert w4_layouts.ki_block_format(want.shape[2]) == (rows, scale_bytes)
+        assert torch.equal(w4_layouts.k_interleaved(qweight, s, o, group), want)
+        assert torch.equal(_cpu().k_interleaved(qweight, s, o, group), want)
         assert torch.equal(w4_layouts.canonical(want, n), qweight)
+
+
+def test_value_checks_refuse_parameters_other_than_the_weight_carries():
+    """The cpu kernel reads the blocks' copies; every other reader the arguments: with value checks
+    on, the op refuses arguments that differ from the copies."""
+    g = torch.Generator().manual_seed(17)
+    qweight, scale, offset, _ = weights(W4Case("carried", (1,), 64, 72, 32), torch.float32, g)
+    packed = w4_layouts.k_interleaved(qweight, scale, offset, 32)
+    x = torch.randn(2, 64, generator=g)
+    other_offset = w4_layouts.pack((w4_layouts.unpack(offset) + 1) % 16)
+    try:
+        ops.set_value_checks(True)
+        ops.weight_quant_matmul(x, packed, scale, offset, None, False, 32)  # the same: accepted
+        with pytest.raises(InvalidArgumentError, match="scale"):
+            ops.weight_quant_matmul(x, packed, scale * 2, offset, None, False, 32)
+        with pytest.raises(InvalidArgumentError, match="offset"):
+            ops.weight_quant_matmul(x, packed, scale, other_offset, None, False, 32)
+        with pytest.raises(InvalidArgumentError, match="offset"):
+            ops.weight_quant_matmul(x, packed, scale, None, None, False, 32)  # the blocks hold the offsets
+    finally:
+        ops.set_value_checks(None)
+
+
+def test_a_strided_k_interleaved_weight_gives_the_dense_ones_bits():
+    g = torch.Generator().manual_seed(13)
+    qweight, scale, offset, _ = weights(W4Case("strided", (1,), 64, 72, 32), torch.float32, g)
+    dense = w4_layouts.k_interleaved(qweight, scale, offset, 32)
+    wide = torch.zeros(dense.shape[0], dense.shape[1], dense.shape[2] + 64, dtype=torch.uint8)
+    wide[..., :dense.shape[2]] = dense
+    strided = wide[..., :dense.shape[2]]
+    assert not strided.is_contiguous()
+    x = torch.randn(3, 64, generator=g)
+    with dlinfer.vendor.using("cpu"):
+        want = ops.weight_quant_matmul(x, dense, scale, offset, None, False, 32)
+        got = ops.weight_quant_matmul(x, strided, scale, offset, None, False, 32)
+    assert torch.equal(got, want)
+
+
+def test_layout_refuses_parameters_of_the_wrong_shape():
+    with pytest.raises(ValueError, match=r"scale \[2, 8\]"):
+        w4_layouts.k_interleaved(torch.zeros(16, 1, dtype=torch.int32), torch.ones(1, 8), None, 8)
+    with pytest.raises(ValueError, match=r"offset \[2, 1\]"):
+        w4_layouts.k_interleaved(torch.zeros(16, 1, dtype=torch.int32), torch.ones(2, 8),
+                                 torch.zeros(1, 1, dtype=torch.int32), 8)
 
 
 def test_layout_refuses_k_or_a_group_not_a_multiple_of_8():

@@ -39,23 +39,17 @@ void bind(pybind11::module_& m, const char* name, R (*fn)(A...)) {
 }  // namespace
 }  // namespace dlinfer_cpu
 
-// What an ahead-of-time build (setup.py) was built from: the sources' hash, the torch version and
-// the ISA; empty in a just-in-time build (build.py checks them before it uses a prebuilt module).
-#ifndef DLINFER_SOURCES_HASH
-#define DLINFER_SOURCES_HASH ""
+// What an ahead-of-time build (setup.py) was built from: "digest:torch version:isa"
+// (build_flags.stamp), between markers that build.py finds in the file's bytes before loading it;
+// empty in a just-in-time build.
+#ifndef DLINFER_STAMP
+#define DLINFER_STAMP ""
 #endif
-#ifndef DLINFER_BUILT_TORCH
-#define DLINFER_BUILT_TORCH ""
-#endif
-#ifndef DLINFER_BUILT_ISA
-#define DLINFER_BUILT_ISA ""
-#endif
+extern "C" __attribute__((used, visibility("default"))) const char dlinfer_cpu_stamp[] = "dlinfer-stamp[" DLINFER_STAMP "]dlinfer-stamp";
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace dlinfer_cpu;
-  m.def("build_info", [] {
-    return std::make_tuple(std::string(DLINFER_SOURCES_HASH), std::string(DLINFER_BUILT_TORCH), std::string(DLINFER_BUILT_ISA));
-  });
+  m.def("build_stamp", [] { return std::string(DLINFER_STAMP); });
 #define DLINFER_CPU_BIND(name) bind(m, #name, &name);
   DLINFER_CPU_ENTRY_POINTS(DLINFER_CPU_BIND)
 #undef DLINFER_CPU_BIND
