@@ -8,8 +8,8 @@ For each mode (`--mode eager,graph`) and dtype (`--dtype`), one engine in this p
   `--repeats`;
 - time to first token at each prompt length of `--prompt-lengths` (default 32 and 512 tokens);
 - at batch 1, the weights a decode step reads (GB), the rate it reads them at, and its share of
-  the read-bandwidth probe (the cpu vendor's, read right before each batch-1 timing; where the
-  cpu vendor does not load, the table says so).
+  the read-bandwidth probe (the cpu vendor's, read 5 times before any engine loads: `Probe`;
+  where the cpu vendor does not load, the table says so).
 One progress line per step on stderr, one Markdown table at the end on stdout. MODEL: any local
 folder the engine runs (HF float, AWQ, SmoothQuant); a folder that is not one, an unknown device
 or a setting the device refuses is one line on stderr and exit status 2.
@@ -21,7 +21,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from dlinfer.tools import decode_timing as timing
 
@@ -39,34 +39,29 @@ def _ints(text: str, what: str) -> List[int]:
 
 
 class Probe:
-    """The cpu vendor's read-bandwidth probe, explored once; None-valued where it cannot run."""
+    """The cpu vendor's read-bandwidth probe, explored and read before any engine loads, then freed:
+    interleaved with the engine's timings in this process it slowed them (SmolLM2, graph bf16, batch
+    1: 42 against 75 tokens/s without it, the cause not established), where benchmarks/e2e_cpu.py
+    reads it in a process of its own between the sides' timings. `median` is None where it cannot
+    run, and `summary` says why."""
+
+    READINGS = 5
 
     def __init__(self, enabled: bool, log):
-        self.probe, self.summary, self.readings = None, "no read-bandwidth probe (--no-probe)", []
+        self.median, self.summary = None, "no read-bandwidth probe (--no-probe)"
         if not enabled:
             return
         try:
             from dlinfer.vendor.cpu import read_probe
 
-            log("[bench] exploring the read-bandwidth probe (a few seconds) ...")
+            log("[bench] exploring the read-bandwidth probe (a few seconds), before any engine loads ...")
             probe = read_probe.ReadProbe()
             self.summary = read_probe.summary(probe.explore(rounds=2))
             probe.keep_best()
-            self.probe = probe
+            self.median = statistics.median(probe.measure() for _ in range(self.READINGS))
+            probe.release()
         except Exception as exc:  # noqa: BLE001 (no compiler, no cpu vendor: the table says why)
             self.summary = f"no read-bandwidth probe available here ({type(exc).__name__}: {exc})"
-
-    def read(self) -> Optional[float]:
-        if self.probe is None:
-            return None
-        time.sleep(0.1)  # the side just timed goes idle first (its OpenMP workers spin for a moment)
-        value = statistics.median(self.probe.measure() for _ in range(3))
-        self.readings.append(value)
-        return value
-
-    def release(self) -> None:
-        if self.probe is not None:
-            self.probe.release()
 
 
 def measure(pipe, args, probe: Probe, log, label: str) -> Dict:
@@ -77,14 +72,9 @@ def measure(pipe, args, probe: Probe, log, label: str) -> Dict:
     for batch in args.batch:  # warm-up: allocators, lazy inits, every batch size once
         run(batch, args.new_tokens, prompts=prompts)
     best: Dict[tuple, float] = {}
-    readings = []
     for r in range(args.repeats):
         for batch in args.batch:
             for n in (args.new_tokens, 1):
-                if batch == 1 and n == args.new_tokens:
-                    reading = probe.read()
-                    if reading is not None:
-                        readings.append(reading)
                 start = time.perf_counter()
                 run(batch, n, prompts=prompts)
                 best[(batch, n)] = min(best.get((batch, n), float("inf")), time.perf_counter() - start)
@@ -103,8 +93,7 @@ def measure(pipe, args, probe: Probe, log, label: str) -> Dict:
             times.append(time.perf_counter() - start)
         ttft[length] = min(times)
         log(f"[bench] {label}: first token of a {length}-token prompt after {ttft[length]:.3f} s")
-    return dict(rates=rates, ttft=ttft, step_bytes=timing.step_bytes(pipe),
-                probe=statistics.median(readings) if readings else None)
+    return dict(rates=rates, ttft=ttft, step_bytes=timing.step_bytes(pipe), probe=probe.median)
 
 
 def render(rows: Dict[str, Dict], args, probe: Probe, model: str) -> str:
@@ -119,7 +108,7 @@ def render(rows: Dict[str, Dict], args, probe: Probe, model: str) -> str:
     lines = [f"## {PROG} {model}",
              f"{args.new_tokens} new tokens, greedy, best of {args.repeats}; {os.cpu_count()} CPUs "
              f"({platform.processor() or platform.machine()}), torch {torch.__version__} "
-             f"({torch.get_num_threads()} threads); probe: {probe.summary}", "",
+             f"({torch.get_num_threads()} threads); probe (before the engines): {probe.summary}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, row in rows.items():
         gb = row["step_bytes"] / 1e9 if row["step_bytes"] else None  # None: the ranks' own processes (tp > 1)
@@ -172,26 +161,23 @@ def main(args: argparse.Namespace, out=None, err=None) -> int:
 
     probe = Probe(not args.no_probe, log)
     rows = {}
-    try:
-        for label, config in configs.items():
-            log(f"[bench] {label}: loading {args.model} ...")
-            start = time.perf_counter()
-            try:
-                pipe = pipeline(args.model, backend_config=config, log_level="ERROR")
-            except (ValueError, RuntimeError, OSError) as exc:  # a setting or model refused, a vendor error
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-                log(f"{PROG}: error: {label}: {type(exc).__name__}: {first}")
-                return 2
-            try:
-                log(f"[bench] {label}: ready in {time.perf_counter() - start:.1f} s")
-                rows[label] = measure(pipe, args, probe, log, label)
-            except RuntimeError as exc:  # the engine did not give the tokens asked for
-                log(f"{PROG}: error: {label}: {exc}")
-                return 1
-            finally:
-                pipe.close()
-    finally:
-        probe.release()
+    for label, config in configs.items():
+        log(f"[bench] {label}: loading {args.model} ...")
+        start = time.perf_counter()
+        try:
+            pipe = pipeline(args.model, backend_config=config, log_level="ERROR")
+        except (ValueError, RuntimeError, OSError) as exc:  # a setting or model refused, a vendor error
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            log(f"{PROG}: error: {label}: {type(exc).__name__}: {first}")
+            return 2
+        try:
+            log(f"[bench] {label}: ready in {time.perf_counter() - start:.1f} s")
+            rows[label] = measure(pipe, args, probe, log, label)
+        except RuntimeError as exc:  # the engine did not give the tokens asked for
+            log(f"{PROG}: error: {label}: {exc}")
+            return 1
+        finally:
+            pipe.close()
     out.write(render(rows, args, probe, args.model))
     out.flush()
     return 0
