@@ -57,7 +57,8 @@ def _kernels():
     for isa in isas:
         stamp = bf.stamp(bf.sources_hash(CSRC, isa, openmp), torch.__version__, isa)
         ext.append(CppExtension(f"dlinfer.vendor.cpu.{bf.prebuilt_name(isa)}", sources, include_dirs=[str(CSRC)],
-                                extra_compile_args=[*bf.flags(isa, openmp), f'-DDLINFER_STAMP="{stamp}"']))
+                                extra_compile_args=[*bf.flags(isa, openmp), f'-DDLINFER_STAMP="{stamp}"',
+                                                    "-g0"]))  # no debug info: Python's CFLAGS add -g (10x the .so)
     return ext, {"build_ext": BuildExtension}
 
 
