@@ -267,7 +267,8 @@ def linear_16bit_cases(bw, rounds=3):
 def w4_cases(bw):
     """W4A16 `weight_quant_matmul` on the cpu vendor at SmolLM2-135M's shapes (K 576: group 64, as
     576 is no multiple of 128; K 1536: group 128), canonical AWQ layout and the layout the
-    vendor's load-time repack gives (column_tiled or k_interleaved, dlinfer/vendor/w4_layouts.py), against the float32 `linear` of the same shape. Each weight
+    vendor's load-time repack gives (column_tiled or k_interleaved, dlinfer/vendor/w4_layouts.py),
+    against the float32 `linear` of the same shape. Each weight
     is cycled over copies of >= 64 MB in all, so every call streams it from memory; the three are
     timed interleaved, three rounds, best median kept. GB/s: packed weight + scale + zero-point
     bytes per second, against the read bandwidth measured in the same run."""
@@ -327,9 +328,10 @@ def w8a8_cases(vendors, bw, quick):
                     t8 = timeit(lambda: [ops.linear_w8a8(a, w, rms, lin, torch.float32) for w in wq]) / copies
                     t32 = timeit(lambda: [ops.linear(x, w) for w in wf]) / copies
                 gbs = n * k / t8
-                cells += [f"{t8 * 1e3:.4f}", f"{gbs / 1e9:.1f} ({gbs / bw:.2f})", f"{t32 * 1e3:.4f}", f"{t32 / t8:.2f}x"]
+                cells += [f"{t8 * 1e3:.4f}", f"{gbs / 1e9:.1f} ({gbs / bw:.2f})", f"{t32 * 1e3:.4f}",
+                          f"{t32 / t8:.2f}x"]
             print(f"| {n} x {k} | {m} | " + " | ".join(cells) + " |", flush=True)
-        del wq, wf
+        wq = wf = None  # freed before the next shape's copies are made
 
 
 def run(quick: bool, vendors):
@@ -375,7 +377,8 @@ def run(quick: bool, vendors):
     for batch, ctx in ((1, 2048), (8, 1024)) if not quick else ((8, 512),):
         q, kc, vc, table, cu, kv_lens = paged_setup(batch, ctx, 1, dtype)
         kv_bytes = 2 * batch * ctx * HKV * D * kc.element_size()
-        tab.case("paged_decode_attention", f"B={batch} ctx={ctx}", lambda: naive_paged(q, kc, vc, table, cu, kv_lens, scale),
+        tab.case("paged_decode_attention", f"B={batch} ctx={ctx}",
+                 lambda: naive_paged(q, kc, vc, table, cu, kv_lens, scale),
                  lambda: ops.paged_decode_attention(q, kc, vc, table, BS, cu[1:], kv_lens, ctx, HQ, HKV), kv_bytes)
     batch, ctx, new = 2, 768, 256
     q, kc, vc, table, cu, kv_lens = paged_setup(batch, ctx, new, dtype)
@@ -424,7 +427,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = args.vendors.split(",") if args.vendors else [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
+    present = [v for v in ("torch", "cpu") if v in dlinfer.vendor.available()]
+    names = args.vendors.split(",") if args.vendors else present
     if args.prefill_only:
         prefill_cases(names)
     elif args.bf16_only:

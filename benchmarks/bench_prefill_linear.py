@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_cpu_ops import median_time  # benchmarks/ is on sys.path when this file runs
 import torch.nn.functional as F
+from bench_cpu_ops import median_time  # benchmarks/ is on sys.path when this file runs
 
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 

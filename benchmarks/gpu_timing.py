@@ -1,0 +1,78 @@
+"""Timing, peaks and result rows shared by the GPU benchmarks (bench_triton_ops.py,
+bench_triton_attention.py, gpu_engine.py) and their CPU dry runs (scripts/gpu_check.sh --dry-run).
+
+On CUDA a time is the median of CUDA-event intervals, the L2 cache flushed (a 256 MiB write)
+before each call, so no call is served from the previous one's cache. On the CPU (a dry run under
+TRITON_INTERPRET=1) it is wall-clock: it proves that the code path runs, and is no timing.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+# (substrings all in the device name, peak HBM bytes/s, dense bf16 FLOP/s without sparsity)
+PEAKS = (
+    (("H200",), 4.8e12, 989e12),
+    (("H100", "PCIe"), 2.0e12, 756e12),
+    (("H100", "NVL"), 3.9e12, 835e12),
+    (("H100",), 3.35e12, 989e12),  # SXM (HBM3)
+    (("A100", "80GB"), 2.0e12, 312e12),
+)
+
+_flush: dict = {}
+
+
+def device_time(fn, reps: int, device: str, warmup: int = 3) -> float:
+    """Median seconds of one fn() call over `reps` calls (see the module docstring)."""
+    for _ in range(warmup):
+        fn()
+    if not str(device).startswith("cuda"):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    if device not in _flush:
+        _flush[device] = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    flush = _flush[device]
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
+
+
+def peaks(device: str) -> dict:
+    """{"name", "bytes_per_s", "flops" (or None), "source"} of `device`: the table above by name, else
+    a measured 1 GiB device copy (read + write) and no FLOP peak. CPU: no peaks (a dry run)."""
+    if not str(device).startswith("cuda"):
+        return {"name": "cpu (dry run)", "bytes_per_s": None, "flops": None, "source": "none: a dry run"}
+    name = torch.cuda.get_device_name(device)
+    for keys, bw, flops in PEAKS:
+        if all(k in name for k in keys):
+            return {"name": name, "bytes_per_s": bw, "flops": flops, "source": "table"}
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() / device_time(lambda: dst.copy_(src), 20, device)
+    return {"name": name, "bytes_per_s": bw, "flops": None, "source": "measured 1 GiB device copy"}
+
+
+def share(value, peak) -> str:
+    """'42%' of a peak, or '-' where either is unknown."""
+    return f"{100 * value / peak:.0f}%" if value and peak else "-"
+
+
+def write_json(path, payload: dict) -> None:
+    """Write `payload` (rows and context) as indented JSON; a None path writes nothing."""
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=1, default=str) + "\n")

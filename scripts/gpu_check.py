@@ -1,0 +1,268 @@
+"""The GPU check: every step of issue 31 in one run of at most ~9 minutes, each step in a process
+of its own with a time budget, so one failure or hang costs that step, not the lease.
+
+    python scripts/gpu_check.py --out DIR [--dry-run] [--steps a,b] [--deadline 540]
+
+Run it through scripts/gpu_check.sh, which prepares the Python path (the carried wheels and
+LMDeploy's sources on the GPU machine). Steps, in order (name: what, budget on the GPU):
+  env          versions, the GPU's name, SMs and memory                                      20 s
+  big_cache    fill / decode / prefill over a cache past 2**31 elements (gpu_big_cache.py)    60 s
+  conformance  `python -m dlinfer conformance --vendor triton`, bfloat16, full shapes         150 s
+  ops          per-op times vs the torch vendor and LMDeploy's kernels (bench_triton_ops.py)  100 s
+  attention    paged decode / prefill attention times (bench_triton_attention.py)             60 s
+  engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        260 s
+  conformance_fp16  the same suite in float16 (last: whatever time is left)                  150 s
+A step gets min(its budget, the time left before --deadline); one with under 15 s left is skipped.
+
+Results in --out (at most 8 files, as the device tool brings back):
+  gpu_check.md    the summary table and each step's result (what docs/gpu.md is written from);
+  gpu_check.json  everything: each step's command, exit status, time and JSON output;
+  gpu_check.log   every step's output;
+  conformance-bfloat16.md, conformance-float16.md   the conformance reports.
+--dry-run runs every step on the CPU under TRITON_INTERPRET=1 at tiny shapes (<= 3 minutes), so
+the script is known to work before a GPU minute is spent; tests/test_gpu_check.py runs it in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+# the ops a float16 dry run covers (the bfloat16 dry run covers all of them)
+DRY_FP16_OPS = "rms_norm,silu_and_mul,fill_kv_cache,paged_decode_attention,linear_w8a8"
+
+
+def steps(out: Path, work: Path, dry: bool, tokenizer: str | None) -> list:
+    """(name, argv, budget seconds, JSON file the step writes or None)."""
+    bench = REPO / "benchmarks"
+    dry_flag = ["--dry-run"] if dry else []
+    conf = []
+    for dtype, budget in (("bfloat16", 150), ("float16", 150)):
+        argv = [PY, "-m", "dlinfer", "conformance", "--vendor", "triton", "--dtypes", dtype,
+                "--report", str(work / f"conformance-{dtype}.json"), "--markdown", str(out / f"conformance-{dtype}.md")]
+        argv += ["--small", "--device", "cpu"] if dry else ["--device", "cuda"]
+        if dry and dtype == "float16":
+            argv += ["--ops", DRY_FP16_OPS]
+        conf.append((argv, budget, work / f"conformance-{dtype}.json"))
+    engine = [PY, str(bench / "gpu_engine.py"), "--json", str(work / "engine.json"), "--work", str(work),
+              "--new-tokens", "32", "--side-timeout", "110"] + dry_flag
+    if tokenizer:
+        engine += ["--tokenizer", tokenizer]
+    return [
+        ("env", [PY, __file__, "--env", str(work / "env.json")], 20, work / "env.json"),
+        ("big_cache", [PY, str(bench / "gpu_big_cache.py"), "--json", str(work / "big_cache.json")] + dry_flag, 60,
+         work / "big_cache.json"),
+        ("conformance", *conf[0]),
+        ("ops", [PY, str(bench / "bench_triton_ops.py"), "--reps", "20", "--json", str(work / "ops.json")] + dry_flag,
+         100, work / "ops.json"),
+        ("attention", [PY, str(bench / "bench_triton_attention.py"), "--iters", "20", "--json",
+                       str(work / "attention.json")] + dry_flag, 60, work / "attention.json"),
+        ("engine", engine, 260, work / "engine.json"),
+        ("conformance_fp16", *conf[1]),
+    ]
+
+
+def env_step(path: str) -> int:
+    """Versions and the device, as JSON (no vendor is loaded: the cpu vendor would compile)."""
+    import importlib.metadata as md
+
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    for dist in ("triton", "lmdeploy", "transformers", "tokenizers", "dlinfer"):
+        try:
+            info[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            info[dist] = None
+    import importlib.util
+
+    info["lmdeploy_from"] = str(importlib.util.find_spec("lmdeploy").origin)  # the carried copy, not a wheel
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                    capability=f"{p.major}.{p.minor}")
+        try:
+            query = "--query-gpu=name,driver_version,memory.total,clocks.max.sm"
+            info["nvidia_smi"] = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True,
+                                                text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            info["nvidia_smi"] = f"unavailable: {exc}"
+    else:
+        info["gpu"] = None
+    Path(path).write_text(json.dumps(info, indent=1))
+    print(json.dumps(info))
+    return 0
+
+
+def run_step(name, argv, budget, log) -> dict:
+    t0 = time.perf_counter()
+    log.write(f"\n===== {name}: {' '.join(argv)} (budget {budget:.0f} s)\n")
+    log.flush()
+    try:
+        proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=budget, cwd=REPO)
+        status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {budget:.0f} s"
+    seconds = time.perf_counter() - t0
+    log.write(f"===== {name}: {status} in {seconds:.1f} s\n")
+    log.flush()
+    return {"status": status, "seconds": round(seconds, 1), "argv": argv}
+
+
+def summary(results: dict, dry: bool) -> str:
+    """The Markdown summary: one line per step, then what each step found."""
+    env = results.get("env", {}).get("output") or {}
+    lines = [f"# GPU check{' (DRY RUN: CPU, interpreter, tiny shapes; no timings)' if dry else ''}", "",
+             f"Device: {env.get('gpu') or 'cpu'}; torch {env.get('torch')}, Triton {env.get('triton')}, "
+             f"LMDeploy {env.get('lmdeploy')}, transformers {env.get('transformers')}, Python {env.get('python')}; "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+             "| step | status | seconds |", "|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['status']} | {r.get('seconds', '-')} |")
+    for name in ("conformance", "conformance_fp16"):
+        report = (results.get(name) or {}).get("output")
+        if isinstance(report, dict) and "cases" in report:
+            s = report["summary"]
+            lines += ["", f"## {name}: {report['result']} ({s['passed']} passed, {s['failed']} failed, "
+                          f"{s['skipped']} skipped, {report.get('seconds', 0):.0f} s)"]
+            lines += [f"- {c['id']}: {c['status']} {str(c.get('error', ''))[:240]}"
+                      for c in report["cases"] if c["status"] == "failed"][:40]
+    big = (results.get("big_cache") or {}).get("output")
+    if big:
+        lines += ["", "## big_cache", "", "```", json.dumps(big), "```"]
+    lines += ops_table((results.get("ops") or {}).get("output"))
+    lines += attention_table((results.get("attention") or {}).get("output"))
+    lines += engine_lines((results.get("engine") or {}).get("output"))
+    return "\n".join(lines) + "\n"
+
+
+def _f(v, fmt):
+    return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+
+def ops_table(out) -> list:
+    if not out or not out.get("rows"):
+        return []
+    lines = ["", f"## ops ({out.get('dtype')}; median of {out.get('reps')}; LMDeploy kernels: "
+                 f"{'yes' if not out.get('lmdeploy_unavailable') else out['lmdeploy_unavailable']})", "",
+             "| op | case | triton us | torch us | LMDeploy us | LMDeploy / triton time | GB/s | % peak BW | TFLOP/s "
+             "| % peak FLOP | err vs torch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['case']} | ERROR: {r['error'][:150]} | | | | | | | | |")
+            continue
+        vs = f"{r['vs_lmdeploy']:.2f}" if r.get("vs_lmdeploy") else r.get("lmdeploy_error", "-")[:80]
+        lines.append(f"| {r['op']} | {r['case']} | {_f(r['triton_us'], '.1f')} | {_f(r['torch_us'], '.1f')} | "
+                     f"{_f(r.get('lmdeploy_us'), '.1f')} | {vs} | {_f(r['gb_per_s'], '.0f')} | {r['bw_share']} | "
+                     f"{_f(r.get('tflops'), '.1f')} | {r.get('flops_share', '-')} | {r['err']} |")
+    return lines
+
+
+def attention_table(out) -> list:
+    if not out or not out.get("rows"):
+        return []
+    lines = ["", f"## attention ({out.get('dtype')})", "",
+             "| config | impl | ms | GB/s | % peak BW | TFLOP/s | max abs diff vs triton |",
+             "|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['error'][:150]} | | | | |")
+        else:
+            lines.append(f"| {r['config']} | {r['impl']} | {_f(r['ms'], '.3f')} | {_f(r['gb_per_s'], '.0f')} | "
+                         f"{_f(r.get('bw_share_pct'), '.1f')} | {_f(r.get('tflops'), '.1f')} | "
+                         f"{_f(r['max_abs_diff_vs_triton'], '.2e')} |")
+    return lines
+
+
+def engine_lines(out) -> list:
+    if not out:
+        return []
+    lines = ["", f"## engine ({out.get('dtype')}, {out.get('new_tokens')} new tokens, batches {out.get('batches')})"]
+    for name, m in out.get("models", {}).items():
+        lines += ["", f"### {name}", ""]
+        for side in ("dlinfer_cuda", "native"):
+            r = m.get(side, {})
+            mode = "eager" if r.get("eager") else "graph"
+            if "error" in r:
+                lines.append(f"- {side}: ERROR {r['error'][:600]}")
+            else:
+                graph_failed = f"; graph mode failed: {r['graph_error'][:300]}" if "graph_error" in r else ""
+                lines.append(f"- {side} ({mode}{graph_failed}): load {_f(r.get('load_s'), '.1f')} s, decode tok/s "
+                             + ", ".join(f"batch {b}: {_f(v, '.1f')}" for b, v in r.get("decode_tok_s", {}).items()))
+        toks = m.get("tokens")
+        if toks:
+            same = sum(t["equal"] for t in toks)
+            lines.append(f"- greedy tokens equal on {same}/{len(toks)} prompts")
+            for t in toks:
+                if not t["equal"]:
+                    lines.append(f"  - prompt {t['prompt']}: first divergence at token {t['first_divergence']}; HF "
+                                 f"top-2 margin {_f(t.get('top2_margin'), '.4f')}, chosen tokens' gap "
+                                 f"{_f(t.get('chosen_gap'), '.4f')}, bf16 ulp {_f(t.get('bf16_ulp_at_top1'), '.4f')}"
+                                 + (f" ({t['explain_error']})" if "explain_error" in t else ""))
+        a, b = m.get("dlinfer_cuda", {}).get("decode_tok_s", {}), m.get("native", {}).get("decode_tok_s", {})
+        ratios = [f"batch {k}: {a[k] / b[k]:.2f}x" for k in a if k in b and a[k] and b[k]]
+        if ratios:
+            lines.append("- dlinfer_cuda / native decode: " + ", ".join(ratios))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="results folder (default $OUT, else ./gpu_check_out)")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--steps", help="comma-separated step names (default: all)")
+    ap.add_argument("--deadline", type=float, default=540, help="seconds for all steps together (default 540)")
+    ap.add_argument("--tokenizer", help="SmolLM2's tokenizer folder for the engine step")
+    ap.add_argument("--env", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.env:
+        return env_step(args.env)
+    out = Path(args.out or os.environ.get("OUT") or REPO / "gpu_check_out")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    plan = steps(out, work, args.dry_run, args.tokenizer)
+    known = [s[0] for s in plan]
+    wanted = args.steps.split(",") if args.steps else known
+    unknown = set(wanted) - set(known)
+    if unknown:
+        ap.error(f"unknown steps {sorted(unknown)}; known: {', '.join(known)}")
+    start = time.perf_counter()
+    results = {}
+    with open(out / "gpu_check.log", "w") as log:
+        for name, step_argv, budget, produced in plan:
+            if name not in wanted:
+                continue
+            left = args.deadline - (time.perf_counter() - start)
+            if left < 15:
+                results[name] = {"status": f"skipped: {left:.0f} s left of the {args.deadline:.0f} s deadline"}
+                continue
+            print(f"[gpu_check] {name} (budget {min(budget, left):.0f} s)", file=sys.stderr, flush=True)
+            results[name] = run_step(name, step_argv, min(budget, left), log)
+            if produced and produced.is_file():
+                try:
+                    results[name]["output"] = json.loads(produced.read_text())
+                except json.JSONDecodeError as exc:
+                    results[name]["output"] = f"unreadable JSON: {exc}"
+            print(f"[gpu_check] {name}: {results[name]['status']} ({results[name]['seconds']} s)", file=sys.stderr,
+                  flush=True)
+    (out / "gpu_check.json").write_text(json.dumps({"dry_run": args.dry_run, "steps": results}, indent=1,
+                                                   default=str) + "\n")
+    (out / "gpu_check.md").write_text(summary(results, args.dry_run))
+    print(f"[gpu_check] results in {out}: gpu_check.md, gpu_check.json, gpu_check.log", file=sys.stderr)
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
