@@ -91,8 +91,10 @@ class Bench:
         self.rows = []
 
     def row(self, op, case, make):
-        """make() -> dict(tri=fn, tor=fn, lm=fn|None, nbytes=int, flops=int|None, err=float|str): built
-        and timed inside one try, so a failing op is a row with its error, not the end of the run."""
+        """make() -> dict(tri=fn, tor=fn, lm=fn|None, nbytes=int, flops=int|None, err=float|str,
+        lm_err=fn|None (LMDeploy's result against the torch vendor's), int8=bool (FLOPs against the
+        int8 peak, twice the bf16 one)): built and timed inside one try, so a failing op is a row
+        with its error, not the end of the run."""
         out = {"op": op, "case": case}
         try:
             spec = make()
@@ -102,6 +104,9 @@ class Bench:
             if lm_fn is not None:
                 try:
                     t_lm = device_time(lm_fn, self.reps, self.device)
+                    if spec.get("lm_err"):
+                        e = spec["lm_err"]()
+                        out["lmdeploy_err"] = e if isinstance(e, str) else f"{e:.1e}"
                 except Exception as exc:  # LMDeploy's kernel failing is a finding, not the end
                     out["lmdeploy_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             gbs = spec["nbytes"] / t_tri
@@ -111,7 +116,8 @@ class Bench:
                        vs_torch=t_tor / t_tri, vs_lmdeploy=t_lm / t_tri if t_lm else None, gb_per_s=gbs / 1e9,
                        bw_share=share(gbs, self.peak["bytes_per_s"]),
                        tflops=flops / t_tri / 1e12 if flops else None,
-                       flops_share=share(flops / t_tri, self.peak["flops"]) if flops else "-",
+                       flops_share=share(flops / t_tri, self.peak["flops"] and self.peak["flops"] * (
+                           2 if spec.get("int8") else 1)) if flops else "-",
                        err=err if isinstance(err, str) else f"{err:.1e}")
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -133,6 +139,7 @@ def format_row(r) -> str:
         thr += f" {r['tflops']:6.1f} TF/s {r['flops_share']:>4}"
     line = (f"{r['op']:<24}{r['case']:<26}{r['triton_us']:10.1f}{r['torch_us']:10.1f}{lm}{r['vs_torch']:8.2f}x"
             f"{vs_lm}  {thr:<30}{r['err']:>14}")
+    line += f"  lmdeploy err {r['lmdeploy_err']}" if "lmdeploy_err" in r else ""
     return line + (f"  (lmdeploy: {r['lmdeploy_error']})" if "lmdeploy_error" in r else "")
 
 
@@ -146,11 +153,15 @@ def dense_rows(b: Bench, tri, tor, lm, sz: Sizes, dtype):
         b.row("rms_norm", case, lambda: dict(
             tri=lambda: tri["rms_norm"](x, w, 1e-6), tor=lambda: tor["rms_norm"](x, w, 1e-6),
             lm=(lambda: lm["rms_norm"](x, w, 1e-6)) if lm else None, nbytes=2 * tokens * h * es + h * es,
-            err=rel_err(tri["rms_norm"](x, w, 1e-6), tor["rms_norm"](x, w, 1e-6))))
+            err=rel_err(tri["rms_norm"](x, w, 1e-6), tor["rms_norm"](x, w, 1e-6)),
+            lm_err=lambda: rel_err(lm["rms_norm"](x, w, 1e-6), tor["rms_norm"](x, w, 1e-6))))
         b.row("add_rms_norm", case, lambda: dict(
             tri=lambda: tri["add_rms_norm"](x, r, w, 1e-6), tor=lambda: tor["add_rms_norm"](x, r, w, 1e-6),
-            lm=(lambda: lm["rms_norm"](x, w, 1e-6, residual=r)) if lm else None, nbytes=4 * tokens * h * es + h * es,
-            err=rel_err(tri["add_rms_norm"](x, r, w, 1e-6)[0], tor["add_rms_norm"](x, r, w, 1e-6)[0])))
+            lm=(lambda: lm["rms_norm"](x, w, 1e-6, residual=r)) if lm else None,
+            nbytes=4 * tokens * h * es + h * es,
+            err=rel_err(tri["add_rms_norm"](x, r, w, 1e-6)[0], tor["add_rms_norm"](x, r, w, 1e-6)[0]),
+            lm_err=lambda: rel_err(lm["rms_norm"](x, w, 1e-6, residual=r)[0],
+                                   tor["add_rms_norm"](x, r, w, 1e-6)[0])))
 
         q = torch.randn(tokens, hq, d, dtype=dtype, device=dev)
         k = torch.randn(tokens, hkv, d, dtype=dtype, device=dev)
@@ -164,14 +175,16 @@ def dense_rows(b: Bench, tri, tor, lm, sz: Sizes, dtype):
                         tor=lambda: tor["apply_rotary_pos_emb"](q, k, cos, sin),
                         lm=(lambda: lm["rotary"](q, k, cos, sin)) if lm else None,
                         nbytes=2 * tokens * (hq + hkv) * d * es + 2 * tokens * d * es,
-                        err=max(rel_err(qt, qr), rel_err(kt, kr)))
+                        err=max(rel_err(qt, qr), rel_err(kt, kr)),
+                        lm_err=lambda: max(rel_err(o, ref) for o, ref in zip(lm["rotary"](q, k, cos, sin), (qr, kr))))
         b.row("apply_rotary_pos_emb", case, rotary)
 
         gu = torch.randn(tokens, 2 * inter, dtype=dtype, device=dev)
         b.row("silu_and_mul", f"{case} I={inter}", lambda: dict(
             tri=lambda: tri["silu_and_mul"](gu), tor=lambda: tor["silu_and_mul"](gu),
             lm=(lambda: lm["silu_and_mul"](gu)) if lm else None, nbytes=3 * tokens * inter * es,
-            err=rel_err(tri["silu_and_mul"](gu), tor["silu_and_mul"](gu))))
+            err=rel_err(tri["silu_and_mul"](gu), tor["silu_and_mul"](gu)),
+            lm_err=lambda: rel_err(lm["silu_and_mul"](gu), tor["silu_and_mul"](gu))))
 
         b.row("fill_kv_cache", case, lambda: fill_spec(tri, tor, lm, sz, tokens, case, dtype, dev))
 
@@ -238,15 +251,20 @@ def quant_rows(b: Bench, tri, tor, lm, sz: Sizes, tokens, case, x):
     b.row("linear_w8a8", f"{case} N={n}", lambda: dict(
         tri=lambda: tri["linear_w8a8"](xq, wq, rs, ls, dtype), tor=lambda: tor["linear_w8a8"](xq, wq, rs, ls, dtype),
         lm=(lambda: lm["w8a8"](xq, wq, rs, ls, output_dtype=dtype)) if lm else None,
-        nbytes=tokens * k + n * k + tokens * n * dtype.itemsize, flops=2 * tokens * n * k,
-        err=rel_err(tri["linear_w8a8"](xq, wq, rs, ls, dtype), tor["linear_w8a8"](xq, wq, rs, ls, dtype))))
+        nbytes=tokens * k + n * k + tokens * n * dtype.itemsize, flops=2 * tokens * n * k, int8=True,
+        err=rel_err(tri["linear_w8a8"](xq, wq, rs, ls, dtype), tor["linear_w8a8"](xq, wq, rs, ls, dtype)),
+        lm_err=lambda: rel_err(lm["w8a8"](xq, wq, rs, ls, output_dtype=dtype), tor["linear_w8a8"](xq, wq, rs, ls,
+                                                                                                  dtype))))
     bits = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32, device=dev)
     zeros = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), dtype=torch.int32, device=dev)
     scales = (torch.rand(k // g, n, device=dev) * 2e-3 + 1e-4).half()
     w4 = (lambda: tri["weight_quant_matmul"](x, bits, scales, zeros, None, g),  # noqa: E731
           lambda: tor["weight_quant_matmul"](x, bits, scales, zeros, None, g))  # noqa: E731
+    # LMDeploy's AWQ kernel dequantises to float16 and takes float16 activations: its own caller
+    # (backends/cuda/awq_modules.py) casts x to half and the result back, and so does this row
+    lm_w4 = (lambda: lm["awq_linear"](x.half(), bits, scales, zeros).to(dtype)) if lm else None  # noqa: E731
     b.row("weight_quant_matmul W4", f"{case} N={n} g={g}", lambda: dict(
-        tri=w4[0], tor=w4[1], lm=(lambda: lm["awq_linear"](x, bits, scales, zeros)) if lm else None,
+        tri=w4[0], tor=w4[1], lm=lm_w4, lm_err=lambda: rel_err(lm_w4(), w4[1]()),
         nbytes=tokens * k * dtype.itemsize + k * n // 2 + (k // g) * n * 2.5 + tokens * n * dtype.itemsize,
         flops=2 * tokens * n * k, err=rel_err(w4[0](), w4[1]())))
 
@@ -275,7 +293,8 @@ def moe_rows(b: Bench, tri, tor, lm, sz: Sizes, inter, dtype):
             tri=moe_tri, tor=moe_tor,
             lm=(lambda: lm["fused_moe"](x, gate_up, down, wr, ir, k, renormalize=True)) if lm else None,
             nbytes=active * 3 * inter * h * es + 2 * tokens * h * es, flops=6 * tokens * k * h * inter,
-            err=rel_err(moe_tri(), moe_tor())))
+            err=rel_err(moe_tri(), moe_tor()),
+            lm_err=lambda: rel_err(lm["fused_moe"](x, gate_up, down, wr, ir, k, renormalize=True), moe_tor())))
 
 
 def main(argv=None):

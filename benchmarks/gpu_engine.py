@@ -9,8 +9,10 @@ Models (built here, offline): `tiny` is the test suite's tiny Llama (tests/suppo
 (benchmarks/make_checkpoint.py smollm2-135m; the tokenizer from --tokenizer, which
 scripts/gpu_check.sh points at the carried .gpu/tokenizer).
 
-Each backend runs in a process of its own (the native side never imports dlinfer's adaptor, which
-patches LMDeploy), with a time limit, and writes JSON:
+Sides: dlinfer_cuda (eager: its graph runner is LMDeploy's plain one), LMDeploy's CUDA backend in
+eager mode (the like-for-like row) and with its CUDA graphs (what LMDeploy users run; the
+SmolLM2-shaped model only). Each side runs in a process of its own (the native side never imports
+dlinfer's adaptor, which patches LMDeploy), in the time left of --budget, and writes JSON:
 - greedy tokens of 8 chat prompts (do_preprocess=False on the template-rendered prompts, the end of
   sequence banned), all submitted at once;
 - decode tokens/s at each batch size, as dlinfer/tools/decode_timing.py defines it (B (N - 1) /
@@ -38,11 +40,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
+from gpu_timing import run_limited  # noqa: E402
 
-GPU_SIDES = {"dlinfer_cuda": dict(device_type="dlinfer_cuda", vendor=None),
-             "native": dict(device_type="cuda", vendor=None)}
-DRY_SIDES = {"dlinfer_cuda": dict(device_type="cpu", vendor="triton"),
-             "native": dict(device_type="cpu", vendor="torch")}
+# (side name, LMDeploy device type, dlinfer vendor, eager). dlinfer_cuda runs eager: its graph
+# runner is LMDeploy's plain GraphRunner (no CUDA graphs, dlinfer's graph mode is "cpu" only), so
+# the native backend runs eager too for a like-for-like row, then with its CUDA graphs.
+GPU_SIDES = (("dlinfer_cuda", "dlinfer_cuda", None, True), ("native", "cuda", None, True),
+             ("native_cudagraph", "cuda", None, False))
+DRY_SIDES = (("dlinfer_cuda", "cpu", "triton", True), ("native", "cpu", "torch", True))
 PROMPTS = 8
 
 
@@ -105,20 +110,20 @@ def child(args) -> int:
     return 0
 
 
-def run_side(name, side, model, args, eager: bool) -> dict:
-    """One side in a subprocess with a time limit: its JSON, or {"error": ...}."""
-    out = Path(args.work) / f"{Path(model).name}-{name}-{'eager' if eager else 'graph'}.json"
+def run_side(name, device_type, vendor, eager, model, batches, args, timeout) -> dict:
+    """One side in a process group of its own, killed past `timeout`: its JSON, or {"error": ...}."""
+    out = Path(args.work) / f"{Path(model).name}-{name}.json"
+    side = dict(device_type=device_type, vendor=vendor)
     cmd = [sys.executable, __file__, "--child", json.dumps(side), "--model", str(model), "--out", str(out),
-           "--dtype", args.dtype, "--batches", args.batches, "--new-tokens", str(args.new_tokens),
+           "--dtype", args.dtype, "--batches", batches, "--new-tokens", str(args.new_tokens),
            "--repeats", str(args.repeats)] + (["--eager"] if eager else [])
     t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.side_timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.side_timeout} s", "eager": eager}
-    if proc.returncode != 0 or not out.is_file():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
-        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)[-1500:], "eager": eager}
+    rc, stdout, stderr = run_limited(cmd, timeout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if rc is None:
+        return {"error": f"timed out after {timeout:.0f} s", "eager": eager}
+    if rc != 0 or not out.is_file():
+        tail = (stderr or stdout).strip().splitlines()[-12:]
+        return {"error": f"exit {rc}: " + " | ".join(tail)[-1500:], "eager": eager}
     res = json.loads(out.read_text())
     res["wall_s"] = time.perf_counter() - t0
     return res
@@ -131,12 +136,10 @@ def first_divergence(a, b) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def explain(model, prompt_ids, common, tok_a, tok_b, dtype, device) -> dict:
+def explain(hf, prompt_ids, common, tok_a, tok_b, device) -> dict:
     """HF's logits after prompt + common prefix: the top-2 margin and the two chosen tokens' gap."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([prompt_ids + common], device=device)).logits[0, -1].float()
     top = logits.topk(2)
@@ -146,14 +149,19 @@ def explain(model, prompt_ids, common, tok_a, tok_b, dtype, device) -> dict:
 
 
 def compare(model, a: dict, b: dict, dtype, device) -> list:
-    rows = []
+    rows, hf = [], None
     for i, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
         at = first_divergence(ta, tb)
         row = {"prompt": i, "equal": at is None}
         if at is not None:
             row["first_divergence"] = at
             try:
-                row.update(explain(model, a["prompt_ids"][i], ta[:at], ta[at], tb[at], dtype, device))
+                if hf is None:  # HF's model, loaded once, only when a prompt diverges
+                    import torch
+                    from transformers import AutoModelForCausalLM
+
+                    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+                row.update(explain(hf, a["prompt_ids"][i], ta[:at], ta[at], tb[at], device))
             except Exception as exc:  # the explanation is best effort; the difference stands
                 row["explain_error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)
@@ -168,7 +176,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--tokenizer", default=None, help="SmolLM2's tokenizer folder (for --models smollm2)")
-    ap.add_argument("--side-timeout", type=int, default=150, help="seconds for each side's process")
+    ap.add_argument("--side-timeout", type=int, default=150, help="most seconds for one side's process")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole run: a side gets at most what is left (default: no limit)")
     ap.add_argument("--work", default=None, help="folder for the sides' JSON (default: a temporary one)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--dry-run", action="store_true", help="CPU sides (triton interpreted vs torch), tiny")
@@ -193,21 +203,29 @@ def main(argv=None) -> int:
             sys.exit("gpu_engine.py needs a CUDA GPU (or --dry-run)")
         sides, device = GPU_SIDES, "cuda"
     args.work = args.work or tempfile.mkdtemp(prefix="gpu_engine-")
+    start = time.perf_counter()
     report = {"dry_run": args.dry_run, "dtype": args.dtype, "batches": args.batches,
               "new_tokens": args.new_tokens, "models": {}}
     ok = True
     for name in args.models.split(","):
         model = build_model(name, args.tokenizer)
         entry = report["models"][name] = {"path": str(model)}
-        for side_name, side in sides.items():
-            res = run_side(side_name, side, model, args, eager=args.dry_run)
-            if "error" in res and not args.dry_run:  # graph mode failed: the tokens in eager mode
-                res = {"graph_error": res["error"], **run_side(side_name, side, model, args, eager=True)}
-            entry[side_name] = res
+        # the tiny model checks tokens only (batch 1); speed is the SmolLM2-shaped model's
+        batches = args.batches if name != "tiny" or args.dry_run else "1"
+        for side_name, device_type, vendor, eager in sides:
+            if name == "tiny" and not eager:
+                continue
+            left = (args.budget - (time.perf_counter() - start)) if args.budget else args.side_timeout
+            if left < 20:
+                entry[side_name] = {"error": f"skipped: {left:.0f} s left of the {args.budget:.0f} s budget"}
+                continue
+            res = entry[side_name] = run_side(side_name, device_type, vendor, eager, model, batches, args,
+                                              min(args.side_timeout, left - 5))
             rates = res.get("decode_tok_s")
             print(f"[engine] {name} {side_name}: " + (f"decode tok/s {rates}" if rates else res.get("error", "")),
                   flush=True)
-        a, b = entry["dlinfer_cuda"], entry["native"]
+            write_report(args.json, report)  # after every side: a step killed later keeps what was done
+        a, b = entry.get("dlinfer_cuda", {}), entry.get("native", {})
         if "tokens" in a and "tokens" in b:
             entry["tokens"] = compare(model, a, b, args.dtype, device)
             same = sum(r["equal"] for r in entry["tokens"])
@@ -220,14 +238,19 @@ def main(argv=None) -> int:
                           f"{r.get('bf16_ulp_at_top1', float('nan')):.4f})", flush=True)
         else:
             ok = False
-        for b_ in args.batches.split(","):
-            ra, rb = a.get("decode_tok_s", {}).get(b_), b.get("decode_tok_s", {}).get(b_)
-            if ra and rb:
-                print(f"[engine] {name} batch {b_}: dlinfer_cuda {ra:.1f} tok/s, native {rb:.1f} -> {ra / rb:.2f}x",
-                      flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        for b_ in batches.split(","):
+            ra = a.get("decode_tok_s", {}).get(b_)
+            others = [(n, entry.get(n, {}).get("decode_tok_s", {}).get(b_)) for n in ("native", "native_cudagraph")]
+            cells = [f"{n} {r:.1f} ({ra / r:.2f}x)" for n, r in others if ra and r]
+            if cells:
+                print(f"[engine] {name} batch {b_}: dlinfer_cuda {ra:.1f} tok/s; " + "; ".join(cells), flush=True)
+        write_report(args.json, report)
     return 0 if ok else 1
+
+
+def write_report(path, report) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Timing, peaks and result rows shared by the GPU benchmarks (bench_triton_ops.py,
+"""Timing, peaks, result rows and time-limited subprocesses shared by the GPU benchmarks (bench_triton_ops.py,
 bench_triton_attention.py, gpu_engine.py) and their CPU dry runs (scripts/gpu_check.sh --dry-run).
 
 On CUDA a time is the median of CUDA-event intervals, the L2 cache flushed (a 256 MiB write)
@@ -9,7 +9,10 @@ TRITON_INTERPRET=1) it is wall-clock: it proves that the code path runs, and is 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -76,3 +79,21 @@ def write_json(path, payload: dict) -> None:
     """Write `payload` (rows and context) as indented JSON; a None path writes nothing."""
     if path:
         Path(path).write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+
+def run_limited(argv, timeout: float, **popen_kwargs):
+    """Run argv in a process group of its own; past `timeout` seconds kill the whole group (an
+    LMDeploy engine's own worker processes too, which would otherwise hold the GPU for the next
+    step). Returns (returncode, or None when it timed out; stdout; stderr), the outputs as text
+    where they were piped."""
+    proc = subprocess.Popen(argv, start_new_session=True, text=True, **popen_kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = proc.communicate()
+        return None, out, err

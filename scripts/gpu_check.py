@@ -1,18 +1,21 @@
 """The GPU check: every step of issue 31 in one run of at most ~9 minutes, each step in a process
 of its own with a time budget, so one failure or hang costs that step, not the lease.
 
-    python scripts/gpu_check.py --out DIR [--dry-run] [--steps a,b] [--deadline 540]
+    python scripts/gpu_check.py --out DIR [--dry-run] [--steps a,b] [--deadline 510]
 
 Run it through scripts/gpu_check.sh, which prepares the Python path (the carried wheels and
 LMDeploy's sources on the GPU machine). Steps, in order (name: what, budget on the GPU):
   env          versions, the GPU's name, SMs and memory                                      20 s
   big_cache    fill / decode / prefill over a cache past 2**31 elements (gpu_big_cache.py)    60 s
-  conformance  `python -m dlinfer conformance --vendor triton`, bfloat16, full shapes         150 s
-  ops          per-op times vs the torch vendor and LMDeploy's kernels (bench_triton_ops.py)  100 s
-  attention    paged decode / prefill attention times (bench_triton_attention.py)             60 s
-  engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        260 s
+  conformance  `python -m dlinfer conformance --vendor triton`, bfloat16, full shapes         120 s
+  ops          per-op times vs the torch vendor and LMDeploy's kernels (bench_triton_ops.py)   90 s
+  attention    paged decode / prefill attention times (bench_triton_attention.py)             50 s
+  engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        240 s
   conformance_fp16  the same suite in float16 (last: whatever time is left)                  150 s
-A step gets min(its budget, the time left before --deadline); one with under 15 s left is skipped.
+A step gets min(its budget, the time left before --deadline, counted from the shell script's
+start); one with under 15 s left is skipped. A step past its budget is killed with its whole
+process group (an engine's workers too). gpu_check.json and gpu_check.md are rewritten after every
+step, so a run cut off by the device tool's limit still brings back what was done.
 
 Results in --out (at most 8 files, as the device tool brings back):
   gpu_check.md    the summary table and each step's result (what docs/gpu.md is written from);
@@ -36,6 +39,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_timing import run_limited  # noqa: E402
+
 PY = sys.executable
 # the ops a float16 dry run covers (the bfloat16 dry run covers all of them)
 DRY_FP16_OPS = "rms_norm,silu_and_mul,fill_kv_cache,paged_decode_attention,linear_w8a8"
@@ -46,7 +52,7 @@ def steps(out: Path, work: Path, dry: bool, tokenizer: str | None) -> list:
     bench = REPO / "benchmarks"
     dry_flag = ["--dry-run"] if dry else []
     conf = []
-    for dtype, budget in (("bfloat16", 150), ("float16", 150)):
+    for dtype, budget in (("bfloat16", 120), ("float16", 150)):
         argv = [PY, "-m", "dlinfer", "conformance", "--vendor", "triton", "--dtypes", dtype,
                 "--report", str(work / f"conformance-{dtype}.json"), "--markdown", str(out / f"conformance-{dtype}.md")]
         argv += ["--small", "--device", "cpu"] if dry else ["--device", "cuda"]
@@ -54,7 +60,7 @@ def steps(out: Path, work: Path, dry: bool, tokenizer: str | None) -> list:
             argv += ["--ops", DRY_FP16_OPS]
         conf.append((argv, budget, work / f"conformance-{dtype}.json"))
     engine = [PY, str(bench / "gpu_engine.py"), "--json", str(work / "engine.json"), "--work", str(work),
-              "--new-tokens", "32", "--side-timeout", "110"] + dry_flag
+              "--new-tokens", "32", "--side-timeout", "120", "--models", "smollm2,tiny"] + dry_flag
     if tokenizer:
         engine += ["--tokenizer", tokenizer]
     return [
@@ -63,10 +69,10 @@ def steps(out: Path, work: Path, dry: bool, tokenizer: str | None) -> list:
          work / "big_cache.json"),
         ("conformance", *conf[0]),
         ("ops", [PY, str(bench / "bench_triton_ops.py"), "--reps", "20", "--json", str(work / "ops.json")] + dry_flag,
-         100, work / "ops.json"),
+         90, work / "ops.json"),
         ("attention", [PY, str(bench / "bench_triton_attention.py"), "--iters", "20", "--json",
-                       str(work / "attention.json")] + dry_flag, 60, work / "attention.json"),
-        ("engine", engine, 260, work / "engine.json"),
+                       str(work / "attention.json")] + dry_flag, 50, work / "attention.json"),
+        ("engine", engine, 240, work / "engine.json"),
         ("conformance_fp16", *conf[1]),
     ]
 
@@ -108,11 +114,8 @@ def run_step(name, argv, budget, log) -> dict:
     t0 = time.perf_counter()
     log.write(f"\n===== {name}: {' '.join(argv)} (budget {budget:.0f} s)\n")
     log.flush()
-    try:
-        proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=budget, cwd=REPO)
-        status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {budget:.0f} s"
+    rc, _, _ = run_limited(argv, budget, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    status = f"timed out after {budget:.0f} s" if rc is None else "ok" if rc == 0 else f"failed (exit {rc})"
     seconds = time.perf_counter() - t0
     log.write(f"===== {name}: {status} in {seconds:.1f} s\n")
     log.flush()
@@ -156,15 +159,17 @@ def ops_table(out) -> list:
     lines = ["", f"## ops ({out.get('dtype')}; median of {out.get('reps')}; LMDeploy kernels: "
                  f"{'yes' if not out.get('lmdeploy_unavailable') else out['lmdeploy_unavailable']})", "",
              "| op | case | triton us | torch us | LMDeploy us | LMDeploy / triton time | GB/s | % peak BW | TFLOP/s "
-             "| % peak FLOP | err vs torch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| % peak FLOP | triton err vs torch | LMDeploy err vs torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["rows"]:
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['case']} | ERROR: {r['error'][:150]} | | | | | | | | |")
+            lines.append(f"| {r['op']} | {r['case']} | ERROR: {r['error'][:150]} | | | | | | | | | |")
             continue
         vs = f"{r['vs_lmdeploy']:.2f}" if r.get("vs_lmdeploy") else r.get("lmdeploy_error", "-")[:80]
         lines.append(f"| {r['op']} | {r['case']} | {_f(r['triton_us'], '.1f')} | {_f(r['torch_us'], '.1f')} | "
                      f"{_f(r.get('lmdeploy_us'), '.1f')} | {vs} | {_f(r['gb_per_s'], '.0f')} | {r['bw_share']} | "
-                     f"{_f(r.get('tflops'), '.1f')} | {r.get('flops_share', '-')} | {r['err']} |")
+                     f"{_f(r.get('tflops'), '.1f')} | {r.get('flops_share', '-')} | {r['err']} | "
+                     f"{r.get('lmdeploy_err', '-')} |")
     return lines
 
 
@@ -190,14 +195,15 @@ def engine_lines(out) -> list:
     lines = ["", f"## engine ({out.get('dtype')}, {out.get('new_tokens')} new tokens, batches {out.get('batches')})"]
     for name, m in out.get("models", {}).items():
         lines += ["", f"### {name}", ""]
-        for side in ("dlinfer_cuda", "native"):
-            r = m.get(side, {})
-            mode = "eager" if r.get("eager") else "graph"
+        for side in ("dlinfer_cuda", "native", "native_cudagraph"):
+            if side not in m:
+                continue
+            r = m[side]
+            mode = "eager" if r.get("eager") else "CUDA graphs"
             if "error" in r:
                 lines.append(f"- {side}: ERROR {r['error'][:600]}")
             else:
-                graph_failed = f"; graph mode failed: {r['graph_error'][:300]}" if "graph_error" in r else ""
-                lines.append(f"- {side} ({mode}{graph_failed}): load {_f(r.get('load_s'), '.1f')} s, decode tok/s "
+                lines.append(f"- {side} ({mode}): load {_f(r.get('load_s'), '.1f')} s, decode tok/s "
                              + ", ".join(f"batch {b}: {_f(v, '.1f')}" for b, v in r.get("decode_tok_s", {}).items()))
         toks = m.get("tokens")
         if toks:
@@ -209,11 +215,18 @@ def engine_lines(out) -> list:
                                  f"top-2 margin {_f(t.get('top2_margin'), '.4f')}, chosen tokens' gap "
                                  f"{_f(t.get('chosen_gap'), '.4f')}, bf16 ulp {_f(t.get('bf16_ulp_at_top1'), '.4f')}"
                                  + (f" ({t['explain_error']})" if "explain_error" in t else ""))
-        a, b = m.get("dlinfer_cuda", {}).get("decode_tok_s", {}), m.get("native", {}).get("decode_tok_s", {})
-        ratios = [f"batch {k}: {a[k] / b[k]:.2f}x" for k in a if k in b and a[k] and b[k]]
-        if ratios:
-            lines.append("- dlinfer_cuda / native decode: " + ", ".join(ratios))
+        a = m.get("dlinfer_cuda", {}).get("decode_tok_s", {})
+        for other in ("native", "native_cudagraph"):
+            b = m.get(other, {}).get("decode_tok_s", {})
+            ratios = [f"batch {k}: {a[k] / b[k]:.2f}x" for k in a if k in b and a[k] and b[k]]
+            if ratios:
+                lines.append(f"- dlinfer_cuda / {other} decode tok/s: " + ", ".join(ratios))
     return lines
+
+
+def write_results(out: Path, results: dict, dry: bool) -> None:
+    (out / "gpu_check.json").write_text(json.dumps({"dry_run": dry, "steps": results}, indent=1, default=str) + "\n")
+    (out / "gpu_check.md").write_text(summary(results, dry))
 
 
 def main(argv=None) -> int:
@@ -221,7 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="results folder (default $OUT, else ./gpu_check_out)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--steps", help="comma-separated step names (default: all)")
-    ap.add_argument("--deadline", type=float, default=540, help="seconds for all steps together (default 540)")
+    ap.add_argument("--deadline", type=float, default=510,
+                    help="seconds for the whole check, counted from GPU_CHECK_T0 (the shell script's start, in "
+                         "epoch seconds) when set, else from now (default 510)")
     ap.add_argument("--tokenizer", help="SmolLM2's tokenizer folder for the engine step")
     ap.add_argument("--env", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -238,18 +253,21 @@ def main(argv=None) -> int:
     unknown = set(wanted) - set(known)
     if unknown:
         ap.error(f"unknown steps {sorted(unknown)}; known: {', '.join(known)}")
-    start = time.perf_counter()
+    started = float(os.environ.get("GPU_CHECK_T0") or time.time())
     results = {}
     with open(out / "gpu_check.log", "w") as log:
         for name, step_argv, budget, produced in plan:
             if name not in wanted:
                 continue
-            left = args.deadline - (time.perf_counter() - start)
+            left = args.deadline - (time.time() - started)
             if left < 15:
                 results[name] = {"status": f"skipped: {left:.0f} s left of the {args.deadline:.0f} s deadline"}
                 continue
-            print(f"[gpu_check] {name} (budget {min(budget, left):.0f} s)", file=sys.stderr, flush=True)
-            results[name] = run_step(name, step_argv, min(budget, left), log)
+            budget = min(budget, left)
+            if name == "engine":  # it shares its budget among its sides and reports after each
+                step_argv = [*step_argv, "--budget", f"{budget - 10:.0f}"]
+            print(f"[gpu_check] {name} (budget {budget:.0f} s)", file=sys.stderr, flush=True)
+            results[name] = run_step(name, step_argv, budget, log)
             if produced and produced.is_file():
                 try:
                     results[name]["output"] = json.loads(produced.read_text())
@@ -257,9 +275,8 @@ def main(argv=None) -> int:
                     results[name]["output"] = f"unreadable JSON: {exc}"
             print(f"[gpu_check] {name}: {results[name]['status']} ({results[name]['seconds']} s)", file=sys.stderr,
                   flush=True)
-    (out / "gpu_check.json").write_text(json.dumps({"dry_run": args.dry_run, "steps": results}, indent=1,
-                                                   default=str) + "\n")
-    (out / "gpu_check.md").write_text(summary(results, args.dry_run))
+            write_results(out, results, args.dry_run)  # after every step: a cut-off run keeps what was done
+    write_results(out, results, args.dry_run)
     print(f"[gpu_check] results in {out}: gpu_check.md, gpu_check.json, gpu_check.log", file=sys.stderr)
     return 0 if all(r["status"] == "ok" for r in results.values()) else 1
 

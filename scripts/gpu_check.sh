@@ -11,6 +11,7 @@
 #
 # Other arguments go to scripts/gpu_check.py (--steps engine,ops to rerun some, --deadline S).
 set -uo pipefail
+export GPU_CHECK_T0="$(date +%s)"  # gpu_check.py's --deadline counts from here (the wheel install included)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 dry=0
@@ -27,7 +28,7 @@ if [[ ! -f "$PACK/lmdeploy.tar.gz" ]]; then
 fi
 # LMDeploy as it travels (its sources without TurboMind's binaries), on both sides: the dry run
 # proves that this copy is enough for the PyTorch engine.
-tar -xzf "$PACK/lmdeploy.tar.gz" -C "$SITE"
+tar -xzf "$PACK/lmdeploy.tar.gz" -C "$SITE" || { echo "gpu_check: $PACK/lmdeploy.tar.gz did not unpack" >&2; exit 2; }
 if (( dry )); then
   bash scripts/bootstrap.sh
   PY="$ROOT/.venv/bin/python"

@@ -30,9 +30,11 @@ while (( $# )); do
 done
 [[ -x "$PY" ]] || { echo "gpu_pack: run 'bash scripts/bootstrap.sh' first (no .venv)" >&2; exit 2; }
 # What the GPU image lacks (its package list: the device tool's KINDS.md), by distribution name.
+# typing_extensions: pydantic 2.14 needs >= 4.16, the image's may be older. Not importlib_metadata:
+# opentelemetry-api uses the standard library's on Python 3.12. No hf-xet: hub downloads only.
 NEEDED=(transformers tokenizers huggingface_hub addict annotated-types pydantic pydantic_core
-        typing-inspection mmengine-lite opentelemetry-api importlib_metadata zipp pybase64 pyzmq
-        shortuuid termcolor xgrammar apache-tvm-ffi yapf platformdirs)  # no hf-xet: hub downloads only
+        typing-inspection typing_extensions mmengine-lite opentelemetry-api pybase64 pyzmq
+        shortuuid termcolor xgrammar apache-tvm-ffi yapf platformdirs)
 
 download_wheels() {  # $1: folder
   local freeze pins=() name pattern pin
@@ -41,10 +43,7 @@ download_wheels() {  # $1: folder
     # pip freeze spells names its own way: match case-insensitively with - _ . as one
     pattern="^$(echo "$name" | sed 's/[-_.]/[-_.]/g')=="
     pin="$(grep -i -E "$pattern" <<<"$freeze" || true)"
-    if [[ -z "$pin" ]]; then
-      [[ "$name" == importlib_metadata || "$name" == zipp ]] || { echo "gpu_pack: $name is not in .venv" >&2; return 2; }
-      pin="$name"  # opentelemetry-api's own needs on Python 3.12; this venv may lack them
-    fi
+    [[ -n "$pin" ]] || { echo "gpu_pack: $name is not in .venv" >&2; return 2; }
     pins+=("$pin")
   done
   echo "[gpu_pack] downloading ${#pins[@]} wheels for CPython 3.12 x86_64" >&2
