@@ -12,7 +12,9 @@ if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
 fi
 echo "[bootstrap] setting up $VENV (one time; a few minutes)" >&2
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q)
+# --no-compile: no byte-compiling of every file installed (transformers and torch hold thousands);
+# Python compiles what it imports, once, on first import
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q --no-compile)
 echo "[bootstrap] torch + triton" >&2
 "${PIP[@]}" -r "$ROOT/requirements/base.txt"
 echo "[bootstrap] LMDeploy runtime packages + test tools" >&2
