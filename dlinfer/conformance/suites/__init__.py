@@ -12,6 +12,7 @@ from dlinfer.conformance.suites import (  # noqa: F401  (registration order = ru
     kv_int8_bad,
     moe,
     non_finite,
+    non_finite_rows,
     norm,
     opcheck,
     quant,
