@@ -232,7 +232,11 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(server, greedy_reference
 
 def test_sleep_then_wakeup_serves_the_same_tokens(server, greedy_reference):
     """/sleep (level 1) drops the KV cache; /wakeup used to answer 500 on CPU (LMDeploy moves the
-    weights back with torch.cuda) and leave the server asleep (patches/model_agent.py)."""
+    weights back with torch.cuda) and leave the server asleep (patches/model_agent.py). Level 2 is
+    refused (sleep_levels.py)."""
+    status, body = server.request("POST", "/sleep?level=2", {})  # no weights to wake up to on the CPU
+    assert status == 400 and "use level 1" in body["error"]["message"], body
+    assert server.request("GET", "/is_sleeping")[1] == {"is_sleeping": False}
     assert server.request("POST", "/sleep?level=1", {})[0] == 200
     assert server.request("GET", "/is_sleeping")[1] == {"is_sleeping": True}
     assert server.request("POST", "/wakeup", {})[0] == 200

@@ -125,21 +125,23 @@ def max_body_bytes() -> int:
 
 
 @contextlib.contextmanager
-def server_limits(shutdown_s: float, max_body: int):
+def server_limits(shutdown_s: float, max_body: int, cpu: bool = True):
     """While inside, `uvicorn.run` (which LMDeploy's api_server calls with neither) serves its app
     behind `body_limit.BodyLimit(max_body)` and with `timeout_graceful_shutdown=shutdown_s`: without
     the latter SIGTERM waited for every in-flight generation (76 s seen); with it uvicorn cancels
-    what still runs after `shutdown_s` and the lifespan's shutdown closes the engine."""
+    what still runs after `shutdown_s` and the lifespan's shutdown closes the engine. On a CPU
+    device type (`cpu`) /sleep?level=2 is refused too (`sleep_levels.py`)."""
     import uvicorn
 
     from dlinfer.framework.lmdeploy_ext.body_limit import BodyLimit
+    from dlinfer.framework.lmdeploy_ext.sleep_levels import RefuseLevel2Sleep
 
     original = uvicorn.run
 
     @functools.wraps(original)
     def run(app, *args, **kwargs):
         kwargs.setdefault("timeout_graceful_shutdown", shutdown_s)
-        return original(BodyLimit(app, max_body), *args, **kwargs)
+        return original(BodyLimit(RefuseLevel2Sleep(app) if cpu else app, max_body), *args, **kwargs)
 
     uvicorn.run = run
     try:
@@ -172,7 +174,9 @@ def main(argv=None) -> int:
     try:
         check_model_folder(args.model_path)
         check_model_here(args)
-        limits = server_limits(shutdown_seconds(), max_body_bytes())
+        spec = devices.spec_for(args.device)
+        on_cpu = spec is not None and spec.torch_device == "cpu"
+        limits = server_limits(shutdown_seconds(), max_body_bytes(), cpu=on_cpu)
         mp_engine.exit_on_engine_death(True)  # a dead engine ends the server (status 3), for its supervisor
         with limits:
             SubCliServe.api_server(args)
