@@ -22,7 +22,8 @@ def test_random_checkpoints_have_hf_llamas_tensors(shape):
         expected.pop("lm_head.weight")  # tied: HF saves the table once
     assert dict(make_checkpoint.tensor_shapes(s)) == expected
     params = sum(torch.Size(shape).numel() for _, shape in make_checkpoint.tensor_shapes(s))
-    assert params / 1e9 == pytest.approx({"llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "llama-3-8b": 8.03}[shape],
+    assert params / 1e9 == pytest.approx({"llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "llama-3-8b": 8.03,
+                                          "smollm2-135m": 0.135}[shape],
                                          abs=0.01)
 
 
