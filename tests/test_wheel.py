@@ -1,8 +1,12 @@
-"""A wheel carries the cpu vendor's kernels prebuilt (setup.py): built here for this CPU's
-instruction set, installed into a folder of its own and imported with no C++ compiler on PATH, the
-cpu vendor loads them and passes its conformance suite; a stamp that does not match (edited
-sources) or DLINFER_CPU_PREBUILT=0 sends the vendor back to building, which then fails with a line
-saying why where there is no compiler, and succeeds where there is one."""
+"""A wheel carries the cpu vendor's kernels prebuilt (setup.py), one module per instruction set,
+picked at run time by the ISA torch dispatches to. Built here for AVX2 (where the CPU has it: the
+level an AVX-512 machine also runs, so the tests force torch's dispatch down to it with
+ATEN_CPU_CAPABILITY=avx2, as on a CPU without AVX-512), installed into a folder of its own and
+imported with no C++ compiler on PATH: the cpu vendor loads them and passes its conformance suite
+(the AVX2 kernels' only run on an AVX-512 machine). Unforced on an AVX-512 CPU the same wheel has
+no module for the ISA torch runs at and says so. A stamp that does not match (edited sources) or
+DLINFER_CPU_PREBUILT=0 sends the vendor back to building, which then fails with a line saying why
+where there is no compiler, and succeeds where there is one."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import dlinfer.vendor
 
@@ -22,6 +27,9 @@ pytestmark = [pytest.mark.slow,
 REPO = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 900  # one instruction set: about 1.5 minutes on 2 cores
 RUN_TIMEOUT_S = 600
+HOST_ISA = torch.backends.cpu.get_cpu_capability()  # what the cpu vendor builds for, unforced (build.isa())
+WHEEL_ISA = "AVX2" if HOST_ISA in ("AVX2", "AVX512") else "DEFAULT"
+FORCED = {"ATEN_CPU_CAPABILITY": WHEEL_ISA.lower()}  # torch's dispatch, and so the vendor's ISA
 IGNORED = shutil.ignore_patterns(".git", ".venv", ".cache", "build", "dist", "*.egg-info", "__pycache__",
                                  ".pytest_cache", "*.so")
 
@@ -29,12 +37,11 @@ IGNORED = shutil.ignore_patterns(".git", ".venv", ".cache", "build", "dist", "*.
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """The folder a wheel built from a copy of this checkout was installed into (pip --target)."""
-    from dlinfer.vendor.cpu import build
 
     base = tmp_path_factory.mktemp("wheel")
     src, dist, target = base / "src", base / "dist", base / "site"
     shutil.copytree(REPO, src, ignore=IGNORED)
-    env = dict(os.environ, DLINFER_WHEEL_ISAS=build.isa().lower())
+    env = dict(os.environ, DLINFER_WHEEL_ISAS=WHEEL_ISA.lower())
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "-q"]
     subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(dist)], env=env,
                    check=True, timeout=BUILD_TIMEOUT_S, cwd=base)
@@ -42,7 +49,8 @@ def installed(tmp_path_factory):
     assert len(wheels) == 1, wheels
     subprocess.run([*pip, "install", "--no-deps", "--target", str(target), str(wheels[0])], check=True,
                    timeout=RUN_TIMEOUT_S)
-    assert list((target / "dlinfer" / "vendor" / "cpu").glob(f"_kernels_{build.isa().lower()}*.so"))
+    assert [p.name.split(".")[0] for p in (target / "dlinfer" / "vendor" / "cpu").glob("_kernels_*.so")] == [
+        f"_kernels_{WHEEL_ISA.lower()}"]
     return target
 
 
@@ -50,7 +58,7 @@ def _run_without_compiler(target: Path, code: list, **extra_env):
     """`python <code>` with the installed wheel first on the path, no compiler or ninja on PATH, an
     empty torch extension cache, and no CXX."""
     env = {"HOME": str(target.parent), "PATH": "/nonexistent", "PYTHONPATH": str(target),
-           "TORCH_EXTENSIONS_DIR": str(target.parent / "no-extensions"), **extra_env}
+           "TORCH_EXTENSIONS_DIR": str(target.parent / "no-extensions"), **FORCED, **extra_env}
     return subprocess.run([sys.executable, *code], env=env, cwd=target.parent, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S)
 
@@ -67,6 +75,7 @@ try:
 except Exception as exc:
     print("error", exc)
 print("prebuilt imported", any(m.startswith("dlinfer.vendor.cpu._kernels_") for m in sys.modules))
+print("isa", build.isa(), sorted(m for m in sys.modules if m.startswith("dlinfer.vendor.cpu._kernels_")))
 """
 
 
@@ -76,7 +85,15 @@ def test_the_installed_wheel_loads_its_kernels_with_no_compiler(installed):
     lines = run.stdout.splitlines()
     assert lines[0].startswith(str(installed)), lines  # the wheel's dlinfer, not the checkout's
     assert "available True" in lines and "origin prebuilt" in lines, run.stdout + run.stderr
+    assert f"isa {WHEEL_ISA} ['dlinfer.vendor.cpu._kernels_{WHEEL_ISA.lower()}']" in lines, lines
     assert "building" not in run.stderr
+
+
+@pytest.mark.skipif(HOST_ISA != "AVX512", reason="needs a CPU with AVX-512 (the unforced ISA above the wheel's)")
+def test_unforced_on_avx512_the_wheel_has_no_module_for_that_isa_and_says_so(installed):
+    run = _run_without_compiler(installed, ["-c", PROBE], ATEN_CPU_CAPABILITY="avx512")
+    assert "available False" in run.stdout and "no prebuilt kernels for AVX512" in run.stdout, run.stdout
+    assert "prebuilt imported False" in run.stdout
 
 
 def test_the_cpu_vendor_passes_its_conformance_suite_from_the_wheel(installed, tmp_path):
@@ -112,7 +129,7 @@ def test_refused_prebuilt_kernels_leave_the_build_free_to_register_the_ops(insta
     norm.write_text(norm.read_text() + "\n// edited\n")
     code = PROBE + "import torch, dlinfer.ops as ops\nprint('rms_norm', tuple(ops.rms_norm(torch.randn(2, 64), " \
                    "torch.ones(64), 1e-6).shape))\n"
-    env = dict(os.environ, PYTHONPATH=str(edited), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    env = dict(os.environ, PYTHONPATH=str(edited), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"), **FORCED)
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=BUILD_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]

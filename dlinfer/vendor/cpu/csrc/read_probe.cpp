@@ -60,7 +60,13 @@ uint64_t read_band(const uint8_t* p, int64_t part, int64_t prefetch, int hint) {
   for (int64_t i = 0; i < body; i += kStep) {
     for (int s = 0; s < S; ++s) {
       const uint8_t* q = p + s * part + i;
-      if (prefetch > 0) __builtin_prefetch(q + prefetch, 0, hint == 0 ? 3 : 2);
+      if (prefetch > 0) {  // the locality argument must be a constant
+        if (hint == 0) {
+          __builtin_prefetch(q + prefetch, 0, 3);
+        } else {
+          __builtin_prefetch(q + prefetch, 0, 2);
+        }
+      }
       for (int64_t l = 0; l < kStep; ++l) sum += q[l];
     }
   }
