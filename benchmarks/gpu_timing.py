@@ -13,7 +13,6 @@ import os
 import signal
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
@@ -32,15 +31,14 @@ _flush: dict = {}
 
 def device_time(fn, reps: int, device: str, warmup: int = 3) -> float:
     """Median seconds of one fn() call over `reps` calls (see the module docstring)."""
+    if not str(device).startswith("cuda"):
+        from bench_cpu_ops import median_time  # benchmarks/ is on sys.path when a benchmark runs
+
+        for _ in range(warmup - 1):  # median_time makes the last warm-up call itself
+            fn()
+        return median_time(fn, reps)
     for _ in range(warmup):
         fn()
-    if not str(device).startswith("cuda"):
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
     if device not in _flush:
         _flush[device] = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     flush = _flush[device]

@@ -19,18 +19,18 @@ for a in "$@"; do [[ "$a" == "--dry-run" ]] && dry=1; done
 SITE="$(mktemp -d /tmp/dlinfer-gpu-site.XXXXXX)"
 trap 'rm -rf "$SITE"' EXIT
 PACK="$ROOT/.gpu"
+(( dry )) && { bash scripts/bootstrap.sh || exit 2; }
 if [[ ! -f "$PACK/lmdeploy.tar.gz" ]]; then
   if (( ! dry )); then
     echo "gpu_check: .gpu/ is missing: run 'bash scripts/gpu_pack.sh' here first (and carry .gpu)" >&2
     exit 2
   fi
-  bash scripts/bootstrap.sh && PACK="$SITE/pack" && bash scripts/gpu_pack.sh --sources-only --dest "$PACK" || exit 2
+  PACK="$SITE/pack" && bash scripts/gpu_pack.sh --sources-only --dest "$PACK" || exit 2
 fi
 # LMDeploy as it travels (its sources without TurboMind's binaries), on both sides: the dry run
 # proves that this copy is enough for the PyTorch engine.
 tar -xzf "$PACK/lmdeploy.tar.gz" -C "$SITE" || { echo "gpu_check: $PACK/lmdeploy.tar.gz did not unpack" >&2; exit 2; }
 if (( dry )); then
-  bash scripts/bootstrap.sh
   PY="$ROOT/.venv/bin/python"
   export TRITON_INTERPRET=1
 else

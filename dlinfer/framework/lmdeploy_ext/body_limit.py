@@ -9,7 +9,7 @@ otherwise replayed to the app unchanged. Other ASGI traffic (lifespan, websocket
 
 from __future__ import annotations
 
-import json
+from dlinfer.framework.lmdeploy_ext.asgi_errors import send_error
 
 
 class BodyLimit:
@@ -20,12 +20,8 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     async def _reject(self, send, got: str) -> None:
-        body = json.dumps({"error": {"message": f"request body {got} is over the limit of {self.max_bytes} bytes "
-                                                "(DLINFER_SERVE_MAX_BODY)", "type": "invalid_request_error",
-                                     "code": 413}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, f"request body {got} is over the limit of {self.max_bytes} bytes "
+                                    "(DLINFER_SERVE_MAX_BODY)")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -10,8 +10,9 @@ RAM); every other request passes through unchanged.
 
 from __future__ import annotations
 
-import json
 from urllib.parse import parse_qs
+
+from dlinfer.framework.lmdeploy_ext.asgi_errors import send_error
 
 MESSAGE = ("sleep level 2 discards the weights for new ones sent through /update_weights, which the cpu device "
            "type cannot receive; use level 1 (the default): it drops the KV cache and keeps the weights in RAM")
@@ -34,11 +35,5 @@ class RefuseLevel2Sleep:
         if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") == "/sleep":
             levels = parse_qs(scope.get("query_string", b"").decode(errors="replace")).get("level", [])
             if levels and _as_int(levels[-1]) == 2:  # as LMDeploy reads it: int() of the last value
-                body = json.dumps({"error": {"message": MESSAGE, "type": "invalid_request_error",
-                                             "code": 400}}).encode()
-                await send({"type": "http.response.start", "status": 400,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
-                return
+                return await send_error(send, 400, MESSAGE)
         await self.app(scope, receive, send)
