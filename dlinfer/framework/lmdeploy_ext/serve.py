@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     DLINFER_SERVE_* value; 3 when the engine process dies under it (patches/mp_engine.py)."""
     from lmdeploy.cli.serve import SubCliServe
 
-    from dlinfer.framework.lmdeploy_ext.patches import mp_engine
+    from dlinfer.framework.lmdeploy_ext.patches import image_checks, mp_engine
     from dlinfer.utils.model_folder import check_model_folder
 
     args = parse_args(argv)
@@ -178,6 +178,7 @@ def main(argv=None) -> int:
         on_cpu = spec is not None and spec.torch_device == "cpu"
         limits = server_limits(shutdown_seconds(), max_body_bytes(), cpu=on_cpu)
         mp_engine.exit_on_engine_death(True)  # a dead engine ends the server (status 3), for its supervisor
+        image_checks.refuse_local_files()  # a remote client names no file on this machine
         with limits:
             SubCliServe.api_server(args)
     except ValueError as exc:  # the config checks (patches/engine_config.py), the model check

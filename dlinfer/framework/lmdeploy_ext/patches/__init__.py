@@ -15,7 +15,9 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     device_queries,
     engine_config,
     env_check,
+    forward_failures,
     huge_pages,
+    image_checks,
     lm_head,
     model_agent,
     model_dtype,
@@ -43,7 +45,9 @@ PATCHES = (
     mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
     mp_executor,       # tp > 1: ranks import the adaptor, share the cores, end the engine when one dies
     vl_preprocess,     # VLM image preprocessors without torchvision; unsupported VLMs refused first
+    image_checks,      # a request's images checked at the door (400 naming the item); serve reads no local path
     request_checks,    # token ids outside the vocabulary refused per request (400), not by the engine's death
+    forward_failures,  # a forward step that raises fails the requests in flight; the engine resets and serves on
 )
 
 

@@ -1,0 +1,131 @@
+"""A request's images checked at the door, with errors that name them (written against LMDeploy 0.18.0).
+
+Why: a vision-language model's prompt processor (`MultimodalProcessor._get_multimodal_prompt_input`,
+serve/processors/multimodal.py) loads each image item (`load_from_url`, vl/media/connection.py)
+and runs the model's image processor. What a client can get wrong there surfaced as:
+- a data URL that is not base64, or bytes that are no image: PIL's `UnidentifiedImageError`, which
+  `AsyncEngine.preprocess` turns into the API server's vague 400 "Request preprocessing failed.";
+- an image of 1-3 pixels a side: the image processor's own error about a normalisation mean
+  ("mean must have 1 elements ..."), as transformers takes a 1 x W x 3 array for channels-first;
+- `file://` URLs and plain paths: read from the *server's* disk, whatever a remote client names.
+
+How, for the prompt processors of dlinfer device types' VLM engines (marked by
+`vl_preprocess`'s `VLAsyncEngine.__init__`): before LMDeploy's method runs, every image item of
+every message is checked, and the first bad one is refused with a `ValueError` naming
+`messages[i].content[j]` and what is wrong (the API server's 400 with that text, a pipeline's
+exception):
+- a data URL must be `data:<type>;base64,<payload>` with a valid base64 payload whose bytes PIL
+  identifies as an image (its header only: the decode itself stays LMDeploy's);
+- an image (decoded, or given as a PIL image) must be at least `MIN_SIDE` pixels a side;
+- under `python -m dlinfer serve` (`refuse_local_files()`), a source that is neither an http(s)
+  nor a data URL is refused: the server reads no file a client names. A pipeline in the user's
+  own process keeps LMDeploy's paths and file URLs.
+Anything else LMDeploy's loading or the image processor raises for the request's images that is
+not already a `ValueError` / `TypeError` (an http fetch that fails, a decoder error) becomes a
+`ValueError` naming its type and text, where it was "Request preprocessing failed.".
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import io
+from urllib.parse import urlparse
+
+from dlinfer.framework.lmdeploy_ext.patching import wrap
+
+MIN_SIDE = 4  # pixels: below this transformers' image processors can mistake the channel layout
+IMAGE_TYPES = ("image_url", "image")
+MARK = "dlinfer_device_type"  # set on a dlinfer engine's prompt processor by vl_preprocess.py
+
+_local_files_refused = False
+
+
+def refuse_local_files() -> None:
+    """From now on (this process), image sources must be http(s) or data URLs: what `serve` sets."""
+    global _local_files_refused
+    _local_files_refused = True
+
+
+def _image_source(item: dict):
+    value = item.get(item.get("type"), None)
+    if isinstance(value, dict):
+        return value.get("url", value.get("data"))
+    return value
+
+
+def _check_size(where: str, width: int, height: int) -> None:
+    if min(width, height) < MIN_SIDE:
+        raise ValueError(f"{where}: the image is {width}x{height} pixels; images of fewer than {MIN_SIDE} "
+                         "pixels a side are refused")
+
+
+def _check_data_url(where: str, url: str) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    head, sep, payload = url[len("data:"):].partition(",")
+    if not sep or not head.endswith(";base64"):
+        raise ValueError(f"{where}: an image data URL must be data:<type>;base64,<payload>, got {url[:40]!r}")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"{where}: the image data URL's payload is not valid base64 ({exc})") from None
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            size = image.size
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"{where}: the image data URL's {len(data)} bytes are not an image PIL can read "
+                         f"({type(exc).__name__})") from None
+    _check_size(where, *size)
+
+
+def check_images(messages) -> None:
+    """Raise a ValueError naming the first image item of `messages` (OpenAI-style) that cannot be
+    served (see the module docstring); other items and non-list contents are left alone."""
+    from PIL import Image
+
+    if isinstance(messages, dict):
+        messages = [messages]
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, item in enumerate(content):
+            if not isinstance(item, dict) or item.get("type") not in IMAGE_TYPES:
+                continue
+            where, source = f"messages[{i}].content[{j}]", _image_source(item)
+            if source is None or source == "":
+                raise ValueError(f"{where}: the {item['type']} item names no image (an empty URL or no data)")
+            if isinstance(source, Image.Image):
+                _check_size(where, *source.size)
+            elif isinstance(source, str) and source.startswith("data:"):
+                _check_data_url(where, source)
+            elif isinstance(source, str) and urlparse(source).scheme not in ("http", "https") and _local_files_refused:
+                raise ValueError(f"{where}: this server takes images as http(s) or data URLs; it reads no path "
+                                 f"on its own disk ({source[:60]!r})")
+
+
+def _patch_prompt_input(original):
+
+    @functools.wraps(original)
+    async def _get_multimodal_prompt_input(self, messages, *args, **kwargs):
+        if getattr(self, MARK, None) is None:
+            return await original(self, messages, *args, **kwargs)
+        check_images(messages)
+        try:
+            return await original(self, messages, *args, **kwargs)
+        except (ValueError, TypeError):
+            raise
+        except Exception as exc:  # noqa: BLE001  (the request's images: LMDeploy's generic 400 otherwise)
+            raise ValueError(f"the request's images could not be read: {type(exc).__name__}: {exc}") from exc
+
+    return _get_multimodal_prompt_input
+
+
+def apply() -> None:
+    from lmdeploy.serve.processors.multimodal import MultimodalProcessor
+
+    wrap(MultimodalProcessor, "_get_multimodal_prompt_input", _patch_prompt_input)

@@ -1,0 +1,74 @@
+"""patches/forward_failures.py in a live pipeline: a forward step that raises fails the requests in
+flight, with an error, and the engine keeps serving (HF's greedy tokens after it). The fault is
+injected with DLINFER_FAIL_FORWARD_TOKEN; the server-level cases are in tests/serving."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from lmdeploy import GenerationConfig
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+
+from dlinfer.framework.lmdeploy_ext.patches import forward_failures
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["The model token cache", "One two three four"]
+POISON = "quick red river of the ocean"
+
+
+def _poison_token(pipe) -> int:
+    """A token of POISON's encoding that no SHORT prompt's encoding holds."""
+    tokenizer = pipe.async_engine.tokenizer
+    clean = {t for p in SHORT for t in tokenizer.encode(p, add_bos=True)}
+    return next(t for t in tokenizer.encode(POISON, add_bos=False) if t not in clean)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graph"])
+def test_a_failing_forward_fails_its_request_and_the_engine_serves_on(eager, model_dir, hf_reference, monkeypatch):
+    reference = hf_reference("llama")
+    with cpu_pipeline(model_dir("llama"), eager_mode=eager) as pipe:
+        monkeypatch.setenv("DLINFER_FAIL_FORWARD_TOKEN", str(_poison_token(pipe)))
+        failed = greedy_generate(pipe, [POISON], 8)
+        assert failed[0].finish_reason == "error" and failed[0].token_ids == []
+        assert_matches_hf(greedy_generate(pipe, SHORT, 16), reference, 16)
+        again = greedy_generate(pipe, [POISON], 8)  # the same fault again: the same answer
+        assert again[0].finish_reason == "error"
+        assert_matches_hf(greedy_generate(pipe, SHORT, 16), reference, 16)
+
+
+def test_requests_in_flight_when_a_forward_fails_end_with_an_error_not_a_hang(model_dir, hf_reference,
+                                                                           monkeypatch):
+    """A long generation is decoding when the poisoned prompt's prefill fails: the engine resets
+    (the agent's decode state held the long one too), so the long one ends with an error; the
+    engine then serves new requests with HF's tokens."""
+    reference = hf_reference("llama")
+    with cpu_pipeline(model_dir("llama")) as pipe:
+        monkeypatch.setenv("DLINFER_FAIL_FORWARD_TOKEN", str(_poison_token(pipe)))
+        gen = GenerationConfig(max_new_tokens=1900, do_sample=False, ignore_eos=True)
+        decoding, chunks = threading.Event(), []
+
+        def long_generation():
+            for out in pipe.stream_infer([SHORT[0]], gen_config=gen, do_preprocess=False):
+                chunks.append(out)
+                if sum(len(c.token_ids) for c in chunks) >= 8:
+                    decoding.set()
+            decoding.set()
+
+        worker = threading.Thread(target=long_generation)
+        worker.start()
+        assert decoding.wait(timeout=60)
+        poisoned = greedy_generate(pipe, [POISON], 8)[0]
+        worker.join(timeout=120)
+        assert not worker.is_alive()
+        assert poisoned.finish_reason == "error"
+        streamed = sum(len(c.token_ids) for c in chunks)
+        assert chunks[-1].finish_reason == "error" and 8 <= streamed < 1900, (chunks[-1].finish_reason, streamed)
+        assert_matches_hf(greedy_generate(pipe, SHORT, 16), reference, 16)
+
+
+def test_the_failure_message_is_one_line_naming_the_exception():
+    assert forward_failures._message(IndexError("index out of range in self\nmore")) == \
+        "IndexError: index out of range in self"
+    assert forward_failures._message(RuntimeError()) == "RuntimeError"

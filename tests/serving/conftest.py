@@ -1,0 +1,4 @@
+"""Fixtures of the serving fault tests: tiny models, HF references, a hang watchdog
+(tests/support/fixtures.py)."""
+
+from support.fixtures import hang_watchdog, hf_reference, model_dir  # noqa: F401

@@ -1,0 +1,63 @@
+"""Images a client gets wrong, against a live `python -m dlinfer serve` of a tiny Qwen2-VL
+(patches/image_checks.py): each is a 400 naming the item and what is wrong, where LMDeploy said
+"Request preprocessing failed." or an image processor's internals, or read a file of the
+server's; the server then answers a good image as before."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from support.api_server import Server
+from support.tiny_vlms import tiny_vlm
+
+pytestmark = pytest.mark.slow
+
+
+def _data_url(width: int, height: int) -> str:
+    pixels = np.random.default_rng(width * 1000 + height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tiny_vlm("qwen2_vl"), tmp_path_factory.mktemp("images") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _ask(server, url: str):
+    body = {"model": server.model, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is in the picture"},
+                                                      {"type": "image_url", "image_url": {"url": url}}]}]}
+    return server.request("POST", "/v1/chat/completions", body)
+
+
+@pytest.fixture(scope="module")
+def good_answer(server):
+    status, answer = _ask(server, _data_url(56, 84))
+    assert status == 200, answer
+    return answer["choices"][0]["output_ids"]
+
+
+@pytest.mark.parametrize("url,message", [
+    ("data:image/png;base64,AAAAAAAA", "messages[0].content[1]: the image data URL's 6 bytes are not an image"),
+    ("data:image/png;base64,@@@@", "messages[0].content[1]: the image data URL's payload is not valid base64"),
+    (_data_url(1, 1), "messages[0].content[1]: the image is 1x1 pixels"),
+    ("file:///etc/passwd", "messages[0].content[1]: this server takes images as http(s) or data URLs"),
+    ("/etc/hostname", "it reads no path on its own disk"),
+    ("http://127.0.0.1:9/a.png", "URL is blocked for security reasons"),  # LMDeploy's own check, kept
+])
+def test_a_bad_image_is_a_400_naming_it_and_the_server_serves_on(server, good_answer, url, message):
+    status, answer = _ask(server, url)
+    assert status == 400 and message in answer["message"], (status, answer)
+    status, again = _ask(server, _data_url(56, 84))
+    assert status == 200 and again["choices"][0]["output_ids"] == good_answer, again
