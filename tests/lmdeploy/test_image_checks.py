@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from PIL import Image
 
-from dlinfer.framework.lmdeploy_ext.patches import image_checks
+from dlinfer.framework.lmdeploy_ext.patches import image_checks, request_checks
 
 
 def _data_url(width: int, height: int, fmt: str = "PNG") -> str:
@@ -77,7 +77,7 @@ def test_the_wrapper_checks_only_dlinfer_engines_processors_and_names_other_fail
     bad = _messages({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}})
     with pytest.raises(OSError):  # not a dlinfer engine's processor: LMDeploy's behaviour
         asyncio.run(wrapped(SimpleNamespace(), bad))
-    marked = SimpleNamespace(**{image_checks.MARK: "cpu"})
+    marked = SimpleNamespace(**{request_checks.MARK: "cpu"})
     with pytest.raises(ValueError, match="reads no path"):
         asyncio.run(wrapped(marked, bad))
     assert len(calls) == 1

@@ -52,3 +52,41 @@ def test_preprocess_turns_a_bad_id_into_an_invalid_request():
         asyncio.run(AsyncEngine.preprocess(engine_obj, None, 1, input_ids=[1, 64]))
     assert err.value.code == ErrorCode.INVALID_REQUEST and "input_ids[1] = 64 is not a token id" in str(err.value)
     assert removed == [session]
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([{"role": "user", "content": "hi"}, "hello"], "messages[1] must be an object with a role and a content, got str"),
+    ([{"content": "hi"}], "messages[0] has no role (a string such as 'system', 'user' or 'assistant'), got None"),
+    ([{"role": 3, "content": "hi"}], "messages[0] has no role"),
+    ([{"role": "user", "content": 5}], "messages[0].content must be a string or a list of parts, got int"),
+    ([{"role": "user", "content": ["hi"]}], "messages[0].content[0] must be an object with a string type, got 'hi'"),
+])
+def test_malformed_messages_are_value_errors_naming_the_entry(messages, message):
+    with pytest.raises(ValueError) as err:
+        request_checks.check_messages(messages)
+    assert str(err.value) == message or str(err.value).startswith(message), str(err.value)
+
+
+def test_well_formed_messages_and_string_prompts_pass():
+    request_checks.check_messages([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": None, "tool_calls": []},
+                                   {"role": "user", "content": [{"type": "text", "text": "x"}]}])
+    request_checks.check_messages("a plain prompt")
+
+
+def test_the_prompt_wrapper_checks_only_dlinfer_engines_processors_and_names_template_failures():
+    calls = []
+
+    async def original(self, prompt, *args, **kwargs):
+        calls.append(prompt)
+        raise KeyError("wizard")
+
+    wrapped = request_checks._patch_get_prompt_input(original)
+    with pytest.raises(KeyError):  # not a dlinfer engine's processor: LMDeploy's behaviour
+        asyncio.run(wrapped(SimpleNamespace(), [{"content": "hi"}]))
+    marked = SimpleNamespace(**{request_checks.MARK: "cpu"})
+    with pytest.raises(ValueError, match="has no role"):
+        asyncio.run(wrapped(marked, [{"content": "hi"}]))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="with the model's chat template: KeyError: 'wizard'"):
+        asyncio.run(wrapped(marked, [{"role": "wizard", "content": "hi"}]))

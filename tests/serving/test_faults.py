@@ -74,6 +74,10 @@ def assert_serves(server, greedy_reference):
     ({"messages": None}, 400, "messages"),
     ({"messages": MESSAGES, "max_tokens": -3}, 400, "max_tokens -3 must be a positive integer"),
     ({"messages": MESSAGES, "model": "no-such-model"}, 404, "does not exist"),
+    ({"messages": [{"content": "hi"}]}, 400, "messages[0] has no role"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content must be a string or a list"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "could not be turned into a prompt with the model's "
+                                                               "chat template: KeyError: 'wizard'"),
 ])
 def test_malformed_request_is_4xx_and_the_server_keeps_serving(server, greedy_reference, body, status, message):
     if isinstance(body, dict):

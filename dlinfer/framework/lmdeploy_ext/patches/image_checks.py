@@ -9,8 +9,8 @@ and runs the model's image processor. What a client can get wrong there surfaced
   ("mean must have 1 elements ..."), as transformers takes a 1 x W x 3 array for channels-first;
 - `file://` URLs and plain paths: read from the *server's* disk, whatever a remote client names.
 
-How, for the prompt processors of dlinfer device types' VLM engines (marked by
-`vl_preprocess`'s `VLAsyncEngine.__init__`): before LMDeploy's method runs, every image item of
+How, for the prompt processors of dlinfer device types' VLM engines (`request_checks.MARK`, set
+by `vl_preprocess`'s `VLAsyncEngine.__init__`): before LMDeploy's method runs, every image item of
 every message is checked, and the first bad one is refused with a `ValueError` naming
 `messages[i].content[j]` and what is wrong (the API server's 400 with that text, a pipeline's
 exception):
@@ -33,11 +33,11 @@ import functools
 import io
 from urllib.parse import urlparse
 
+from dlinfer.framework.lmdeploy_ext.patches.request_checks import MARK
 from dlinfer.framework.lmdeploy_ext.patching import wrap
 
 MIN_SIDE = 4  # pixels: below this transformers' image processors can mistake the channel layout
 IMAGE_TYPES = ("image_url", "image")
-MARK = "dlinfer_device_type"  # set on a dlinfer engine's prompt processor by vl_preprocess.py
 
 _local_files_refused = False
 

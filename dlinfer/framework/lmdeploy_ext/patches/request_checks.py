@@ -14,14 +14,26 @@ integer in [0, vocab_size) (vocab_size from the model's HF config, its text conf
 and raises a ValueError naming the first bad position: the API server answers 400 with that
 message, a pipeline raises it, and the engine never sees the request. Ids a chat template
 produced pass the same check (a tokenizer larger than the embedding is refused the same way).
+
+Messages too: a malformed `messages` list (an entry that is no object, one without a string
+role, a content that is neither a string nor a list of typed parts) reached LMDeploy's chat
+template and came back as the API server's vague 400 "Request preprocessing failed." (or
+"'int' object is not iterable"). `AsyncEngine.__init__` marks the prompt processor of a dlinfer
+device type's engine (`MARK`; `vl_preprocess` marks a VLM engine's own), and that processor's
+`get_prompt_input` (called inside `preprocess`'s try) first checks the messages, raising a
+ValueError naming `messages[i]`, then turns any other exception of the template step that is not
+a ValueError / TypeError into one naming its type and text.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.patching import wrap
+
+MARK = "dlinfer_device_type"  # on a dlinfer device type's engine's prompt processor: that device type
 
 
 def vocab_size(hf_config) -> int | None:
@@ -57,7 +69,66 @@ def _patch_determine_gen_config(original):
     return _determine_gen_config
 
 
+def check_messages(messages) -> None:
+    """Raise a ValueError naming the first entry of an OpenAI-style `messages` list that no chat
+    template can take; a string prompt (or anything not a list) is left alone."""
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object with a role and a content, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] has no role (a string such as 'system', 'user' or 'assistant'), "
+                             f"got {role!r}")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts, got "
+                             f"{type(content).__name__}")
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"messages[{i}].content[{j}] must be an object with a string type, got {part!r:.60}")
+
+
+def _patch_get_prompt_input(original):
+
+    @functools.wraps(original)
+    async def get_prompt_input(self, prompt, *args, **kwargs):
+        if getattr(self, MARK, None) is None:
+            return await original(self, prompt, *args, **kwargs)
+        from lmdeploy.serve.core.exceptions import RequestError
+
+        check_messages(prompt)
+        try:
+            return await original(self, prompt, *args, **kwargs)
+        except (ValueError, TypeError, RequestError):
+            raise
+        except Exception as exc:  # noqa: BLE001  (LMDeploy's generic "Request preprocessing failed." otherwise)
+            raise ValueError(f"the messages could not be turned into a prompt with the model's chat template: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+    return get_prompt_input
+
+
+def _patch_engine_init(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        config = signature.bind(self, *args, **kwargs).arguments.get("backend_config")
+        spec = devices.spec_for(getattr(config, "device_type", None))
+        processor = getattr(self, "prompt_processor", None)
+        if spec is not None and processor is not None:
+            setattr(processor, MARK, spec.device_type)
+
+    return __init__
+
+
 def apply() -> None:
     from lmdeploy.serve.core.async_engine import AsyncEngine
+    from lmdeploy.serve.processors.multimodal import MultimodalProcessor
 
+    wrap(AsyncEngine, "__init__", _patch_engine_init)
     wrap(AsyncEngine, "_determine_gen_config", _patch_determine_gen_config)
+    wrap(MultimodalProcessor, "get_prompt_input", _patch_get_prompt_input)

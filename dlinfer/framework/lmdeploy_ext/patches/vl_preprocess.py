@@ -44,7 +44,7 @@ import torch
 
 from dlinfer.framework.lmdeploy_ext import devices
 from dlinfer.framework.lmdeploy_ext.backend.model_support import check_architecture
-from dlinfer.framework.lmdeploy_ext.patches import image_checks
+from dlinfer.framework.lmdeploy_ext.patches import request_checks
 from dlinfer.framework.lmdeploy_ext.patches.model_dtype import checkpoint_dtype, choose_dtype
 from dlinfer.framework.lmdeploy_ext.patching import wrap
 
@@ -99,8 +99,8 @@ def _patch_vl_engine_init(original):
             original(self, model_path, backend, backend_config, *args, **kwargs)
         finally:
             _IMAGE_ONLY.reset(token)
-        # its requests' images are checked at the door (image_checks.py)
-        setattr(self.prompt_processor, image_checks.MARK, spec.device_type)
+        # its requests' messages and images are checked at the door (request_checks.py, image_checks.py)
+        setattr(self.prompt_processor, request_checks.MARK, spec.device_type)
 
     return __init__
 
