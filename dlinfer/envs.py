@@ -61,8 +61,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "at most 10 s more", "framework/lmdeploy_ext/serve.py, when the server starts"),
     Setting("DLINFER_SERVE_MAX_BODY", "64M", "the largest request body `python -m dlinfer serve` reads (64M, 512k, "
             "1G); a larger one is answered 413", "framework/lmdeploy_ext/serve.py, when the server starts"),
-    Setting("DLINFER_FAIL_FORWARD_TOKEN", "unset", "tests only: a token id; a prefill step whose input ids hold it "
-            "raises inside the forward (drives the failed-forward recovery through a live server)",
+    Setting("DLINFER_FAIL_FORWARD_TOKEN", "unset", "tests only: <token id>[:start|model|output]; a step whose "
+            "model inputs hold that id raises there (drives the failed-forward recovery through a live server)",
             "framework/lmdeploy_ext/patches/forward_failures.py, at each forward step"),
     Setting("DLINFER_THREADS_PER_RANK", "cores / tp", "compute threads of each tensor-parallel rank on one machine",
             "framework/lmdeploy_ext/patches/mp_executor.py, when the ranks start"),

@@ -50,14 +50,29 @@ def test_good_images_pass(refusing_local_files):
     ({"type": "image", "image": Image.new("RGB", (3, 50))},
      "messages[1].content[1]: the image is 3x50 pixels"),
     ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}},
-     "messages[1].content[1]: this server takes images as http(s) or data URLs; it reads no path on its own disk"),
+     "messages[1].content[1]: this server takes media as http(s) or data URLs; it reads no path on its own disk"),
     ({"type": "image_url", "image_url": "/etc/hostname"}, "it reads no path on its own disk ('/etc/hostname')"),
-    ({"type": "image_url", "image_url": {"url": ""}}, "messages[1].content[1]: the image_url item names no image"),
+    ({"type": "image_url", "image_url": {"url": ""}}, "messages[1].content[1]: the image_url item names nothing"),
+    ({"type": "image_url", "image_url": {"url": 0, "data": "/dev/zero"}}, "reads no path on its own disk ('/dev/"),
+    ({"type": "image_url", "image_url": {"url": ["x"]}}, "the image_url item's URL must be a string, got list"),
+    ({"type": "video_url", "video_url": {"url": "file:///etc/passwd"}}, "takes media as http(s) or data URLs"),
+    ({"type": "audio", "audio": "/tmp/a.wav"}, "reads no path on its own disk ('/tmp/a.wav')"),
+    ({"type": "image_url", "image_url": {"url": "DATA:image/png;base64,@@@@"}}, "payload is not valid base64"),
 ])
 def test_a_bad_image_is_a_value_error_naming_it(item, message, refusing_local_files):
     with pytest.raises(ValueError) as err:
         image_checks.check_images(_messages(item))
     assert message in str(err.value) and str(err.value).startswith("messages[1].content[1]: "), str(err.value)
+
+
+def test_only_what_lmdeploy_loads_is_checked(refusing_local_files):
+    """LMDeploy loads the list contents of user and tool messages only; base64 may be wrapped."""
+    image_checks.check_images([{"role": "assistant", "content": [{"type": "image_url", "image_url": "/etc/x"}]},
+                               {"role": "system", "content": [{"type": "image_url", "image_url": ""}]}])
+    url = _data_url(8, 8).replace("base64,", "base64,\n")
+    image_checks.check_images(_messages({"type": "image_url", "image_url": {"url": url[:60] + "\n" + url[60:]}}))
+    with pytest.raises(ValueError, match="messages[0].content[0]: this server takes media".replace("[", r"\[")):
+        image_checks.check_images([{"role": "tool", "content": [{"type": "image", "image": "file:///x"}]}])
 
 
 def test_paths_stay_allowed_outside_the_server(monkeypatch):

@@ -34,10 +34,11 @@ def server(tmp_path_factory):
         srv.stop()
 
 
-def _ask(server, url: str):
+def _ask(server, url):
+    """A chat with one media item: `url` is an image URL, or the whole item (a dict)."""
+    item = url if isinstance(url, dict) else {"type": "image_url", "image_url": {"url": url}}
     body = {"model": server.model, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is in the picture"},
-                                                      {"type": "image_url", "image_url": {"url": url}}]}]}
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "what is in the picture"}, item]}]}
     return server.request("POST", "/v1/chat/completions", body)
 
 
@@ -52,9 +53,12 @@ def good_answer(server):
     ("data:image/png;base64,AAAAAAAA", "messages[0].content[1]: the image data URL's 6 bytes are not an image"),
     ("data:image/png;base64,@@@@", "messages[0].content[1]: the image data URL's payload is not valid base64"),
     (_data_url(1, 1), "messages[0].content[1]: the image is 1x1 pixels"),
-    ("file:///etc/passwd", "messages[0].content[1]: this server takes images as http(s) or data URLs"),
+    ("file:///etc/passwd", "messages[0].content[1]: this server takes media as http(s) or data URLs"),
     ("/etc/hostname", "it reads no path on its own disk"),
     ("http://127.0.0.1:9/a.png", "URL is blocked for security reasons"),  # LMDeploy's own check, kept
+    ({"type": "image_url", "image_url": {"url": 0, "data": "/dev/zero"}}, "it reads no path on its own disk"),
+    ({"type": "video_url", "video_url": {"url": "file:///etc/passwd"}}, "it reads no path on its own disk"),
+    ({"type": "time_series_url", "time_series_url": "/etc/hostname"}, "it reads no path on its own disk"),
 ])
 def test_a_bad_image_is_a_400_naming_it_and_the_server_serves_on(server, good_answer, url, message):
     status, answer = _ask(server, url)

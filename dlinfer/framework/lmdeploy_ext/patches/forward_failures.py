@@ -7,32 +7,37 @@ request gets 503 until a restart (under `serve`: the server exits with status 3,
 `mp_engine`). One request that reaches a bug in a model, a kernel or the engine's input code
 thus ends the service for everyone.
 
-How, for dlinfer's device types with one rank (LMDeploy's `UniExecutor`, the agent in the engine's
-process and event loop):
-1. Agent (`BaseModelAgent._async_step`): an exception is logged with its traceback and answered
-   by a `FailedForward` output in place of the step's `BatchedOutputs`, so the engine loop, which
-   awaits one output per step it sent, gets one. The agent then refuses every step it is given
-   (one `FailedForward` each, nothing run) until the engine loop has reset it: the steps the loop
-   sent ahead (its prefetch) were built from decode state the failure left undefined.
-   If the step had already queued its output when it raised, no second output is queued.
+How, for dlinfer's device types when the agent runs in the engine's own process and event loop
+(LMDeploy's `UniExecutor`, which marks its agent; tp = 1 on the `mp` executor, and tp > 1, keep
+LMDeploy's behaviour):
+1. Agent (`BaseModelAgent._async_step`): an exception is logged with its traceback and, unless
+   the step had already queued its output, answered by a `FailedForward` output in its place, so
+   that the engine loop, which awaits one output per step it sent, gets one. The agent then
+   refuses every step it is given (one `FailedForward` each, nothing run) until the engine loop
+   has reset it: the steps the loop sent ahead (its prefetch) were built from decode state the
+   failure left undefined.
 2. Engine loop (`EngineLoop._finish_forward_output`): a `FailedForward` fails the step's
-   requests: each gets LMDeploy's `INTERNAL_ENGINE_ERROR` with the exception's one-line text
-   (the API server answers it as an error; a pipeline raises). `_prefetch_next_inputs` sends
-   nothing more while a failure is pending.
+   requests: each gets LMDeploy's `INTERNAL_ENGINE_ERROR` (the API server's 500; a pipeline's
+   finish reason "error"). After any output the loop also looks at the agent, which may have
+   failed after queueing that output. `_prefetch_next_inputs` sends nothing more while a failure
+   is pending.
 3. Before the next step is scheduled (`EngineLoop._main_loop_try_send_next_inputs`, reached only
-   once every step sent has been answered), the engine resets as LMDeploy's own sleep does,
-   without moving memory: every request still in flight is failed the same way (the agent's
-   decode state held theirs too), every scheduler session is ended (their KV blocks freed), the
-   inputs maker's and the agent's runtime state are rebuilt, and the agent runs steps again.
-   Requests that arrive later are served as before.
+   once every step sent has been answered), the engine resets, as LMDeploy's own sleep does but
+   without moving memory: every session with a sequence the engine had taken up (any status but
+   waiting or stopped) is failed the same way and ended (the agent's decode state held those
+   sequences too); the prefix cache drops every block only it holds (a failed prefill's blocks
+   entered it when the step was scheduled, before their KV was written); the inputs maker's and
+   the agent's runtime state are rebuilt; the agent runs steps again. Waiting requests, and idle
+   sessions that keep their cache, are served as before.
 
-So a failing forward fails the requests in flight at that moment, each with an error naming the
-exception, and the engine keeps serving. Not covered: exceptions in the engine loop's own code
-(outside the forward), and tp > 1 (the ranks' agents run in other processes, where a failing
-rank ends the engine, and `serve` exits with status 3, as before).
+So a failing forward fails the requests in flight at that moment, each with an error, and the
+engine keeps serving. Not covered: exceptions in the engine loop's own code (outside the
+forward), and agents in other processes (the `mp` executor, any tp > 1), where a failure still
+ends the engine and `serve` exits with status 3.
 
-`DLINFER_FAIL_FORWARD_TOKEN` (a token id; tests only): a prefill step whose input ids contain it
-raises inside the forward, so that tests can drive this path through a live server.
+`DLINFER_FAIL_FORWARD_TOKEN=<id>[:<where>]` (tests only): a step whose model inputs hold token
+`id` (a prefill) raises: at its `start` (the default: no KV written), after the `model` ran (KV
+written, no output), or after its `output` was queued.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from dlinfer.framework.lmdeploy_ext.patching import wrap
 
 log = logging.getLogger("dlinfer.lmdeploy")
 
+_RECOVERS_ATTR = "_dlinfer_recovers"         # on an agent in the engine's process (UniExecutor): True
 _FAILED_ATTR = "_dlinfer_failed_forward"   # on the agent: the pending failure's message, or absent
 _PUSHED_ATTR = "_dlinfer_step_pushed"      # on the agent: whether the running step queued its output
 _PENDING_ATTR = "_dlinfer_forward_failure"  # on the engine loop: the pending failure's message, or absent
@@ -79,27 +85,61 @@ def _message(exc: BaseException) -> str:
 
 
 def _agent_applies(agent) -> bool:
-    """A dlinfer device type's agent, alone (one rank: the engine loop that reads its outputs can
-    reset it)."""
-    dist_config = getattr(agent, "dist_config", None)
-    return (devices.spec_for(getattr(getattr(agent, "device_ctx", None), "device_type", None)) is not None
-            and getattr(dist_config, "world_size", 1) == 1 and getattr(dist_config, "dp", 1) == 1)
+    """An agent that an engine loop in this process reads (marked by `UniExecutor.__init__`)."""
+    return agent.__dict__.get(_RECOVERS_ATTR, False)
 
 
-def _injected_fault(inputs) -> bool:
-    token = envs.get("DLINFER_FAIL_FORWARD_TOKEN")
+def _patch_uni_executor_init(original):
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if devices.spec_for(getattr(self, "device_type", None)) is not None:
+            self.model_agent.__dict__[_RECOVERS_ATTR] = True
+
+    return __init__
+
+
+WHERE = ("start", "model", "output")
+
+
+def injected_fault(inputs, where: str) -> bool:
+    """Whether DLINFER_FAIL_FORWARD_TOKEN asks a step with model inputs `inputs` to fail at `where`."""
+    value = envs.get("DLINFER_FAIL_FORWARD_TOKEN")
+    if not value:
+        return False
+    token, _, at = value.partition(":")
+    if not token.strip().isdigit() or (at or "start") not in WHERE:
+        raise ValueError(f"DLINFER_FAIL_FORWARD_TOKEN must be <token id>[:{'|'.join(WHERE)}], got {value!r}")
     ids = getattr(inputs, "input_ids", None)
-    return bool(token) and ids is not None and bool((ids == int(token)).any())
+    return (at or "start") == where and ids is not None and bool((ids == int(token)).any())
+
+
+def _fault(where: str) -> InjectedForwardFault:
+    return InjectedForwardFault(f"forward failed on purpose at its {where} (DLINFER_FAIL_FORWARD_TOKEN)")
 
 
 def _patch_push_output(original):
 
     @functools.wraps(original)
     def _push_output(self, output):
-        self.__dict__[_PUSHED_ATTR] = True
-        return original(self, output)
+        result = original(self, output)
+        self.__dict__[_PUSHED_ATTR] = True  # after: an output that failed to queue was not queued
+        return result
 
     return _push_output
+
+
+def _patch_model_forward(original):
+
+    @functools.wraps(original)
+    async def _async_model_forward(self, inputs, *args, **kwargs):
+        result = await original(self, inputs, *args, **kwargs)
+        if _agent_applies(self) and injected_fault(inputs, "model"):
+            raise _fault("model")
+        return result
+
+    return _async_model_forward
 
 
 def _patch_async_step(original):
@@ -113,10 +153,14 @@ def _patch_async_step(original):
             self._push_output(FailedForward(pending))
             return None
         self.__dict__[_PUSHED_ATTR] = False
+        inputs = kwargs.get("inputs", args[0] if args else None)
         try:
-            if _injected_fault(kwargs.get("inputs", args[0] if args else None)):
-                raise InjectedForwardFault("forward failed on purpose (DLINFER_FAIL_FORWARD_TOKEN)")
-            return await original(self, *args, **kwargs)
+            if injected_fault(inputs, "start"):
+                raise _fault("start")
+            result = await original(self, *args, **kwargs)
+            if injected_fault(inputs, "output"):
+                raise _fault("output")
+            return result
         except Exception as exc:  # asyncio.CancelledError is a BaseException: it still ends the task
             message = _message(exc)
             log.exception("dlinfer: a forward step raised (%s); its requests fail and the engine resets", message)
@@ -129,9 +173,9 @@ def _patch_async_step(original):
 
 
 def _loop_applies(loop) -> bool:
-    executor = getattr(loop, "executor", None)
-    return (devices.spec_for(getattr(executor, "device_type", None)) is not None
-            and hasattr(executor, "model_agent"))  # UniExecutor: the agent is in this process
+    """An engine loop whose agent is in this process and marked (`_agent_applies`)."""
+    agent = getattr(getattr(loop, "executor", None), "model_agent", None)
+    return agent is not None and _agent_applies(agent)
 
 
 def _fail(loop, resp, message: str) -> None:
@@ -149,7 +193,14 @@ def _patch_finish_forward_output(original):
     @functools.wraps(original)
     def _finish_forward_output(self, out, running, model_inputs, delta):
         if not isinstance(out, FailedForward):
-            return original(self, out, running, model_inputs, delta)
+            result = original(self, out, running, model_inputs, delta)
+            if out is not None and _loop_applies(self):  # the agent may have failed after queueing `out`
+                failed = self.executor.model_agent.__dict__.get(_FAILED_ATTR)
+                if failed is not None:
+                    self.__dict__[_PENDING_ATTR] = failed
+            return result
+        if not _loop_applies(self):  # cannot happen (only marked agents answer so); never leave it pending
+            raise RuntimeError(f"a forward step failed: {out.message}")
         self.__dict__[_PENDING_ATTR] = out.message
         for seq in running or ():
             _fail(self, getattr(seq, "resp", None), f"the forward step of this request failed: {out.message}")
@@ -169,25 +220,36 @@ def _patch_prefetch(original):
     return _prefetch_next_inputs
 
 
+def _taken_up(session) -> bool:
+    """Whether the engine had taken up a sequence of `session` (its decode state, its blocks)."""
+    from lmdeploy.pytorch.messages import MessageStatus
+
+    return any(seq.status not in (MessageStatus.WAITING, MessageStatus.STOPPED) for seq in session.sequences.values())
+
+
 def reset_after_failure(loop) -> int:
-    """Fail every request in flight, end every scheduler session, rebuild the inputs maker's and
-    the agent's runtime state, and let the agent run steps again; returns the sessions ended.
-    Called when every step sent has been answered."""
+    """Fail and end every session the engine had taken up, drop the prefix cache's own blocks,
+    rebuild the inputs maker's and the agent's runtime state, and let the agent run steps again;
+    returns the sessions ended. Called when every step sent has been answered."""
     message = loop.__dict__.pop(_PENDING_ATTR)
-    sessions = list(loop.scheduler.get_sessions())
-    for session in sessions:
+    scheduler = loop.scheduler
+    ended = [session for session in list(scheduler.get_sessions()) if _taken_up(session)]
+    for session in ended:
         for seq in list(session.sequences.values()):
             _fail(loop, getattr(seq, "resp", None),
-                  f"the engine reset after a forward step of another request failed: {message}")
-    for session in sessions:
-        loop.scheduler.end_session(session.session_id)
+                  f"the engine reset after a forward step failed: {message}")
+    for session in ended:
+        scheduler.end_session(session.session_id)
+    trie = getattr(scheduler, "block_trie", None)
+    if trie is not None and trie.enabled:  # a failed prefill's blocks entered it before their KV was written
+        trie.evict(1 << 40)
     loop.reset_runtime_state()
     agent = loop.executor.model_agent
     agent.reset_runtime_state()
     agent.__dict__.pop(_FAILED_ATTR, None)
-    log.warning("dlinfer: engine reset after a failed forward step (%s): %d session(s) ended", message,
-                len(sessions))
-    return len(sessions)
+    loop.has_runable_event.set()
+    log.warning("dlinfer: engine reset after a failed forward step (%s): %d session(s) ended", message, len(ended))
+    return len(ended)
 
 
 def _patch_try_send_next_inputs(original):
@@ -203,9 +265,12 @@ def _patch_try_send_next_inputs(original):
 
 def apply() -> None:
     from lmdeploy.pytorch.engine.engine_loop import EngineLoop
+    from lmdeploy.pytorch.engine.executor.uni_executor import UniExecutor
     from lmdeploy.pytorch.engine.model_agent.agent import BaseModelAgent
 
+    wrap(UniExecutor, "__init__", _patch_uni_executor_init)
     wrap(BaseModelAgent, "_push_output", _patch_push_output)
+    wrap(BaseModelAgent, "_async_model_forward", _patch_model_forward)
     wrap(BaseModelAgent, "_async_step", _patch_async_step)
     wrap(EngineLoop, "_finish_forward_output", _patch_finish_forward_output)
     wrap(EngineLoop, "_prefetch_next_inputs", _patch_prefetch)

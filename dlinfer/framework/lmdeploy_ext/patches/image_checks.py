@@ -17,9 +17,13 @@ exception):
 - a data URL must be `data:<type>;base64,<payload>` with a valid base64 payload whose bytes PIL
   identifies as an image (its header only: the decode itself stays LMDeploy's);
 - an image (decoded, or given as a PIL image) must be at least `MIN_SIDE` pixels a side;
-- under `python -m dlinfer serve` (`refuse_local_files()`), a source that is neither an http(s)
-  nor a data URL is refused: the server reads no file a client names. A pipeline in the user's
-  own process keeps LMDeploy's paths and file URLs.
+- under `python -m dlinfer serve` (`refuse_local_files()`), a source of any media item (images,
+  and the video, audio and time-series items LMDeploy loads the same way) that is neither an
+  http(s) nor a data URL is refused: the server reads no file a client names. A pipeline in the
+  user's own process keeps LMDeploy's paths and file URLs;
+- a source that is empty, or not a string (LMDeploy takes the first truthy of "url" and "data"),
+  is refused.
+Only what LMDeploy loads is checked: the list contents of user and tool messages.
 Anything else LMDeploy's loading or the image processor raises for the request's images that is
 not already a `ValueError` / `TypeError` (an http fetch that fails, a decoder error) becomes a
 `ValueError` naming its type and text, where it was "Request preprocessing failed.".
@@ -48,11 +52,17 @@ def refuse_local_files() -> None:
     _local_files_refused = True
 
 
-def _image_source(item: dict):
-    value = item.get(item.get("type"), None)
+def _source(item: dict):
+    """What LMDeploy loads for a media item: the "url" or else the "data" of a dict value, or the
+    value itself (serve/processors/multimodal.py, `_parse_multimodal_item`)."""
+    value = item.get(item.get("type"))
     if isinstance(value, dict):
-        return value.get("url", value.get("data"))
+        return value.get("url") or value.get("data")
     return value
+
+
+def _is_local(source: str) -> bool:
+    return urlparse(source).scheme.lower() not in ("http", "https", "data")
 
 
 def _check_size(where: str, width: int, height: int) -> None:
@@ -65,10 +75,11 @@ def _check_data_url(where: str, url: str) -> None:
     from PIL import Image, UnidentifiedImageError
 
     head, sep, payload = url[len("data:"):].partition(",")
+    head = head.lower()
     if not sep or not head.endswith(";base64"):
         raise ValueError(f"{where}: an image data URL must be data:<type>;base64,<payload>, got {url[:40]!r}")
-    try:
-        data = base64.b64decode(payload, validate=True)
+    try:  # whitespace (line breaks in long payloads) is allowed, as LMDeploy's decoder skips it
+        data = base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ValueError(f"{where}: the image data URL's payload is not valid base64 ({exc})") from None
     try:
@@ -81,8 +92,9 @@ def _check_data_url(where: str, url: str) -> None:
 
 
 def check_images(messages) -> None:
-    """Raise a ValueError naming the first image item of `messages` (OpenAI-style) that cannot be
-    served (see the module docstring); other items and non-list contents are left alone."""
+    """Raise a ValueError naming the first media item of `messages` (OpenAI-style) that cannot be
+    served (see the module docstring). Only the parts LMDeploy loads are looked at: list contents
+    of user and tool messages, their items other than text."""
     from PIL import Image
 
     if isinstance(messages, dict):
@@ -90,22 +102,28 @@ def check_images(messages) -> None:
     if not isinstance(messages, list):
         return
     for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
+        if not isinstance(message, dict) or message.get("role") not in ("user", "tool"):
             continue
-        for j, item in enumerate(content):
-            if not isinstance(item, dict) or item.get("type") not in IMAGE_TYPES:
+        content = message.get("content")
+        for j, item in enumerate(content if isinstance(content, list) else ()):
+            kind = item.get("type") if isinstance(item, dict) else None
+            if kind in (None, "text"):
                 continue
-            where, source = f"messages[{i}].content[{j}]", _image_source(item)
-            if source is None or source == "":
-                raise ValueError(f"{where}: the {item['type']} item names no image (an empty URL or no data)")
+            where, source = f"messages[{i}].content[{j}]", _source(item)
             if isinstance(source, Image.Image):
                 _check_size(where, *source.size)
-            elif isinstance(source, str) and source.startswith("data:"):
+            elif kind == "image_data":
+                continue  # data, not a place: LMDeploy takes what it is given
+            elif not source:
+                raise ValueError(f"{where}: the {kind} item names nothing to load (an empty URL or no data)")
+            elif not isinstance(source, str):
+                raise ValueError(f"{where}: the {kind} item's URL must be a string, got {type(source).__name__}")
+            elif _is_local(source):
+                if _local_files_refused:
+                    raise ValueError(f"{where}: this server takes media as http(s) or data URLs; it reads no path "
+                                     f"on its own disk ({source[:60]!r})")
+            elif kind in IMAGE_TYPES and urlparse(source).scheme.lower() == "data":
                 _check_data_url(where, source)
-            elif isinstance(source, str) and urlparse(source).scheme not in ("http", "https") and _local_files_refused:
-                raise ValueError(f"{where}: this server takes images as http(s) or data URLs; it reads no path "
-                                 f"on its own disk ({source[:60]!r})")
 
 
 def _patch_prompt_input(original):
