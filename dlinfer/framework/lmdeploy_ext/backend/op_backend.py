@@ -86,6 +86,13 @@ class CpuOpsBackend(DlinferDeviceOpsBackend):
     def get_cache_backend(cls):
         return HostCacheBackend
 
+    @staticmethod
+    def support_ray() -> bool:
+        """LMDeploy's Ray executor runs this device type (patches/ray_executor.py). Only when asked
+        for: with tp > 1 and no executor given, `engine_config` chooses 'mp' (LMDeploy would take
+        Ray for any backend that supports it)."""
+        return True
+
     @classmethod
     def build_graph_runner(cls, model, model_config, cache_config, backend_config, device):
         """eager_mode=False: decode steps compiled with the dlinfer backend (graph_mode/runner.py)."""

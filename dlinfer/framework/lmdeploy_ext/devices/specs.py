@@ -43,6 +43,8 @@ class DeviceSpec:
         LMDeploy's `init_process_group` and `DistContext.build` ask the ops backend for).
     shares_host_cores: whether the ranks of one machine share its CPU cores for their compute
         (so each rank gets a share of them: `patches/mp_executor.py`).
+    ray_resource: the Ray resource one rank's placement bundle holds under LMDeploy's Ray executor
+        (`patches/ray_executor.py`), or None where that executor is not run.
     """
 
     device_type: str
@@ -56,6 +58,7 @@ class DeviceSpec:
     kv_cache_warn_share: float | None
     ccl_backend: str
     shares_host_cores: bool
+    ray_resource: str | None = None
 
 
 CPU = DeviceSpec(
@@ -79,6 +82,7 @@ CPU = DeviceSpec(
     kv_cache_warn_share=0.5,
     ccl_backend="gloo",
     shares_host_cores=True,
+    ray_resource="CPU",
 )
 
 DLINFER_CUDA = DeviceSpec(

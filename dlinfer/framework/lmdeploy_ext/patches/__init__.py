@@ -24,6 +24,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     mp_engine,
     mp_executor,
     openmp_pool,
+    ray_executor,
     request_checks,
     vl_preprocess,
     weight_reads,
@@ -44,6 +45,7 @@ PATCHES = (
     openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up
     mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
     mp_executor,       # tp > 1: ranks import the adaptor, share the cores, end the engine when one dies
+    ray_executor,      # LMDeploy's Ray executor on the cpu device type (applied when a Ray engine is built)
     vl_preprocess,     # VLM image preprocessors without torchvision; unsupported VLMs refused first
     image_checks,      # a request's images checked at the door (400 naming the item); serve reads no local path
     request_checks,    # token ids outside the vocabulary refused per request (400), not by the engine's death

@@ -15,7 +15,8 @@ How: for a dlinfer device type only (see `devices/specs.py`), and only there,
   the caller gave none or passed None (LMDeploy's CLI always passes both: `serve.py` passes None
   to mean "the device's default");
 - `__post_init__` first checks what the device can run (dtype; tp >= 1 with dp = ep = 1 and
-  the 'uni' (tp = 1) or 'mp' executor, never 'ray'; quant_policy 0 or 8 (8: the int8 KV cache,
+  the 'uni' (tp = 1), 'mp' or, where the device type has a Ray resource, 'ray' executor, 'mp'
+  chosen when tp > 1 asks for none (LMDeploy would take Ray); quant_policy 0 or 8 (8: the int8 KV cache,
   tp = 1 only; its scales file is checked when the engine is built,
   `backend/kv_int8.py`); the 'mp' multi-process engine) and what LMDeploy's engine
   checker would exit on (`max_batch_size` >= 1, `num_gpu_blocks` 0 or >= 16, no `thread_safe`,
@@ -72,24 +73,31 @@ def check_engine_config(config, spec: devices.DeviceSpec) -> None:
 
 def check_parallel(config, spec: devices.DeviceSpec) -> None:
     """Raise ValueError for a parallel layout `spec`'s device type cannot run: tensor parallel
-    (tp >= 1) runs through LMDeploy's 'mp' executor (tp == 1 also through 'uni'); data and expert
-    parallel and LMDeploy's Ray executor are refused by name (docs/lmdeploy.md, "Tensor parallel")."""
+    (tp >= 1) runs through LMDeploy's 'mp' executor (tp == 1 also through 'uni'), or its 'ray'
+    executor where the device type has a Ray resource; data and expert parallel are refused by
+    name (docs/lmdeploy.md, "Tensor parallel")."""
     name = spec.device_type
     if config.tp < 1:
         raise ValueError(f"device_type={name!r}: tp must be at least 1, got {config.tp}.")
     if config.dp != 1:
-        raise ValueError(f"device_type={name!r} has no data parallel: dp must be 1, got {config.dp} (LMDeploy "
-                         "runs dp > 1 only through its Ray executor, which dlinfer's device types do not run).")
+        raise ValueError(f"device_type={name!r} has no data parallel: dp must be 1, got {config.dp} (LMDeploy's "
+                         "dp > 1 runs MoE models' attention data-parallel with expert parallel, which dlinfer's "
+                         "fused_moe does not do; for more throughput run one server per replica).")
     if config.ep != 1:
         raise ValueError(f"device_type={name!r} has no expert parallel: ep must be 1, got {config.ep} (dlinfer's "
                          "fused_moe has no all-to-all dispatch over moe_metadata; use tp, which splits every "
                          "expert's MLP over the ranks).")
     backend = config.distributed_executor_backend
-    allowed = ("uni", "mp") if config.tp == 1 else ("mp",)
+    allowed = ("uni", "mp", "ray") if config.tp == 1 else ("mp", "ray")
+    if backend == "ray" and spec.ray_resource is None:
+        raise ValueError(f"device_type={name!r} does not run LMDeploy's Ray executor (not checked on its devices "
+                         f"yet); use distributed_executor_backend='mp' or None.")
     if backend == "ray":
-        raise ValueError(f"device_type={name!r} does not run LMDeploy's Ray executor (no 'ray' placement for a CPU "
-                         "device type in LMDeploy 0.18, and Ray is not one of dlinfer's dependencies); "
-                         f"use distributed_executor_backend='mp' or None.")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ValueError(f"distributed_executor_backend='ray' needs Ray: pip install 'dlinfer[ray]' "
+                             f"(device_type={name!r})") from None
     if backend is not None and backend not in allowed:
         raise ValueError(f"device_type={name!r} with tp={config.tp} runs LMDeploy's "
                          f"{' or '.join(repr(a) for a in allowed)} executor, "
@@ -169,6 +177,8 @@ def _patch_post_init(original):
         if spec is None:
             return original(self)
         check_engine_config(self, spec)
+        if self.tp > 1 and self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "mp"  # not Ray, which LMDeploy picks where the backend supports it
         device_type, dtype = self.device_type, self.dtype
         self.device_type, self.dtype = "cuda", "auto"  # the only values LMDeploy's asserts know
         try:

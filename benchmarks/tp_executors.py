@@ -1,0 +1,88 @@
+"""Decode speed of tensor parallel through LMDeploy's mp executor against its Ray executor, on
+device_type="cpu", each side in a process of its own, alternated.
+
+    .venv/bin/python benchmarks/tp_executors.py [--model DIR] [--tp 2] [--tokens 128] [--rounds 3]
+
+Each run builds a pipeline (eager steps) and times a greedy generation of `--tokens` tokens at
+batch 1, after a warm-up generation; decode tokens/s = (tokens - 1) / (time - time to the first
+token). The Ray side starts its own one-node cluster on the loopback address and shuts it down.
+Prints every run and, per side, the min / median; the ratio ray / mp at the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_side(model: str, tp: int, backend: str, tokens: int) -> float:
+    """Decode tokens/s of one generation in this process."""
+    from lmdeploy import GenerationConfig, PytorchEngineConfig, pipeline
+
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401
+
+    config = PytorchEngineConfig(device_type="cpu", eager_mode=True, tp=tp, distributed_executor_backend=backend,
+                                 max_batch_size=8, num_gpu_blocks=256)
+    pipe = pipeline(model, backend_config=config, log_level="ERROR")
+    try:
+        gen = GenerationConfig(max_new_tokens=tokens, do_sample=False, ignore_eos=True)
+        prompt = "The model reads the prompt and answers"
+        pipe([prompt], gen_config=GenerationConfig(max_new_tokens=8, do_sample=False, ignore_eos=True))
+        first = None
+        count = 0
+        for out in pipe.stream_infer([prompt], gen_config=gen, do_preprocess=False):
+            count += len(out.token_ids)
+            if first is None and count:
+                first = time.perf_counter()
+        return (count - 1) / (time.perf_counter() - first)
+    finally:
+        pipe.close()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="an HF folder (default: the tests' tiny Llama)")
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--side", choices=("mp", "ray"), help=argparse.SUPPRESS)  # one run, in a child
+    args = parser.parse_args(argv)
+    if args.side:
+        print(json.dumps(run_side(args.model, args.tp, args.side, args.tokens)))
+        return 0
+    if args.model is None:
+        sys.path.insert(0, str(REPO / "tests"))
+        from support.tiny_models import tiny_model
+
+        args.model = str(tiny_model("llama"))
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
+               RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    rates: dict[str, list[float]] = {"mp": [], "ray": []}
+    for round_ in range(args.rounds):
+        for side in (("mp", "ray") if round_ % 2 == 0 else ("ray", "mp")):
+            out = subprocess.run([sys.executable, __file__, "--side", side, "--model", args.model, "--tp", str(args.tp),
+                                  "--tokens", str(args.tokens)], env=env, capture_output=True, text=True, timeout=600)
+            if out.returncode != 0:
+                print(out.stderr[-3000:], file=sys.stderr)
+                return 1
+            rate = json.loads(out.stdout.strip().splitlines()[-1])
+            rates[side].append(rate)
+            print(f"round {round_ + 1} {side}: {rate:.1f} tokens/s", flush=True)
+    med = {side: statistics.median(values) for side, values in rates.items()}
+    for side, values in rates.items():
+        print(f"{side}: min {min(values):.1f} / median {med[side]:.1f} tokens/s")
+    print(f"ray / mp at the medians: {med['ray'] / med['mp']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
