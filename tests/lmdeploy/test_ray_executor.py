@@ -91,10 +91,11 @@ def ray_cluster(tmp_path_factory):
             else:
                 os.environ[key] = value
         started = _ray_processes(psutil.Process(head.pid))
-        os.killpg(head.pid, signal.SIGTERM)
-        _, alive = psutil.wait_procs(started, timeout=STOP_TIMEOUT_S)
-        for proc in alive:
+        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the cluster on SIGTERM
+        _, alive = psutil.wait_procs(started, timeout=10)
+        for proc in alive:  # what has not stopped by then (a raylet waiting on its workers)
             proc.kill()
+        psutil.wait_procs(alive, timeout=STOP_TIMEOUT_S)
 
 
 def _ray_pipeline(model_dir, **kwargs):

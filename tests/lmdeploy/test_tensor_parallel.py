@@ -50,12 +50,16 @@ def test_collective_backend_comes_from_the_device_type():
     assert backend_for(devices.DLINFER_CUDA).ccl_backend() == "nccl"
 
 
-def test_lmdeploy_picks_its_mp_executor_for_cpu_tp():
+def test_cpu_tp_runs_lmdeploys_mp_executor_unless_ray_is_asked_for():
+    """The cpu backend supports Ray (patches/ray_executor.py), so LMDeploy's own choice for tp > 1
+    with no executor named would be Ray; the engine config names 'mp' first."""
+    from lmdeploy import PytorchEngineConfig
     from lmdeploy.pytorch.engine.executor import get_distributed_executor_backend
 
     import dlinfer.framework.lmdeploy_ext  # noqa: F401
 
-    assert get_distributed_executor_backend(2, 1, "cpu") == "mp"
+    assert PytorchEngineConfig(device_type="cpu", tp=2).distributed_executor_backend == "mp"
+    assert get_distributed_executor_backend(2, 1, "cpu") == "ray"
 
 
 @pytest.mark.parametrize("world_size,cores,env,expected", [
