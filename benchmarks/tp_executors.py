@@ -6,7 +6,11 @@ device_type="cpu", each side in a process of its own, alternated.
 Each run builds a pipeline (eager steps) and times a greedy generation of `--tokens` tokens at
 batch 1, after a warm-up generation; decode tokens/s = (tokens - 1) / (time - time to the first
 token). The Ray side starts its own one-node cluster on the loopback address and shuts it down.
-Prints every run and, per side, the min / median; the ratio ray / mp at the medians.
+Prints every run and, per side, the min / median; the ratio ray / mp at the medians. Then Ray's
+own fixed costs on this machine, measured in a process of their own with an idle actor: a
+`ray.put` of a step's inputs, and an actor call's round trip with the put object as its argument
+(LMDeploy's Ray executor makes one put and three calls a step: a forward per rank, the leader's
+outputs); that is the floor of what the Ray side adds per step.
 """
 
 from __future__ import annotations
@@ -47,14 +51,51 @@ def run_side(model: str, tp: int, backend: str, tokens: int) -> float:
         pipe.close()
 
 
+def ray_call_costs(rounds: int = 300) -> dict:
+    """Milliseconds of one `ray.put` of a small dict and of one awaited call of an idle async
+    actor with that object as its argument (median of `rounds`), on a one-node cluster of its own."""
+    import asyncio
+
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        @ray.remote(num_cpus=0)
+        class Idle:
+            async def echo(self, x):
+                return x
+
+        actor = Idle.remote()
+        inputs = {"input_ids": list(range(64)), "seq_length": [1], "is_decoding": True}
+        ray.get(actor.echo.remote(ray.put(inputs)))
+
+        async def timed() -> dict:
+            puts, calls = [], []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                ref = ray.put(inputs)
+                put = time.perf_counter()
+                await actor.echo.remote(ref)
+                calls.append(time.perf_counter() - put)
+                puts.append(put - start)
+            return {"put_ms": statistics.median(puts) * 1e3, "call_ms": statistics.median(calls) * 1e3}
+
+        return asyncio.run(timed())
+    finally:
+        ray.shutdown()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="an HF folder (default: the tests' tiny Llama)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--side", choices=("mp", "ray"), help=argparse.SUPPRESS)  # one run, in a child
+    parser.add_argument("--side", choices=("mp", "ray", "ray-costs"), help=argparse.SUPPRESS)  # one run, in a child
     args = parser.parse_args(argv)
+    if args.side == "ray-costs":
+        print(json.dumps(ray_call_costs()))
+        return 0
     if args.side:
         print(json.dumps(run_side(args.model, args.tp, args.side, args.tokens)))
         return 0
@@ -81,6 +122,17 @@ def main(argv=None) -> int:
     for side, values in rates.items():
         print(f"{side}: min {min(values):.1f} / median {med[side]:.1f} tokens/s")
     print(f"ray / mp at the medians: {med['ray'] / med['mp']:.3f}")
+    print(f"per step: mp {1e3 / med['mp']:.1f} ms, ray {1e3 / med['ray']:.1f} ms "
+          f"(+{1e3 / med['ray'] - 1e3 / med['mp']:.1f} ms)")
+    out = subprocess.run([sys.executable, __file__, "--side", "ray-costs"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode != 0:
+        print(out.stderr[-3000:], file=sys.stderr)
+        return 1
+    costs = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"Ray on this machine (idle actor, median): ray.put {costs['put_ms']:.2f} ms, a call's round trip "
+          f"{costs['call_ms']:.2f} ms; one put and three calls a step: {costs['put_ms'] + 3 * costs['call_ms']:.1f} ms "
+          "if none overlapped")
     return 0
 
 
