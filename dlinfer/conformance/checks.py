@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -42,7 +42,7 @@ class Check:
     dtype: torch.dtype = torch.float32  # the activation dtype it runs: skipped where the vendor lacks it
     layout: Optional[str] = None
     head_dim: Optional[int] = None
-    feature: Optional[str] = None  # an optional vendor feature it needs (FEATURE_ALIBI, ...)
+    feature: Union[str, Tuple[str, ...], None] = None  # optional vendor feature(s) it needs (FEATURE_ALIBI, ...)
     small: bool = True  # small enough for an interpreted vendor (triton under TRITON_INTERPRET=1)
     uses: Tuple[str, ...] = ()  # the ops it calls, when not just `op`
 
@@ -133,6 +133,8 @@ def skip_reason(vendor, check: Check, capabilities: bool = True) -> Tuple[Option
         return f"{vendor.name} declares no {dtype_name(check.dtype)}", False
     if check.head_dim is not None and caps.head_dims is not None and check.head_dim not in caps.head_dims:
         return f"{vendor.name} declares no head dim {check.head_dim}", False
-    if check.feature is not None and not vendor.supports(check.feature):
-        return f"{vendor.name} declares no {check.feature}", False
+    needed = (check.feature,) if isinstance(check.feature, str) else (check.feature or ())
+    for feature in needed:
+        if not vendor.supports(feature):
+            return f"{vendor.name} declares no {feature}", False
     return None, False

@@ -195,11 +195,13 @@ def gather_paged(cache, block_table_row, kv_len, block_size, layout):
 # ---------------------------------------------------------------- attention
 
 
-def attention_one_sequence(q, k, v, q_pos, softmax_scale=None, alibi_slopes=None):
+def attention_one_sequence(q, k, v, q_pos, softmax_scale=None, alibi_slopes=None, window=0, softcap=0.0):
     """Dense attention of one sequence.
 
     q [n, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]; q_pos[i] is query i's position; it attends to
-    keys 0..q_pos[i] (inclusive). ALiBi adds slope_h * (key_pos - query_pos) (<= 0).
+    keys 0..q_pos[i] (inclusive), and with a window W > 0 only to keys q_pos[i] - W + 1 ..
+    q_pos[i]. ALiBi adds slope_h * (key_pos - query_pos) (<= 0); a soft cap c replaces each
+    scaled score s by c * tanh(s / c) (before ALiBi and the mask).
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     n, Hq, D = q.shape
@@ -214,10 +216,14 @@ def attention_one_sequence(q, k, v, q_pos, softmax_scale=None, alibi_slopes=None
     assert int(qp.max()) < L, "a query position past the keys"
     kp = torch.arange(L, dtype=torch.int64)
     visible = kp[None, :] <= qp[:, None]  # [n, L]
+    if window:
+        visible &= kp[None, :] > qp[:, None] - window
     rel = (kp[None, :] - qp[:, None]).to(F64)  # key_pos - query_pos
     for h in range(Hq):
         kh, vh = k[:, h // group], v[:, h // group]
         scores = (q[:, h] @ kh.T) * scale  # [n, L]
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         if slopes is not None:
             scores = scores + slopes[h] * rel
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -225,7 +231,7 @@ def attention_one_sequence(q, k, v, q_pos, softmax_scale=None, alibi_slopes=None
     return out
 
 
-def prefill_attention(query, key, value, q_seq_len, softmax_scale=None, alibi_slopes=None):
+def prefill_attention(query, key, value, q_seq_len, softmax_scale=None, alibi_slopes=None, window=0, softcap=0.0):
     """No history: per-sequence lengths (q_seq_len [B]); causal inside each sequence."""
     T, Hq, _ = query.shape
     out = torch.zeros(T, Hq, value.shape[-1], dtype=F64)
@@ -233,14 +239,14 @@ def prefill_attention(query, key, value, q_seq_len, softmax_scale=None, alibi_sl
     for n in _ints(q_seq_len):
         sl = slice(start, start + n)
         out[sl] = attention_one_sequence(query[sl], key[sl], value[sl], list(range(n)),
-                                         softmax_scale, alibi_slopes)
+                                         softmax_scale, alibi_slopes, window, softcap)
         start += n
     assert start == T, (start, T)
     return out
 
 
 def paged_attention(query, key_cache, value_cache, block_table, block_size, q_cu_ends, kv_seq_len,
-                    layout, softmax_scale=None, alibi_slopes=None):
+                    layout, softmax_scale=None, alibi_slopes=None, window=0, softcap=0.0):
     """Paged prefill and decode: q_cu_ends [B] are cumulative ends of the query rows.
 
     New token i of sequence b (n_b new tokens) sits at kv_seq_len[b] - n_b + i.
@@ -256,7 +262,8 @@ def paged_attention(query, key_cache, value_cache, block_table, block_size, q_cu
         k = gather_paged(key_cache, block_table[b], L, block_size, layout)
         v = gather_paged(value_cache, block_table[b], L, block_size, layout)
         q_pos = [L - n + i for i in range(n)]
-        out[start:end] = attention_one_sequence(query[start:end], k, v, q_pos, softmax_scale, alibi_slopes)
+        out[start:end] = attention_one_sequence(query[start:end], k, v, q_pos, softmax_scale, alibi_slopes, window,
+                                                softcap)
         start = end
     assert start == T, (start, T)
     return out

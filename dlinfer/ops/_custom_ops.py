@@ -17,16 +17,31 @@ from dlinfer.vendor.op_table import NAMESPACE, OPS, OpSpec
 from dlinfer.vendor.selection import resolve
 
 
-def _kernel(name: str) -> Callable:
-    def run(first, *rest):
-        return resolve(name, first.device.type)[0](first, *rest)
+def _kernel(spec: OpSpec) -> Callable:
+    """The vendor's function for the op, called as the eager path calls it: the op's optional
+    features (`OpSpec.options`, the schema's last arguments, which the dispatcher passes only up
+    to the last one given) go as keywords, and only when set."""
+    name = spec.name
+    if not spec.options:
+        def run(first, *rest):
+            return resolve(name, first.device.type)[0](first, *rest)
+        run.__name__ = name
+        return run
+    names = spec.arg_names
+    fixed = len(names) - len(spec.options)
+
+    def run(first, *rest, **named):
+        args = (first, *rest)
+        options = {**dict(zip(names[fixed:], args[fixed:])), **named}
+        kwargs = {key: value for key, value in options.items() if value}
+        return resolve(name, first.device.type)[0](*args[:fixed], **kwargs)
 
     run.__name__ = name
     return run
 
 
 def _register(spec: OpSpec) -> None:
-    op = torch.library.custom_op(f"{NAMESPACE}::{spec.name}", _kernel(spec.name), mutates_args=spec.mutates,
+    op = torch.library.custom_op(f"{NAMESPACE}::{spec.name}", _kernel(spec), mutates_args=spec.mutates,
                                  schema=spec.schema)
     op.register_fake(spec.fake)
 

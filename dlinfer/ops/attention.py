@@ -6,6 +6,15 @@ Sequence lengths follow LMDeploy 0.18's calls (docs/design.md, "Lengths and posi
   (cu_seqlens_q[1:]): sequence b owns query rows q_seq_len[b-1] : q_seq_len[b].
 New token i of sequence b (n_b new tokens) sits at position kv_seq_len[b] - n_b + i and attends to
 every cached position up to and including its own.
+
+Two optional arguments, set per layer (Gemma 2/3 alternate windowed and global layers), change
+the scores (docs/design.md, "Sliding windows and soft-capping"):
+  sliding_window W: a token at position p sees only positions p - W + 1 .. p (its last W keys,
+      itself included: transformers' convention). None or -1 (LMDeploy's "no window"): no window.
+  logit_softcapping c: each score s (after the softmax scale) becomes c * tanh(s / c) before the
+      softmax (Gemma 2). None or 0: none.
+A vendor runs them when it declares FEATURE_SLIDING_WINDOW / FEATURE_SOFTCAP; its kernel then
+gets `sliding_window=` / `logit_softcapping=` keywords, and only when they are set.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from dlinfer.ops import kv_quant
 from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
 from dlinfer.ops.kv_cache import cache_dims
 from dlinfer.utils.memo import LastCallMemo
-from dlinfer.vendor.base import FEATURE_ALIBI
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_SLIDING_WINDOW, FEATURE_SOFTCAP
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
@@ -68,6 +77,25 @@ def _alibi(op: str, vendor, alibi_slopes, query: Tensor) -> Optional[Tensor]:
     require(vendor, op, FEATURE_ALIBI)
     C.tensor(op, "alibi_slopes", alibi_slopes, (query.shape[1],), (torch.float32,), query.device)
     return alibi_slopes
+
+
+def _score_options(op: str, vendor, sliding_window, logit_softcapping) -> dict:
+    """The kernel keywords of a window and a soft cap that are set (an empty dict for neither)."""
+    kwargs = {}
+    if sliding_window is not None and sliding_window != -1:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise InvalidArgumentError(op, "sliding_window", "an int >= 1, or None / -1 for no window",
+                                       C.describe(sliding_window))
+        require(vendor, op, FEATURE_SLIDING_WINDOW)
+        kwargs["sliding_window"] = int(sliding_window)
+    if logit_softcapping is not None and logit_softcapping != 0:
+        if (isinstance(logit_softcapping, bool) or not isinstance(logit_softcapping, (int, float))
+                or not logit_softcapping > 0 or logit_softcapping == float("inf")):
+            raise InvalidArgumentError(op, "logit_softcapping", "a finite float > 0, or None / 0 for none",
+                                       C.describe(logit_softcapping))
+        require(vendor, op, FEATURE_SOFTCAP)
+        kwargs["logit_softcapping"] = float(logit_softcapping)
+    return kwargs
 
 
 def _on_device_int32(t: Tensor, device: torch.device) -> Tensor:
@@ -117,6 +145,8 @@ def prefill_attention(
     alibi_slopes: Optional[Tensor] = None,
     attn_output: Optional[Tensor] = None,
     actual_seq_lengths_cpu: Optional[Tensor] = None,
+    sliding_window: Optional[int] = None,
+    logit_softcapping: Optional[float] = None,
 ) -> Tensor:
     """Causal varlen attention over the new tokens alone (no history).
 
@@ -130,6 +160,7 @@ def prefill_attention(
     softmax_scale: default D ** -0.5.  alibi_slopes: [Hq] float32 or None.
     attn_output: optional [T, Hq, Dv] (may be a strided view such as query[..., :Dv]); WRITTEN.
     actual_seq_lengths_cpu: optional [B] cumulative ends on the CPU (saves a cumsum).
+    sliding_window, logit_softcapping: see the module docstring (None: off).
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "prefill_attention"
@@ -155,6 +186,7 @@ def prefill_attention(
     check_head_dim(vendor, op, d)
     scale = _scale(op, softmax_scale, d)
     alibi = _alibi(op, vendor, alibi_slopes, query)
+    options = _score_options(op, vendor, sliding_window, logit_softcapping)
     out = _output(op, query, value.shape[2], attn_output)
     cu = _prefill_lengths_memo(q_seq_len, actual_seq_lengths_cpu, query.device)
     if C.check_values_enabled():
@@ -169,7 +201,7 @@ def prefill_attention(
             raise InvalidArgumentError(op, "max_q_seq_len", f">= {int(q_seq_len.max())}", str(max_q))
     if t == 0:
         return out
-    kernel(query, key, value, cu, max_q, scale, alibi, out)
+    kernel(query, key, value, cu, max_q, scale, alibi, out, **options)
     return out
 
 
@@ -186,11 +218,12 @@ class _Paged(NamedTuple):
     out: Tensor  # [T, Hq, Dv], written by the kernel
     check_values: bool  # whether value checks are on
     quant: "kv_quant.KVQuant"  # the int8 cache's scales and zeros (NO_QUANT without one), unpacked into the kernel call
+    options: dict  # the kernel keywords of a sliding window and a soft cap, when set
 
 
 def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
                   num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                  kv_scales, kv_zeros, quant_bits) -> _Paged:
+                  kv_scales, kv_zeros, quant_bits, sliding_window, logit_softcapping) -> _Paged:
     query = _query(op, query)
     t, hq, d = query.shape
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
@@ -221,6 +254,7 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
     C.length_tensor(op, "kv_seq_len", kv_seq_len, b, query.device)
     scale = _scale(op, softmax_scale, d)
     alibi = _alibi(op, vendor, alibi_slopes, query)
+    options = _score_options(op, vendor, sliding_window, logit_softcapping)
     out = _output(op, query, dv, attn_output)
     cu, kv = _paged_lengths_memo(q_seq_len, kv_seq_len, query.device)
     check_values = C.check_values_enabled()
@@ -236,7 +270,7 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
             raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
                                        f"ids in [{int(ids.min())}, {int(ids.max())}]")
     caches = (kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache))
-    return _Paged(kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant)
+    return _Paged(kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant, options)
 
 
 def paged_prefill_attention(
@@ -261,6 +295,8 @@ def paged_prefill_attention(
     kv_scales: Optional[Tensor] = None,
     kv_zeros: Optional[Tensor] = None,
     quant_bits: int = 0,
+    sliding_window: Optional[int] = None,
+    logit_softcapping: Optional[float] = None,
 ) -> Tensor:
     """New tokens attend to their sequence's history and to themselves through the paged cache.
 
@@ -281,12 +317,13 @@ def paged_prefill_attention(
         as (q - zero) * scale per KV head (dlinfer/ops/kv_quant.py); 4: UnsupportedError.
     kv_scales: [2] or [2, Hkv] float (K's then V's scale) when quant_bits=8, else None.
     kv_zeros: the zeros alike (None: 0) when quant_bits=8, else None.
+    sliding_window, logit_softcapping: see the module docstring (None: off).
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_prefill_attention"
     p = _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
                       num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros,
-                      quant_bits)
+                      quant_bits, sliding_window, logit_softcapping)
     query, out = p.query, p.out
     t, _, d = query.shape
     hkv = num_kv_heads
@@ -302,7 +339,8 @@ def paged_prefill_attention(
         _check_bounds(op, p.cu, p.kv, max_q, max_kv)
     if query.shape[0] == 0:
         return out
-    p.kernel(query, *p.caches, block_table, p.cu, p.kv, max_q, max_kv, p.scale, p.alibi, out, p.layout, *p.quant)
+    p.kernel(query, *p.caches, block_table, p.cu, p.kv, max_q, max_kv, p.scale, p.alibi, out, p.layout, *p.quant,
+             **p.options)
     return out
 
 
@@ -332,6 +370,8 @@ def paged_decode_attention(
     kv_scales: Optional[Tensor] = None,
     kv_zeros: Optional[Tensor] = None,
     quant_bits: int = 0,
+    sliding_window: Optional[int] = None,
+    logit_softcapping: Optional[float] = None,
 ) -> Tensor:
     """Decode: each sequence's newest token(s) attend to the paged cache.
 
@@ -343,11 +383,12 @@ def paged_decode_attention(
     op = "paged_decode_attention"
     p = _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
                       num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros,
-                      quant_bits)
+                      quant_bits, sliding_window, logit_softcapping)
     max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     if p.check_values and p.kv.numel():
         _check_bounds(op, p.cu, p.kv, None, max_kv)
     if p.query.shape[0] == 0:
         return p.out
-    p.kernel(p.query, *p.caches, block_table, p.cu, p.kv, max_kv, p.scale, p.alibi, p.out, p.layout, *p.quant)
+    p.kernel(p.query, *p.caches, block_table, p.cu, p.kv, max_kv, p.scale, p.alibi, p.out, p.layout, *p.quant,
+             **p.options)
     return p.out

@@ -25,6 +25,8 @@ FEATURE_ALIBI = "alibi_slopes"
 FEATURE_KV_QUANT = "the int8 KV cache (quant_bits=8)"
 FEATURE_EXPERT_PARALLEL = "expert parallelism (moe_metadata.ep_size > 1)"
 FEATURE_GROUPED_ROUTER = "grouped top-k routing (moe_metadata.router_n_groups > 1)"
+FEATURE_SLIDING_WINDOW = "sliding-window attention (sliding_window)"
+FEATURE_SOFTCAP = "attention logit soft-capping (logit_softcapping)"
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,16 @@ class OpSpec:
     schema: the canonical signature as a torch.library schema, "(args) -> returns".
     fake: computes output metadata from canonical arguments (torch.compile's fake tensors).
     doc: argument shapes, one line per argument or group.
+    options: the schema's last arguments that are optional features (SCORE_OPTIONS): a vendor
+        function gets each as a keyword, and only when it is set (not 0), so a vendor without
+        the feature keeps its signature.
     """
 
     name: str
     schema: str
     fake: Callable
     doc: str
+    options: Tuple[str, ...] = ()
 
     @property
     def mutates(self) -> Tuple[str, ...]:
@@ -120,6 +124,10 @@ def _fused_moe_w8a8_fake(hidden_states, *args):
 # The int8 KV cache (quant_bits=8, dlinfer/ops/kv_quant.py): per-head float32 scales and zeros,
 # all four None for a cache in the activation dtype.
 KV_QUANT_ARGS = ", Tensor? k_scale=None, Tensor? k_zero=None, Tensor? v_scale=None, Tensor? v_zero=None"
+# The attention ops' optional score changes (dlinfer/ops/attention.py): 0 means off.
+SCORE_OPTIONS = ("sliding_window", "logit_softcapping")
+SCORE_ARGS = ", int sliding_window=0, float logit_softcapping=0.0"
+SCORE_DOC = "; sliding_window (0: none), logit_softcapping (0: none), keywords to the vendor when set"
 KV_QUANT_DOC = ("k_scale / k_zero / v_scale / v_zero [Hkv] float32 or None: int8 caches holding "
                 "clamp(round(x / scale + zero), -128, 127), read as (q - zero) * scale")
 
@@ -161,28 +169,31 @@ _TABLE = (
     OpSpec(
         "prefill_attention",
         "(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, SymInt max_q_seq_len, float softmax_scale, "
-        "Tensor? alibi_slopes, Tensor(a!) out) -> ()",
+        "Tensor? alibi_slopes, Tensor(a!) out" + SCORE_ARGS + ") -> ()",
         _none,
         "query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1], alibi_slopes [Hq]?, "
-        "out [T, Hq, Dv] (written)",
+        "out [T, Hq, Dv] (written)" + SCORE_DOC,
+        SCORE_OPTIONS,
     ),
     OpSpec(
         "paged_prefill_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
         "Tensor kv_seq_len, SymInt max_q_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
-        "Tensor(a!) out, str kv_layout" + KV_QUANT_ARGS + ") -> ()",
+        "Tensor(a!) out, str kv_layout" + KV_QUANT_ARGS + SCORE_ARGS + ") -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
-        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC,
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC + SCORE_DOC,
+        SCORE_OPTIONS,
     ),
     OpSpec(
         "paged_decode_attention",
         "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seqlens_q, "
         "Tensor kv_seq_len, SymInt max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
-        "str kv_layout" + KV_QUANT_ARGS + ") -> ()",
+        "str kv_layout" + KV_QUANT_ARGS + SCORE_ARGS + ") -> ()",
         _none,
         "query [T, Hq, D], caches in kv_layout, block_table [B, M], cu_seqlens_q [B+1], kv_seq_len [B], "
-        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC,
+        "alibi_slopes [Hq]?, out [T, Hq, Dv] (written); " + KV_QUANT_DOC + SCORE_DOC,
+        SCORE_OPTIONS,
     ),
     OpSpec(
         "moe_gating_topk_softmax",

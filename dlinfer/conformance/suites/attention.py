@@ -28,7 +28,6 @@ from dlinfer.conformance.inputs import (
     write_cache,
 )
 from dlinfer.conformance.suites.attention_cases import DECODE_CASES, PAGED_PREFILL_CASES, PREFILL_CASES
-from dlinfer.vendor.base import FEATURE_ALIBI
 
 I32, I64 = torch.int32, torch.int64
 
@@ -98,7 +97,7 @@ class PagedSetup:
         # live K/V do not depend on the layout (the seed does not): one reference for both layouts
         self.expected = memo((seed, stale is None), lambda: ref.paged_attention(
             self.q, self.key_cache, self.value_cache, self.paged.block_table, case.bs, self.q_cu_ends,
-            self.kv_seq_len, layout, case.scale, _slopes(case)))
+            self.kv_seq_len, layout, case.scale, _slopes(case), case.window, case.softcap))
         self.cache_before = (self.key_cache.clone(), self.value_cache.clone())
 
     def check_caches_untouched(self, op):
@@ -114,7 +113,7 @@ def _paged_prefill(vendor, layout, case, dtype, out_mode, stale=None):
         s.q, s.k, s.v, s.key_cache, s.value_cache, s.paged.block_table, case.bs, s.q_cu_ends,
         s.kv_seq_len, s.max_q, s.max_kv, case.hq, case.hkv, [], head_size_v=case.dv,
         softmax_scale=case.scale, alibi_slopes=_slopes(case), attn_output=attn_output, kv_scales=None,
-        kv_zeros=None, quant_bits=0)
+        kv_zeros=None, quant_bits=0, **case.score_options)
     _check_output(out, attn_output, case, dtype, s.expected, "paged_prefill_attention")
     s.check_caches_untouched("paged_prefill_attention")
 
@@ -126,7 +125,7 @@ def _paged_decode(vendor, layout, case, dtype, out_mode, stale=None):
         s.q, s.key_cache, s.value_cache, s.paged.block_table, case.bs, s.q_cu_ends, s.kv_seq_len,
         s.max_kv, case.hq, case.hkv, head_size_v=case.dv, softmax_scale=case.scale,
         alibi_slopes=_slopes(case), attn_output=attn_output, kv_scales=None, kv_zeros=None,
-        quant_bits=0)
+        quant_bits=0, **case.score_options)
     _check_output(out, attn_output, case, dtype, s.expected, "paged_decode_attention")
     s.check_caches_untouched("paged_decode_attention")
 
@@ -139,7 +138,7 @@ def _out_mode(case):
 def _attn_check(name, op, fn, layout, case, dtype, extra=None, **kwargs):
     return Check(name, params(layout, case.id, dtype, extra), op, PARITY,
                  partial(fn, layout=layout, case=case, dtype=dtype, **kwargs), case=case.id,
-                 dtype=dtype, layout=layout, head_dim=case.d, feature=FEATURE_ALIBI if case.alibi else None,
+                 dtype=dtype, layout=layout, head_dim=case.d, feature=case.features,
                  small=case.small)
 
 
@@ -151,7 +150,7 @@ def _prefill(vendor, layout, case, dtype, with_cpu_ends):
     g = gen(seed)
     q, k, v = packed_qkv(case.T, case.hq, case.hkv, case.d, case.dv, dtype, g, case.packed)
     expected = memo(seed, lambda: ref.prefill_attention(q, k, v, torch.tensor(case.q_lens), case.scale,
-                                                        _slopes(case)))
+                                                        _slopes(case), case.window, case.softcap))
     # LMDeploy passes the (filled) caches; the op must not need nor touch them.
     kc = alloc_cache(3, case.bs, case.hkv, case.d, layout, dtype, g)
     vc = alloc_cache(3, case.bs, case.hkv, case.dv, layout, dtype, g)
@@ -162,7 +161,7 @@ def _prefill(vendor, layout, case, dtype, with_cpu_ends):
     attn_output = _output_buffer(case, q, _out_mode(case))
     out = ops.prefill_attention(q, k, v, kc, vc, q_lens, kv_lens, max(case.q_lens), case.hq, case.hkv, [],
                                 softmax_scale=case.scale, alibi_slopes=_slopes(case), attn_output=attn_output,
-                                actual_seq_lengths_cpu=cpu_ends)
+                                actual_seq_lengths_cpu=cpu_ends, **case.score_options)
     _check_output(out, attn_output, case, dtype, expected, "prefill_attention")
     assert_equal(kc, before[0], "prefill_attention", name="key_cache (unused)")
     assert_equal(vc, before[1], "prefill_attention", name="value_cache (unused)")

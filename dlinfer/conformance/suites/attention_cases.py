@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_SLIDING_WINDOW, FEATURE_SOFTCAP
+
 I64 = torch.int64
 
 
@@ -23,6 +25,20 @@ class AttnCase:
     packed: bool = True  # q/k/v as strided views of one qkv buffer
     scale: float = None  # softmax_scale
     alibi: bool = False
+    window: int = 0  # sliding_window (0: none)
+    softcap: float = 0.0  # logit_softcapping (0: none)
+
+    @property
+    def features(self):
+        """The optional vendor features the case needs (None: none)."""
+        needed = tuple(f for f, on in ((FEATURE_ALIBI, self.alibi), (FEATURE_SLIDING_WINDOW, self.window),
+                                      (FEATURE_SOFTCAP, self.softcap)) if on)
+        return needed or None
+
+    @property
+    def score_options(self) -> dict:
+        """The op keywords of the case's window and soft cap."""
+        return {"sliding_window": self.window or None, "logit_softcapping": self.softcap or None}
 
     @property
     def kv_lens(self):
@@ -58,6 +74,12 @@ PREFILL_CASES = [
     AttnCase("b2_gqa1_d64", ((0, 700), (0, 77)), 4, 4, 64, 64, 16, False, index_dtype=I64, packed=False),
     AttnCase("b4_gqa4_d80_alibi", ((0, 129), (0, 64), (0, 250), (0, 17)), 8, 2, 80, 80, 16, False,
              lens_on_cpu=False, alibi=True),
+    # Windows shorter and longer than sequences, soft caps small enough to bend the scores.
+    AttnCase("b2_window5_gqa4_d64", ((0, 17), (0, 3)), 8, 2, 64, 64, 16, True, window=5),
+    AttnCase("b2_window8_softcap2_d128", ((0, 40), (0, 9)), 4, 2, 128, 128, 16, True, window=8, softcap=2.0),
+    AttnCase("b1_softcap1_gqa1_d64", ((0, 11),), 2, 2, 64, 64, 16, True, scale=0.5, softcap=1.0, packed=False),
+    AttnCase("b2_window100_softcap3_gqa5_d128", ((0, 513), (0, 77)), 10, 2, 128, 128, 16, False, window=100,
+             softcap=3.0),
 ]
 
 # paged_prefill_attention: history + new, history not dividing the block size.
@@ -72,6 +94,12 @@ PAGED_PREFILL_CASES = [
              index_dtype=I64, packed=False),
     AttnCase("b5_gqa4_d80_bs16_alibi", ((7, 9), (100, 3), (15, 17), (1, 1), (250, 40)), 8, 2, 80, 80, 16,
              False, lens_on_cpu=False, alibi=True),
+    AttnCase("b2_window5_gqa4_d64_bs4", ((13, 6), (0, 4)), 8, 2, 64, 64, 4, True, window=5),
+    AttnCase("b1_window16_softcap2_d128_bs8", ((40, 9),), 4, 2, 128, 128, 8, True, window=16, softcap=2.0,
+             index_dtype=I64, lens_on_cpu=False),
+    AttnCase("b2_softcap1_gqa1_d64_bs16", ((17, 3), (0, 5)), 2, 2, 64, 64, 16, True, softcap=1.0, packed=False),
+    AttnCase("b3_window64_softcap3_gqa5_d128_bs16", ((1000, 37), (64, 129), (5, 3)), 10, 2, 128, 128, 16, False,
+             window=64, softcap=3.0),
 ]
 
 # paged_decode_attention: one new token per sequence, and multi-token decode.
@@ -95,4 +123,12 @@ DECODE_CASES = [
     AttnCase("b1_long_gqa8_d128_bs16_split", ((1900, 1),), 8, 1, 128, 128, 16, False),
     AttnCase("b2_long_gqa4_d64_bs32_split", ((1300, 1), (517, 1)), 4, 1, 64, 64, 32, False, index_dtype=I64,
              alibi=True),
+    AttnCase("b3_window7_gqa4_d80_bs8", ((16, 1), (4, 1), (22, 1)), 8, 2, 80, 80, 8, True, window=7),
+    AttnCase("b2_multitoken_window4_softcap2_d64_bs4", ((9, 2), (5, 3)), 8, 2, 64, 64, 4, True, window=4,
+             softcap=2.0, index_dtype=I64, lens_on_cpu=False),
+    AttnCase("b2_softcap1_gqa1_d64_bs16", ((30, 1), (0, 1)), 2, 2, 64, 64, 16, True, softcap=1.0, packed=False),
+    # A window far shorter than the history: the decode kernels may skip whole blocks (and splits).
+    AttnCase("b1_long_window128_gqa8_d128_bs16_split", ((1900, 1),), 8, 1, 128, 128, 16, False, window=128),
+    AttnCase("b3_window256_softcap3_gqa5_d128_bs64", ((700, 1), (15, 1), (2046, 1)), 10, 2, 128, 128, 64, False,
+             window=256, softcap=3.0),
 ]

@@ -225,6 +225,18 @@ for _op in ("paged_prefill_attention", "paged_decode_attention"):
         (_op, "attn_output", "size", lambda a, l, _t=_t: torch.empty(_t, HQ, DV + 1, device=device())),
         (_op, "attn_output", "device", lambda a, l, _t=_t: torch.empty(_t, HQ, DV, device=META)),
     ]
+for _op in ("prefill_attention", "paged_prefill_attention", "paged_decode_attention"):
+    BAD += [  # the score options (None / -1 / 0 mean off; anything else out of range is refused)
+        (_op, "sliding_window", "zero", lambda a, l: 0),
+        (_op, "sliding_window", "negative", lambda a, l: -2),
+        (_op, "sliding_window", "float", lambda a, l: 4.0),
+        (_op, "sliding_window", "bool", lambda a, l: True),
+        (_op, "sliding_window", "tuple", lambda a, l: (4, 0)),
+        (_op, "logit_softcapping", "negative", lambda a, l: -30.0),
+        (_op, "logit_softcapping", "infinite", lambda a, l: float("inf")),
+        (_op, "logit_softcapping", "nan", lambda a, l: float("nan")),
+        (_op, "logit_softcapping", "string", lambda a, l: "30"),
+    ]
 BAD += [
     ("paged_prefill_attention", "key", "tokens", lambda a, l: _r(T + 1, HKV, D)),
     ("paged_prefill_attention", "value", "tokens", lambda a, l: _r(T + 1, HKV, DV)),

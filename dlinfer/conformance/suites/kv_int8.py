@@ -15,13 +15,13 @@ import torch
 
 import dlinfer.ops as ops
 from dlinfer.conformance import reference as ref
-from dlinfer.conformance.checks import PARITY, Check, Skipped, params, suite
+from dlinfer.conformance.checks import PARITY, Check, params, suite
 from dlinfer.conformance.compare import assert_close, assert_equal, expect
 from dlinfer.conformance.inputs import DTYPES, device, gen, lens_tensor, make_block_table, packed_qkv, seed_of
 from dlinfer.conformance.suites.attention_cases import DECODE_CASES, PAGED_PREFILL_CASES
 from dlinfer.conformance.suites.kv_cache import CASES as FILL_CASES
 from dlinfer.conformance.suites.kv_cache import slots_for
-from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT
+from dlinfer.vendor.base import FEATURE_KV_QUANT
 
 I8 = torch.int8
 
@@ -121,8 +121,6 @@ def fill_kv_cache_int8(layouts):
 
 
 def _paged(vendor, op, layout, case, dtype, how):
-    if case.alibi and not vendor.supports(FEATURE_ALIBI):  # the check's feature is the int8 cache
-        raise Skipped(f"{vendor.name} declares no {FEATURE_ALIBI}")
     g = gen(seed_of(op, "int8", case.id, dtype, how.id))
     q, _, _ = packed_qkv(case.T, case.hq, case.hkv, case.d, case.dv, dtype, g, case.packed)
     paged = make_block_table(case.kv_lens, case.bs, g, case.index_dtype)
@@ -137,10 +135,11 @@ def _paged(vendor, op, layout, case, dtype, how):
     full = [t.expand(case.hkv) for t in (ks, kz, vs, vz)]
     expected = ref.paged_attention(q, ref.dequantise_cache(key_cache, full[0], full[1], layout),
                                    ref.dequantise_cache(value_cache, full[2], full[3], layout), paged.block_table,
-                                   case.bs, q_cu_ends, kv_seq_len, layout, case.scale, slopes)
+                                   case.bs, q_cu_ends, kv_seq_len, layout, case.scale, slopes, case.window,
+                                   case.softcap)
     before = (key_cache.clone(), value_cache.clone())
     common = dict(head_size_v=case.dv, softmax_scale=case.scale, alibi_slopes=slopes, kv_scales=kv_scales,
-                  kv_zeros=kv_zeros, quant_bits=8)
+                  kv_zeros=kv_zeros, quant_bits=8, **case.score_options)
     if op == "paged_prefill_attention":
         out = ops.paged_prefill_attention(q, None, None, key_cache, value_cache, paged.block_table, case.bs,
                                           q_cu_ends, kv_seq_len, max(case.q_lens), max(case.kv_lens), case.hq,
@@ -158,9 +157,9 @@ def _paged(vendor, op, layout, case, dtype, how):
 def _attention_checks(name, op, cases, layouts):
     return [Check(name, params(layout, c.id, dt, how.id), op, PARITY,
                   partial(_paged, op=op, layout=layout, case=c, dtype=dt, how=how), case=c.id, dtype=dt,
-                  layout=layout, head_dim=c.d, feature=FEATURE_KV_QUANT, small=c.small)
+                  layout=layout, head_dim=c.d, feature=(FEATURE_KV_QUANT, *(c.features or ())), small=c.small)
             for layout in layouts for c in cases for dt in DTYPES for how in SCALES
-            if not c.alibi or how.per_head]  # ALiBi once per case: with per-head scales
+            if not c.features or how.per_head]  # ALiBi, windows, soft caps once per case: with per-head scales
 
 
 @suite("paged_decode_attention_int8")

@@ -20,7 +20,14 @@ When no C++ compiler can build the kernels, the vendor does not load (`python -m
 says why) and CPU ops run on the torch vendor.
 """
 
-from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, Capabilities, Vendor
+from dlinfer.vendor.base import (
+    FEATURE_ALIBI,
+    FEATURE_KV_QUANT,
+    FEATURE_SLIDING_WINDOW,
+    FEATURE_SOFTCAP,
+    Capabilities,
+    Vendor,
+)
 from dlinfer.vendor.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 NOTES = {
@@ -98,6 +105,8 @@ def load() -> Vendor:
         device_types=("cpu",),
         kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR),
         ops=ops,
-        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT}), notes=dict(NOTES)),
+        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT, FEATURE_SLIDING_WINDOW,
+                                                     FEATURE_SOFTCAP}),
+                                  notes=dict(NOTES)),
         repack_weight_quant=weight_quant.repack_weight_quant,
     )

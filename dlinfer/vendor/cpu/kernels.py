@@ -96,35 +96,40 @@ def paged_decode_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor
                            alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str,
                            k_scale: Optional[Tensor] = None,
                            k_zero: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
-                           v_zero: Optional[Tensor] = None) -> None:
+                           v_zero: Optional[Tensor] = None, sliding_window: int = 0,
+                           logit_softcapping: float = 0.0) -> None:
     """query [T, Hq, D], caches in `kv_layout`, block_table [B, M], cu_seqlens_q [B+1],
     kv_seq_len [B], alibi_slopes [Hq]? -> out [T, Hq, Dv] (written in place). With k_scale etc.
     ([Hkv] float32) the caches are int8, read in place and dequantised in registers (C++; k_zero
-    drops out of the softmax, see csrc/attention.cpp)."""
+    drops out of the softmax unless scores are soft-capped, see csrc/attention.cpp). A sliding
+    window skips the blocks before it."""
     if not _rows_dense(key_cache, value_cache):
         torch_attention.paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
                                                max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale,
-                                               k_zero, v_scale, v_zero)
+                                               k_zero, v_scale, v_zero, sliding_window, logit_softcapping)
         return
     _decode(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout), block_table.contiguous(),
             cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), max_kv_seq_len, softmax_scale,
-            None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
+            None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero, k_zero,
+            sliding_window, logit_softcapping)
 
 
 def prefill_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens_q: Tensor, max_q_seq_len: int,
-                      softmax_scale: float, alibi_slopes: Optional[Tensor], out: Tensor) -> None:
+                      softmax_scale: float, alibi_slopes: Optional[Tensor], out: Tensor, sliding_window: int = 0,
+                      logit_softcapping: float = 0.0) -> None:
     """query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1], alibi_slopes [Hq]?
     -> out [T, Hq, Dv] (written in place): causal attention within each sequence, flash-style
     (C++, csrc/prefill_attention.cpp)."""
     _prefill(query, key, value, cu_seqlens_q.contiguous(), softmax_scale,
-             None if alibi_slopes is None else alibi_slopes.contiguous(), out)
+             None if alibi_slopes is None else alibi_slopes.contiguous(), out, sliding_window, logit_softcapping)
 
 
 def paged_prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tensor, block_table: Tensor,
                             cu_seqlens_q: Tensor, kv_seq_len: Tensor, max_q_seq_len: int, max_kv_seq_len: int,
                             softmax_scale: float, alibi_slopes: Optional[Tensor], out: Tensor, kv_layout: str,
                             k_scale: Optional[Tensor] = None, k_zero: Optional[Tensor] = None,
-                            v_scale: Optional[Tensor] = None, v_zero: Optional[Tensor] = None) -> None:
+                            v_scale: Optional[Tensor] = None, v_zero: Optional[Tensor] = None,
+                            sliding_window: int = 0, logit_softcapping: float = 0.0) -> None:
     """query [T, Hq, D] (each sequence's new tokens), caches in `kv_layout`, block_table [B, M],
     cu_seqlens_q [B+1], kv_seq_len [B] (history + new), alibi_slopes [Hq]? -> out [T, Hq, Dv]
     (written in place): the new tokens over the paged history and themselves, read from the cache
@@ -132,11 +137,13 @@ def paged_prefill_attention(query: Tensor, key_cache: Tensor, value_cache: Tenso
     if not _rows_dense(key_cache, value_cache):
         torch_attention.paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len,
                                                 max_q_seq_len, max_kv_seq_len, softmax_scale, alibi_slopes, out,
-                                                kv_layout, k_scale, k_zero, v_scale, v_zero)
+                                                kv_layout, k_scale, k_zero, v_scale, v_zero, sliding_window,
+                                                logit_softcapping)
         return
     _paged_prefill(query, canonical(key_cache, kv_layout), canonical(value_cache, kv_layout),
                    block_table.contiguous(), cu_seqlens_q.contiguous(), kv_seq_len.contiguous(), softmax_scale,
-                   None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero)
+                   None if alibi_slopes is None else alibi_slopes.contiguous(), out, k_scale, v_scale, v_zero, k_zero,
+                   sliding_window, logit_softcapping)
 
 
 def uses_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

@@ -5,7 +5,16 @@ throughout; where a loop remains it runs per sequence (prefill attention) or per
 (fused_moe), never per token, and reads lengths on the host (a device sync off the CPU).
 """
 
-from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
+from dlinfer.vendor.base import (
+    FEATURE_ALIBI,
+    FEATURE_KV_QUANT,
+    FEATURE_SLIDING_WINDOW,
+    FEATURE_SOFTCAP,
+    HEAD_MAJOR,
+    TOKEN_MAJOR,
+    Capabilities,
+    Vendor,
+)
 
 
 def load() -> Vendor:
@@ -48,5 +57,7 @@ def load() -> Vendor:
         device_types=("*",),
         kv_layouts=(TOKEN_MAJOR, HEAD_MAJOR),
         ops=ops,
-        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT}), notes=notes),
+        capabilities=Capabilities(features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT, FEATURE_SLIDING_WINDOW,
+                                                     FEATURE_SOFTCAP}),
+                                  notes=notes),
     )

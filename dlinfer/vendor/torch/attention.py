@@ -5,7 +5,9 @@ paged_prefill_attention: per sequence, gather its blocks from the cache, one SDP
     bottom-right causal mask (the new tokens are the last n of the sequence's kv_len positions).
 paged_decode_attention: batched: every query token gathers the cache positions it may see
     (padded to max_kv_seq_len), one SDPA call for the whole batch, masked only where lengths differ.
-Scores and softmax run in fp32 inside SDPA for every dtype.
+Scores and softmax run in fp32 inside SDPA for every dtype. A sliding window is one more mask
+term; soft-capping (c * tanh(s / c) on the scaled scores) has no SDPA form, so with it the scores
+are computed explicitly, in float32 (`_attend`).
 """
 
 import threading
@@ -19,21 +21,47 @@ from dlinfer.utils.memo import LastCallMemo
 from dlinfer.vendor.kv_layouts import blocks_and_size, canonical
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
+          softcap: float = 0.0) -> Tensor:
     """q [..., Hq, Lq, D], k [..., Hkv, Lk, D], v [..., Hkv, Lk, Dv] -> [..., Hq, Lq, Dv]."""
+    if softcap:
+        return _attend(q, k, v, mask, scale, causal, softcap)
     gqa = q.shape[-3] != k.shape[-3]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
 
 
-def _mask(q_pos: Tensor, k_len: int, alibi: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, causal: bool,
+            softcap: float) -> Tensor:
+    """What _sdpa computes, with the scaled scores soft-capped (c * tanh(s / c)) before the mask
+    and the softmax; float32 throughout, returned in q's dtype. A row with no visible key is 0."""
+    group = q.shape[-3] // k.shape[-3]
+    k = k.float().repeat_interleave(group, dim=-3)
+    v = v.float().repeat_interleave(group, dim=-3)
+    s = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        lq, lk = s.shape[-2], s.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.float()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key: all -inf -> NaN -> 0
+    return torch.matmul(p, v).to(q.dtype)
+
+
+def _mask(q_pos: Tensor, k_len: int, alibi: Optional[Tensor], dtype: torch.dtype, window: int = 0) -> Tensor:
     """Mask for queries at absolute positions q_pos [..., Lq] over keys 0..k_len-1.
 
     Boolean [..., 1, Lq, Lk] without ALiBi; with slopes [Hq] an additive float mask
     [..., Hq, Lq, Lk] holding slope * (key_pos - query_pos) where allowed and -inf elsewhere.
+    A key is allowed at or before the query's position and, with a window W > 0, after its
+    position - W.
     """
     k_pos = torch.arange(k_len, device=q_pos.device)
     rel = k_pos - q_pos.unsqueeze(-1).long()  # [..., Lq, Lk]; allowed where <= 0
-    allowed = (rel <= 0).unsqueeze(-3)
+    allowed = rel <= 0
+    if window:
+        allowed &= rel > -window
+    allowed = allowed.unsqueeze(-3)
     if alibi is None:
         return allowed
     bias = alibi.view(-1, 1, 1).float() * rel.unsqueeze(-3).float()  # [..., Hq, Lq, Lk]
@@ -103,18 +131,20 @@ def _zero_uncovered(out: Tensor, rows) -> None:
     out[(~covered).to(out.device)] = 0
 
 
-def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out) -> None:
+def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out,
+                      sliding_window: int = 0, logit_softcapping: float = 0.0) -> None:
     """query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1] -> out [T, Hq, Dv]."""
     rows, well_formed = _sequence_rows(cu_seqlens_q, out.shape[0])
     for _, start, end in rows:
         q = _sdpa_dtype(query[start:end].transpose(0, 1))
         k = _sdpa_dtype(key[start:end].transpose(0, 1))
         v = _sdpa_dtype(value[start:end].transpose(0, 1))
-        if alibi_slopes is None:
-            o = _sdpa(q, k, v, None, softmax_scale, causal=True)
+        if alibi_slopes is None and not sliding_window:
+            o = _sdpa(q, k, v, None, softmax_scale, causal=True, softcap=logit_softcapping)
         else:
             pos = torch.arange(end - start, device=query.device)
-            o = _sdpa(q, k, v, _mask(pos, end - start, alibi_slopes, q.dtype), softmax_scale, causal=False)
+            mask = _mask(pos, end - start, alibi_slopes, q.dtype, sliding_window)
+            o = _sdpa(q, k, v, mask, softmax_scale, causal=False, softcap=logit_softcapping)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
     if not well_formed:
         _zero_uncovered(out, rows)
@@ -122,7 +152,7 @@ def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_sc
 
 def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
                             max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None,
-                            v_scale=None, v_zero=None) -> None:
+                            v_scale=None, v_zero=None, sliding_window: int = 0, logit_softcapping: float = 0.0) -> None:
     """Each sequence's new tokens over its paged history + themselves; see the module docstring.
     An int8 cache (k_scale etc. [Hkv] float32) is dequantised per gathered sequence, and the
     attention then runs in float32.
@@ -148,7 +178,8 @@ def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqle
         q = _sdpa_dtype(query[start:end].transpose(0, 1))
         q = q if k_scale is None else q.float()
         pos = torch.arange(kv_len - n, kv_len, device=query.device)
-        o = _sdpa(q, k, v, _mask(pos, kv_len, alibi_slopes, q.dtype), softmax_scale, causal=False)
+        mask = _mask(pos, kv_len, alibi_slopes, q.dtype, sliding_window)
+        o = _sdpa(q, k, v, mask, softmax_scale, causal=False, softcap=logit_softcapping)
         out[start:end] = o.transpose(0, 1).to(out.dtype)
     if not well_formed:
         _zero_uncovered(out, rows)
@@ -167,13 +198,14 @@ class DecodePlan(NamedTuple):
 
 
 def _decode_plan(cu_seqlens_q: Tensor, kv_seq_len: Tensor, block_table: Tensor, max_kv_seq_len: int,
-                 num_tokens: int, bs: int, nb_total: int, alibi: Optional[Tensor], dtype: torch.dtype) -> DecodePlan:
+                 num_tokens: int, bs: int, nb_total: int, alibi: Optional[Tensor], dtype: torch.dtype,
+                 window: int = 0) -> DecodePlan:
     """The DecodePlan of a step.
 
     Query token t of sequence b (n_b new tokens) sits at position kv_len[b] - n_b + i and sees
-    positions <= its own. Only positions a token may see are read (padding repeats its own
-    position), so block-table entries past a sequence's last block and cache slots that were
-    never written (which may hold NaN) are never touched; indices are clamped into the cache.
+    positions <= its own (and, with a window W > 0, > its own - W). Only positions <= its own are
+    read (padding repeats its own position), so block-table entries past a sequence's last block
+    and cache slots that were never written (which may hold NaN) are never touched; indices are clamped into the cache.
     """
     device = cu_seqlens_q.device
     tokens = torch.arange(num_tokens, device=device, dtype=torch.int32)
@@ -188,8 +220,8 @@ def _decode_plan(cu_seqlens_q: Tensor, kv_seq_len: Tensor, block_table: Tensor, 
     offsets = read % bs
     slots = (blocks * bs + offsets).reshape(-1)
     mask = None
-    if alibi is not None or not bool((pos == length - 1).all()):
-        mask = _mask(pos.unsqueeze(-1), length, alibi, dtype)  # [T, 1|Hq, 1, L]
+    if alibi is not None or not bool((pos == length - 1).all()) or (window and length > window):
+        mask = _mask(pos.unsqueeze(-1), length, alibi, dtype, window)  # [T, 1|Hq, 1, L]
         if mask.dtype == torch.bool:  # SDPA would convert a boolean mask on every call
             mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
     return DecodePlan(blocks, offsets, slots, mask)
@@ -220,15 +252,16 @@ _decode_plan_memo = LastCallMemo(_decode_plan)
 
 def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
                            softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None, v_scale=None,
-                           v_zero=None) -> None:
+                           v_zero=None, sliding_window: int = 0, logit_softcapping: float = 0.0) -> None:
     """All query tokens at once: each gathers the positions it may see (padded to the longest),
     then one SDPA call for the batch, masked only where lengths differ. An int8 cache (k_scale
     etc. [Hkv] float32) is dequantised after the gather, and the attention runs in float32."""
     q = _decode_dtype(query).unsqueeze(2)  # [T, Hq, 1, D]
     q = q if k_scale is None else q.float()
     plan = _decode_plan_memo(cu_seqlens_q, kv_seq_len, block_table, max_kv_seq_len, query.shape[0],
-                             blocks_and_size(key_cache, kv_layout)[1], key_cache.shape[0], alibi_slopes, q.dtype)
+                             blocks_and_size(key_cache, kv_layout)[1], key_cache.shape[0], alibi_slopes, q.dtype,
+                             sliding_window)
     k = _decode_dtype(dequantise(_gather_tokens(key_cache, plan, kv_layout, "decode_k"), k_scale, k_zero, 1))
     v = _decode_dtype(dequantise(_gather_tokens(value_cache, plan, kv_layout, "decode_v"), v_scale, v_zero, 1))
-    o = _sdpa(q, k, v, plan.mask, softmax_scale, causal=False)  # [T, Hq, 1, Dv]
+    o = _sdpa(q, k, v, plan.mask, softmax_scale, causal=False, softcap=logit_softcapping)  # [T, Hq, 1, Dv]
     out.copy_(o.squeeze(2))

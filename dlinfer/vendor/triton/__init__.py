@@ -8,7 +8,16 @@ file: norm, rotary, kv_cache, activation, moe, linear, quant (W8A8), moe_w8a8, a
 
 import torch
 
-from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_KV_QUANT, HEAD_MAJOR, TOKEN_MAJOR, Capabilities, Vendor
+from dlinfer.vendor.base import (
+    FEATURE_ALIBI,
+    FEATURE_KV_QUANT,
+    FEATURE_SLIDING_WINDOW,
+    FEATURE_SOFTCAP,
+    HEAD_MAJOR,
+    TOKEN_MAJOR,
+    Capabilities,
+    Vendor,
+)
 
 NOTES = {
     "rms_norm": "Triton: one program per row, fp32 statistics, HF Llama order (cast, then weight)",
@@ -88,7 +97,7 @@ def load() -> Vendor:
         capabilities=Capabilities(
             dtypes=(torch.float32, torch.float16, torch.bfloat16),
             head_dims=None,
-            features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT}),
+            features=frozenset({FEATURE_ALIBI, FEATURE_KV_QUANT, FEATURE_SLIDING_WINDOW, FEATURE_SOFTCAP}),
             notes=dict(NOTES),
         ),
     )

@@ -19,22 +19,26 @@ from dlinfer.vendor.triton.attention_prefill import paged_prefill, prefill
 __all__ = ["prefill_attention", "paged_prefill_attention", "paged_decode_attention", "num_kv_splits"]
 
 
-def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out) -> None:
+def prefill_attention(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out,
+                      sliding_window=0, logit_softcapping=0.0) -> None:
     """query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv], cu_seqlens_q [B+1] -> out [T, Hq, Dv]."""
-    prefill(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out)
+    prefill(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out, sliding_window,
+            logit_softcapping)
 
 
 def paged_prefill_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
                             max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None,
-                            v_scale=None, v_zero=None) -> None:
+                            v_scale=None, v_zero=None, sliding_window=0, logit_softcapping=0.0) -> None:
     """New tokens [T, Hq, D] over their sequences' paged history and themselves -> out [T, Hq, Dv]."""
     paged_prefill(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
-                  max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, (k_scale, k_zero, v_scale, v_zero))
+                  max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout, (k_scale, k_zero, v_scale, v_zero),
+                  sliding_window, logit_softcapping)
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
                            softmax_scale, alibi_slopes, out, kv_layout, k_scale=None, k_zero=None, v_scale=None,
-                           v_zero=None) -> None:
+                           v_zero=None, sliding_window=0, logit_softcapping=0.0) -> None:
     """Each sequence's newest token(s) [T, Hq, D] over the paged cache -> out [T, Hq, Dv]."""
     paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
-                 softmax_scale, alibi_slopes, out, kv_layout, (k_scale, k_zero, v_scale, v_zero))
+                 softmax_scale, alibi_slopes, out, kv_layout, (k_scale, k_zero, v_scale, v_zero),
+                 window=sliding_window, softcap=logit_softcapping)

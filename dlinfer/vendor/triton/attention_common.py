@@ -2,7 +2,8 @@
 addressing, the online-softmax step.
 
 Scores live in log2 units: q.k * softmax_scale * log2(e) (+ slope * log2(e) * (key - query)
-for ALiBi), so every exponential is an exp2. A row's running max m and sum l give its
+for ALiBi), so every exponential is an exp2. A soft cap c is applied to the natural-unit scores
+(c tanh(s / c), `soft_cap`) before they are turned into log2 units. A row's running max m and sum l give its
 log-sum-exp as m + log2(l), which is what the split-KV decode reduction combines.
 """
 
@@ -47,6 +48,20 @@ def paged_slots(bt_row_ptr, stride_bt_m, pos, valid, BS, M, NB):
     blk = tl.load(bt_row_ptr + logical.to(tl.int64) * stride_bt_m, mask=ok, other=0).to(tl.int64)
     blk = tl.minimum(tl.maximum(blk, 0), NB - 1)
     return blk, (pos % BS).to(tl.int64)
+
+
+def score_scale(softmax_scale: float, softcap: float) -> float:
+    """What the kernels multiply q.k by: log2 units directly, or natural units when a soft cap
+    (`soft_cap`) converts them afterwards."""
+    return softmax_scale if softcap else softmax_scale * LOG2E
+
+
+@triton.jit
+def soft_cap(qk, cap):
+    """Natural-unit scores -> c tanh(s / c) in log2 units; tanh(x) = 2 / (1 + e^(-2x)) - 1, which
+    saturates to +-1 without NaN for any finite x."""
+    e = tl.exp2(qk * (-2.0 * 1.4426950408889634 / cap))
+    return (cap * 1.4426950408889634) * (2.0 / (1.0 + e) - 1.0)
 
 
 @triton.jit

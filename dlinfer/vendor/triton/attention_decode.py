@@ -10,6 +10,10 @@ partial output and its log-sum-exp. Kernel 2 combines the segments of each (toke
 out = sum_s exp2(lse_s - max) * o_s / sum_s exp2(lse_s - max). With one segment kernel 1 writes
 the output directly and kernel 2 does not run.
 
+A sliding window W: token t sees only positions q_pos - W + 1 .. q_pos, so the segments cut that
+range (at most W keys, which the split rule is given as the longest), and no block before it is
+read. A soft cap bends the scores first (attention_common.soft_cap).
+
 Split rule (`num_kv_splits`): programs = tokens x kv heads x splits. Split only until there are
 about 4 programs per SM (enough K/V loads in flight to saturate HBM), never into segments shorter
 than 256 keys (below that the partial write + reduce costs more than the parallelism gains), and
@@ -32,11 +36,12 @@ import triton.language as tl
 from dlinfer.vendor.kv_layouts import canonical
 from dlinfer.vendor.triton._common import cast_to
 from dlinfer.vendor.triton.attention_common import (
-    LOG2E,
     block_dim,
     dots_in_fp32,
     online_softmax_step,
     paged_slots,
+    score_scale,
+    soft_cap,
 )
 
 MIN_KEYS_PER_SPLIT = 256
@@ -73,7 +78,7 @@ def split_plan(max_kv_len: int, num_splits: int, d_tile: int, fp32: bool = False
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr, opart_ptr, lse_ptr, kvq_ptr,
-    B, M, NB, BS, seg_len, qk_scale,
+    B, M, NB, BS, seg_len, qk_scale, window, softcap,
     s_qt, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,
     s_vb, s_vs, s_vh, s_vd,
@@ -82,6 +87,7 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_ALIBI: tl.constexpr, F32: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -105,7 +111,10 @@ def _decode_split_kernel(
     q_end = tl.load(cu_ptr + lo + 1)
     q_pos = tl.load(kvlen_ptr + lo) - (q_end - q_start) + (t - q_start)
     ctx = tl.minimum(q_pos + 1, M * BS)  # keys 0..ctx-1; never past the block table
-    seg_start = s * seg_len
+    first = 0
+    if WINDOW:  # keys first..ctx-1
+        first = tl.maximum(q_pos - window + 1, 0)
+    seg_start = first + s * seg_len
     seg_end = tl.where(s == n_splits - 1, ctx, tl.minimum(seg_start + seg_len, ctx))
 
     rows = tl.arange(0, BLOCK_H)
@@ -147,6 +156,8 @@ def _decode_split_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         if HAS_ALIBI:
             qk += slope[:, None] * (pos - q_pos).to(tl.float32)[None, :]
         qk = tl.where(valid[None, :], qk, float("-inf"))
@@ -187,10 +198,10 @@ def _decode_reduce_kernel(
 
 def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_kv_seq_len,
                  softmax_scale, alibi_slopes, out, kv_layout, quant=(None, None, None, None),
-                 num_splits=None) -> None:
+                 num_splits=None, window=0, softcap=0.0) -> None:
     """Launcher. query [T, Hq, D] -> out [T, Hq, Dv] (may be strided). quant: (k_scale, k_zero,
     v_scale, v_zero) [Hkv] float32 for int8 caches (dequantised in registers, dots in fp32), or
-    Nones. `num_splits` overrides the split rule (tests)."""
+    Nones. `num_splits` overrides the split rule (tests). window, softcap: 0 for none."""
     t, hq, d = query.shape
     dv = value_cache.shape[-1]
     b = cu_seqlens_q.shape[0] - 1
@@ -204,10 +215,11 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
     g = hq // hkv
     m = block_table.shape[1]
     block_d, block_dv = block_dim(d), block_dim(dv)
+    span = min(max_kv_seq_len, window) if window > 0 else max_kv_seq_len  # the most keys a token sees
     if num_splits is None:
-        num_splits = num_kv_splits(t, hkv, max_kv_seq_len, _num_sms(query.device))
+        num_splits = num_kv_splits(t, hkv, span, _num_sms(query.device))
     fp32 = query.dtype == torch.float32
-    num_splits, seg_len, block_n = split_plan(max_kv_seq_len, num_splits, max(block_d, block_dv), fp32)
+    num_splits, seg_len, block_n = split_plan(span, num_splits, max(block_d, block_dv), fp32)
     split = num_splits > 1
     if split:
         opart = torch.empty((t, hq, num_splits, dv), device=query.device, dtype=torch.float32)
@@ -220,11 +232,12 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
     kvq = torch.stack(quant) if is_quant else query
     _decode_split_kernel[(t, hkv, num_splits)](
         query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, alibi, out, opart, lse, kvq,
-        b, m, nb, bs, seg_len, softmax_scale * LOG2E,
+        b, m, nb, bs, seg_len, score_scale(softmax_scale, softcap), window, float(softcap),
         *query.stride(), *ks, *vs, *block_table.stride(), *out.stride(),
         G=g, D=d, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_ALIBI=alibi_slopes is not None,
-        F32=dots_in_fp32(query.dtype) or is_quant, SPLIT=split, QUANT=is_quant,
+        F32=dots_in_fp32(query.dtype) or is_quant, SPLIT=split, QUANT=is_quant, WINDOW=window > 0,
+        SOFTCAP=softcap > 0,
         num_warps=8 if fp32 or max(block_d, block_dv) > 128 else 4,
     )
     if split:

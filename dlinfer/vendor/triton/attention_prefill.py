@@ -7,7 +7,10 @@ n over packed K/V (prefill without a cache). Query row i sits at position kv_len
 (bottom-right aligned causality) and sees keys 0..its position. The program walks keys 0 up to
 the last position any of its rows sees, BLOCK_N at a time, and keeps an online softmax (running
 max / sum, fp32 accumulator). Paged keys are gathered per key through the block table, so any
-block size works (smaller or larger than BLOCK_N). Tiles past a sequence's end exit at once:
+block size works (smaller or larger than BLOCK_N). With a sliding window W a row sees only keys
+position - W + 1 .. position: the walk starts at the first key the tile's first row sees, and the
+rest is masked. A soft cap bends the scores before the mask (attention_common.soft_cap).
+Tiles past a sequence's end exit at once:
 the grid is sized by max_q_seq_len and B (upper bounds), never by values read on the host.
 """
 
@@ -20,18 +23,19 @@ import triton.language as tl
 from dlinfer.vendor.kv_layouts import canonical
 from dlinfer.vendor.triton._common import cast_to
 from dlinfer.vendor.triton.attention_common import (
-    LOG2E,
     block_dim,
     dots_in_fp32,
     online_softmax_step,
     paged_slots,
+    score_scale,
+    soft_cap,
 )
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr, kvq_ptr,
-    T, M, NB, BS, HKV, qk_scale,
+    T, M, NB, BS, HKV, qk_scale, window, softcap,
     s_qt, s_qh, s_qd,
     s_kb, s_ks, s_kh, s_kd,  # paged: (block, slot, head, dim); packed: (-, token, head, dim)
     s_vb, s_vs, s_vh, s_vd,
@@ -40,6 +44,7 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, HAS_ALIBI: tl.constexpr, F32: tl.constexpr, QUANT: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     mt = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) causal tiles start first
     b = tl.program_id(1)
@@ -79,7 +84,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     key_end = tl.minimum(key_limit, kv_len - n + (mt + 1) * BLOCK_M)  # causal: last row's position + 1
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
-    for start in range(0, key_end, BLOCK_N):
+    key_begin = 0
+    if WINDOW:  # the first key the tile's first row sees, on a BLOCK_N boundary
+        key_begin = tl.maximum(kv_len - n + mt * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(key_begin, key_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         valid = pos < key_end
         if PAGED:
@@ -102,9 +110,13 @@ def _prefill_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        if SOFTCAP:
+            qk = soft_cap(qk, softcap)
         if HAS_ALIBI:
             qk += slope * (pos[None, :] - q_pos[:, None]).to(tl.float32)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         qk = tl.where(allowed, qk, float("-inf"))
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, F32)
 
@@ -129,7 +141,7 @@ def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool):
 
 
 def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slopes, out, ks, vs, hkv,
-            m, nb, bs, paged, quant=(None, None, None, None)):
+            m, nb, bs, paged, quant=(None, None, None, None), window=0, softcap=0.0):
     t, hq, d = query.shape
     dv = out.shape[-1]
     b = cu.shape[0] - 1
@@ -147,30 +159,34 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
     block_m, block_n, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32 or is_quant)
     _prefill_kernel[(triton.cdiv(max_q, block_m), b, hq)](
         query, k, v, bt, cu, kvlen, alibi_slopes if alibi_slopes is not None else query, out,
-        torch.stack(quant) if is_quant else query, t, m, nb, bs, hkv, softmax_scale * LOG2E,
+        torch.stack(quant) if is_quant else query, t, m, nb, bs, hkv, score_scale(softmax_scale, softcap),
+        window, float(softcap),
         *query.stride(), *ks, *vs, *bt.stride(), *out.stride(),
         G=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(d),
         BLOCK_DV=block_dim(dv), PAGED=paged, HAS_ALIBI=alibi_slopes is not None,
-        F32=f32, QUANT=is_quant, num_warps=warps, num_stages=2,
+        F32=f32, QUANT=is_quant, WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=warps, num_stages=2,
     )
 
 
 def paged_prefill(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len,
                   max_kv_seq_len, softmax_scale, alibi_slopes, out, kv_layout,
-                  quant=(None, None, None, None)) -> None:
+                  quant=(None, None, None, None), window=0, softcap=0.0) -> None:
     """Launcher: new tokens [T, Hq, D] over history + themselves in the paged cache -> out.
-    quant: (k_scale, k_zero, v_scale, v_zero) [Hkv] float32 for int8 caches, or Nones."""
+    quant: (k_scale, k_zero, v_scale, v_zero) [Hkv] float32 for int8 caches, or Nones.
+    window, softcap: sliding window and soft cap (0: none)."""
     key_cache, value_cache = canonical(key_cache, kv_layout), canonical(value_cache, kv_layout)  # [NB, BS, Hkv, D]
     nb, bs, hkv = key_cache.shape[:3]
     _launch(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, max_q_seq_len, max_kv_seq_len,
             softmax_scale, alibi_slopes, out, key_cache.stride(), value_cache.stride(), hkv, block_table.shape[1],
-            nb, bs, paged=True, quant=quant)
+            nb, bs, paged=True, quant=quant, window=window, softcap=softcap)
 
 
-def prefill(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out) -> None:
+def prefill(query, key, value, cu_seqlens_q, max_q_seq_len, softmax_scale, alibi_slopes, out, window=0,
+            softcap=0.0) -> None:
     """Launcher: packed query [T, Hq, D], key [T, Hkv, D], value [T, Hkv, Dv] -> out; no cache."""
     ks = (0, key.stride(0), key.stride(1), key.stride(2))
     vs = (0, value.stride(0), value.stride(1), value.stride(2))
     # kv_seq_len / block table unused when not paged: any int32 tensor stands in.
     _launch(query, key, value, cu_seqlens_q.view(1, -1), cu_seqlens_q, cu_seqlens_q, max_q_seq_len,
-            max_q_seq_len, softmax_scale, alibi_slopes, out, ks, vs, key.shape[1], 1, 1, 1, paged=False)
+            max_q_seq_len, softmax_scale, alibi_slopes, out, ks, vs, key.shape[1], 1, 1, 1, paged=False,
+            window=window, softcap=softcap)

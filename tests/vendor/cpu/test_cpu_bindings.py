@@ -95,7 +95,7 @@ def test_gil_is_released_while_a_kernel_runs(kernels):
             q, kv = torch.randn(tokens, 8, 64, generator=g), torch.randn(tokens, 8, 64, generator=g)
             cu, out = torch.tensor([0, tokens], dtype=torch.int32), torch.empty_like(q)
             start = time.perf_counter()
-            kernels.prefill_attention(q, kv, kv, cu, 0.125, None, out)
+            kernels.prefill_attention(q, kv, kv, cu, 0.125, None, out, 0, 0.0)
             one_run = time.perf_counter() - start
             if one_run >= 0.1:
                 break

@@ -10,7 +10,10 @@
 // Per block of BS keys: scores s = (q * scale).k (+ alibi slope * (key pos - query pos)), then
 //   m' = max(m, max s);  l = l e^(m - m') + sum e^(s - m');  acc = acc e^(m - m') + sum e^(s - m') v.
 // Token i of sequence b (n_b new tokens) sits at position kv_len[b] - n_b + i and sees keys
-// 0 .. that position. Block ids are clamped into the cache and lengths into the block table (and
+// 0 .. that position; with a sliding window W only keys pos - W + 1 .. pos: the blocks wholly before
+// that are never read (nor counted when the keys are cut into splits), and the keys before it in
+// its first block score -inf. A soft cap c turns each scaled score s into c tanh(s / c) before ALiBi
+// (with an int8 cache the K zero is then applied, as it no longer drops out). Block ids are clamped into the cache and lengths into the block table (and
 // max_kv_seq_len), so bad metadata can never read outside the cache.
 //
 // The int8 cache (k_scale, k_zero, v_scale, v_zero [Hkv] float32; dlinfer/ops/kv_quant.py): K and
@@ -43,14 +46,17 @@ struct CacheView {
 struct DecodeArgs {
   int64_t T, Hq, Hkv, G, D, Dv, NB, BS, Mb, S;
   const float* k_scale = nullptr;  // [Hkv] (int8 caches only)
+  const float* k_zero = nullptr;   // [Hkv] (int8 caches with a soft cap only)
   const float* v_scale = nullptr;  // [Hkv]
   const float* v_zero = nullptr;   // [Hkv]
   int64_t bytes;  // K/V bytes the call reads
   float scale;
+  float softcap = 0.f;  // 0: none
   const float* alibi;  // [Hq] or nullptr
   CacheView k, v;
   const int64_t* tok_seq;  // [T] sequence of each token
   const int64_t* tok_len;  // [T] keys each token sees (0 .. pos), clamped to the block table
+  const int64_t* tok_first;  // [T] first key it sees (0 without a window)
   const int64_t* tok_pos;  // [T] query position
   IndexReader table;
   int64_t s_table;
@@ -58,9 +64,10 @@ struct DecodeArgs {
 
 // Scratch of one work item, reused across the items a thread runs.
 struct ItemScratch {
-  std::vector<float> q, scores, acc, row, m, l;
+  std::vector<float> q, scores, acc, row, m, l, shift;
   void size(const DecodeArgs& a) {
     q.resize(a.G * a.D);
+    shift.resize(a.G);
     scores.resize(a.G * a.BS);
     acc.resize(a.G * a.Dv);
     row.resize(a.Dv);  // an output row before its rounding to the query's dtype
@@ -88,13 +95,20 @@ void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int6
   for (int64_t g = 0; g < G; ++g) to_float(q_tok + (hkv * G + g) * sq_h, w.q.data() + g * D, D);
   // (q * scale) . k: the softmax scale (and an int8 cache's k scale) folded into the query
   scale(a.k_scale ? a.scale * a.k_scale[hkv] : a.scale, w.q.data(), G * D);
+  if (a.softcap > 0.f && a.k_zero) {  // the K zero's share of every score: zk sum(q) (it drops out without a cap)
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0.f;
+      for (int64_t d = 0; d < D; ++d) sum += w.q[g * D + d];
+      w.shift[g] = a.k_zero[hkv] * sum;
+    }
+  }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(w.l.begin(), w.l.end(), 0.f);
-  const int64_t len = a.tok_len[t];
-  const int64_t blocks = (len + BS - 1) / BS;
-  const int64_t per_split = (blocks + a.S - 1) / a.S;
-  const int64_t j0 = split * per_split, j1 = std::min(blocks, j0 + per_split);
+  const int64_t len = a.tok_len[t], first = a.tok_first[t];
+  const int64_t jb = first / BS, blocks = (len + BS - 1) / BS;  // blocks jb .. blocks - 1 hold the keys seen
+  const int64_t per_split = (blocks - jb + a.S - 1) / a.S;
+  const int64_t j0 = jb + split * per_split, j1 = std::min(blocks, j0 + per_split);
   const int64_t seq = a.tok_seq[t], qpos = a.tok_pos[t];
   const C* kc = static_cast<const C*>(a.k.data);
   const C* vc = static_cast<const C*>(a.v.data);
@@ -114,8 +128,14 @@ void run_item(const DecodeArgs& a, const T* q_tok, int64_t sq_h, int64_t t, int6
     }
     block_scores(w.q.data(), G, D, kc + blk * a.k.s_block + hkv * a.k.s_head, a.k.s_pos, n, w.scores.data(), BS,
                  ahead);
+    const int64_t hidden = std::max<int64_t>(0, first - j * BS);  // keys of this block before the window
     for (int64_t g = 0; g < G; ++g) {
       float* s = w.scores.data() + g * BS;
+      if (a.softcap > 0.f) {
+        const float c = a.softcap, inv = 1.f / a.softcap, z = a.k_zero ? w.shift[g] : 0.f;
+        for (int64_t p = 0; p < n; ++p) s[p] = c * std::tanh((s[p] - z) * inv);
+      }
+      for (int64_t p = 0; p < hidden; ++p) s[p] = -std::numeric_limits<float>::infinity();
       if (a.alibi) {
         const float slope = a.alibi[hkv * G + g];
         for (int64_t p = 0; p < n; ++p) s[p] += slope * static_cast<float>(j * BS + p - qpos);
@@ -215,7 +235,8 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
                             const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
                             const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in,
                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                            const std::optional<at::Tensor>& v_zero) {
+                            const std::optional<at::Tensor>& v_zero, const std::optional<at::Tensor>& k_zero,
+                            int64_t sliding_window, double logit_softcapping) {
   const at::Tensor query = dense_rows(query_in), out = dense_rows(out_in);
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4, "ranks");
   // A ValueError; the Python wrapper (kernels.py, _rows_dense) sends such caches to the torch vendor first.
@@ -255,6 +276,12 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
     a.v_scale = v_scale->data_ptr<float>();
     a.v_zero = v_zero->data_ptr<float>();
   }
+  a.softcap = static_cast<float>(std::max(logit_softcapping, 0.0));
+  if (int8 && a.softcap > 0.f) {
+    TORCH_CHECK(k_zero.has_value() && k_zero->scalar_type() == at::kFloat && k_zero->is_contiguous() &&
+                    k_zero->numel() == a.Hkv, "paged_decode_attention: a soft cap over an int8 cache needs k_zero [Hkv]");
+    a.k_zero = k_zero->data_ptr<float>();
+  }
   if (a.T == 0 || a.NB == 0) {
     if (a.T) out_in.zero_();
     return;
@@ -262,7 +289,7 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
   // Per token: its sequence, position and the number of keys it sees.
   const int64_t B = kv_seq_len.size(0);
   IndexReader cu(cu_seqlens_q), kvl(kv_seq_len);
-  std::vector<int64_t> tok_seq(a.T, 0), tok_len(a.T, 0), tok_pos(a.T, 0);
+  std::vector<int64_t> tok_seq(a.T, 0), tok_len(a.T, 0), tok_first(a.T, 0), tok_pos(a.T, 0);
   const int64_t cap = std::min(a.Mb * a.BS, std::max<int64_t>(max_kv_seq_len, 0));
   int64_t longest = 0, keys = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -272,12 +299,15 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
       tok_seq[t] = b;
       tok_pos[t] = pos;
       tok_len[t] = std::min(std::max<int64_t>(pos + 1, 0), cap);
-      longest = std::max(longest, tok_len[t]);
-      keys += tok_len[t];
+      if (sliding_window > 0) tok_first[t] = std::min(std::max<int64_t>(pos - sliding_window + 1, 0), tok_len[t]);
+      const int64_t seen = tok_len[t] - tok_first[t] / a.BS * a.BS;  // the keys of the blocks it reads
+      longest = std::max(longest, seen);
+      keys += seen;
     }
   }
   a.tok_seq = tok_seq.data();
   a.tok_len = tok_len.data();
+  a.tok_first = tok_first.data();
   a.tok_pos = tok_pos.data();
   a.bytes = keys * a.Hkv * (a.D + a.Dv) * static_cast<int64_t>(key_cache.element_size());
   a.S = num_splits(a.T, a.Hkv, longest, a.BS, at::get_num_threads());
@@ -295,7 +325,8 @@ TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
-      "Tensor(a!) out, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? v_zero=None) -> ()");
+      "Tensor(a!) out, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? v_zero=None, Tensor? k_zero=None, "
+      "int sliding_window=0, float logit_softcapping=0.0) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("decode_num_splits(int tokens, int kv_heads, int longest, int block_size, int threads) -> int",
         &num_splits);

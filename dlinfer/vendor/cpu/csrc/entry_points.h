@@ -38,18 +38,21 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
                             const at::Tensor& kv_seq_len, int64_t max_kv_seq_len, double softmax_scale,
                             const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out,
                             const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                            const std::optional<at::Tensor>& v_zero);
+                            const std::optional<at::Tensor>& v_zero, const std::optional<at::Tensor>& k_zero,
+                            int64_t sliding_window, double logit_softcapping);
 
 // prefill_attention.cpp: causal attention over packed sequences, written into out.
 void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& cu_seqlens_q, double softmax_scale,
-                       const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out);
+                       const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out,
+                       int64_t sliding_window, double logit_softcapping);
 void paged_prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
                              const at::Tensor& kv_seq_len, double softmax_scale,
                              const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                             const std::optional<at::Tensor>& v_zero);
+                             const std::optional<at::Tensor>& v_zero, const std::optional<at::Tensor>& k_zero,
+                             int64_t sliding_window, double logit_softcapping);
 
 // linear.cpp / linear_16bit.cpp: x [M, K] @ weight [N, K]^T (+ bias [N]) at few rows.
 at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);

@@ -16,6 +16,10 @@
 // folded into the query with the softmax scale and K's zero drops out of the softmax (as in
 // attention.cpp); V is dequantised, (v - zero) * scale, as each chunk is converted to float32.
 //
+// A sliding window W (keys pos - W + 1 .. pos) skips the chunks wholly before the window of the
+// tile's first row and masks the rest; a soft cap c turns each scaled score s into c tanh(s / c).
+// With a soft cap K's zero no longer drops out of the softmax: an int8 K chunk is widened as k - zero.
+//
 // Bad metadata, handled as the torch vendor does (dlinfer/vendor/torch/attention.py): sequence
 // rows are clamped into [0, T); a row several sequences claim belongs to the last of them; rows
 // no sequence claims are zero; block ids are clamped into [0, NB), lengths into the block table
@@ -47,8 +51,11 @@ struct Args {
   float scale;
   const float* alibi = nullptr;    // [Hq]
   const float* k_scale = nullptr;  // [Hkv] (int8 caches)
+  const float* k_zero = nullptr;   // [Hkv] (int8 caches with a soft cap)
   const float* v_scale = nullptr;
   const float* v_zero = nullptr;
+  int64_t window = 0;  // sliding window (0: none)
+  float softcap = 0.f;  // (0: none)
   Rows k, v;
   bool paged;
   IndexReader table;
@@ -99,8 +106,8 @@ Chunk load_chunk(const Args& a, const Seq& sq, int64_t seq, int64_t hkv, int64_t
       const C* kr = kc + kb + p * a.k.s_pos;
       const C* vr = vc + vb + p * a.v.s_pos;
       if constexpr (std::is_same_v<C, int8_t>) {
-        const float s = a.v_scale[hkv], z = a.v_zero[hkv];
-        for (int64_t d = 0; d < a.D; ++d) kf[p * a.D + d] = static_cast<float>(kr[d]);
+        const float s = a.v_scale[hkv], z = a.v_zero[hkv], zk = a.k_zero ? a.k_zero[hkv] : 0.f;
+        for (int64_t d = 0; d < a.D; ++d) kf[p * a.D + d] = static_cast<float>(kr[d]) - zk;
         for (int64_t d = 0; d < a.Dv; ++d) vf[p * a.Dv + d] = (static_cast<float>(vr[d]) - z) * s;
       } else {
         to_float(kr, kf + p * a.D, a.D);
@@ -129,12 +136,14 @@ void run_item(const Args& a, const Seq& sq, const Item& it, const int64_t* owner
   w.s.resize(a.chunk * rows);
   const float qscale = a.k_scale ? a.scale * a.k_scale[it.hkv] : a.scale;
   int64_t last = -1;  // the last key position a row of the tile sees
+  int64_t earliest = -1;  // the first row's position (rows are in position order)
   std::vector<float>& row = w.qrow;
   row.resize(D);
   for (int64_t t = it.t0; t < it.t1; ++t) {
     const int64_t pos = sq.first_pos + (t - sq.start);
     if (owner[t] != it.seq || pos < 0) continue;  // pos < 0: sees no key, written as zero
     last = std::max(last, pos);
+    if (earliest < 0) earliest = pos;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = (t - it.t0) * G + g;
       to_float(q + t * sq_t + (it.hkv * G + g) * sq_h, row.data(), D);
@@ -143,8 +152,11 @@ void run_item(const Args& a, const Seq& sq, const Item& it, const int64_t* owner
       if (a.alibi) w.slope[r] = a.alibi[it.hkv * G + g];
     }
   }
-  const prefill::RowState st{w.m.data(), w.l.data(), w.corr.data(), w.pos.data(), a.alibi ? w.slope.data() : nullptr};
-  for (int64_t p0 = 0; p0 <= last; p0 += a.chunk) {
+  const prefill::RowState st{w.m.data(),  w.l.data(), w.corr.data(), w.pos.data(), a.alibi ? w.slope.data() : nullptr,
+                             static_cast<float>(a.window), a.softcap};
+  // the first chunk holding a key some row sees: the window of the earliest row starts there
+  const int64_t from = a.window > 0 && earliest >= 0 ? std::max<int64_t>(0, earliest - a.window + 1) / a.chunk * a.chunk : 0;
+  for (int64_t p0 = from; p0 <= last; p0 += a.chunk) {
     const int64_t n = std::min(a.chunk, last + 1 - p0);
     const Chunk c = load_chunk<C>(a, sq, it.seq, it.hkv, p0, n, w);
     prefill::chunk_scores(w.qt.data(), rows, c.k, c.ldk, n, D, w.s.data());
@@ -201,7 +213,8 @@ Plan make_plan(Args& a, const at::Tensor& cu_seqlens_q, const at::Tensor* kv_seq
     const Seq& s = plan.seqs[b];
     for (int64_t t0 = s.start; t0 < s.end; t0 += tile) {
       const int64_t t1 = std::min(s.end, t0 + tile);
-      const int64_t keys = std::max<int64_t>(0, s.first_pos + (t1 - 1 - s.start) + 1);
+      int64_t keys = std::max<int64_t>(0, s.first_pos + (t1 - 1 - s.start) + 1);
+      if (a.window > 0) keys = std::min(keys, a.window + (t1 - t0));
       const int64_t cost = (t1 - t0) * a.G * keys * (a.D + a.Dv) * 2;
       for (int64_t h = 0; h < a.Hkv; ++h) plan.items.push_back(Item{b, h, t0, t1, cost});
       plan.flops += cost * a.Hkv;
@@ -251,7 +264,8 @@ void dispatch(const Args& a, const Plan& plan, const at::Tensor& query, const at
 }
 
 void common_args(Args& a, const at::Tensor& query, const at::Tensor& out, double softmax_scale,
-                 const std::optional<at::Tensor>& alibi_slopes, const char* op) {
+                 const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window, double logit_softcapping,
+                 const char* op) {
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, op, ": query and out must be [T, H, D]");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), op, ": out's dtype must be query's");
   a.T = query.size(0);
@@ -259,6 +273,8 @@ void common_args(Args& a, const at::Tensor& query, const at::Tensor& out, double
   a.D = query.size(2);
   a.Dv = out.size(2);
   a.scale = static_cast<float>(softmax_scale);
+  a.window = std::max<int64_t>(sliding_window, 0);
+  a.softcap = static_cast<float>(std::max(logit_softcapping, 0.0));
   if (alibi_slopes.has_value()) {
     TORCH_CHECK(alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->is_contiguous() &&
                     alibi_slopes->numel() == a.Hq, op, ": alibi_slopes must be float32 [Hq]");
@@ -274,11 +290,12 @@ void finish(const at::Tensor& out, const at::Tensor& out_in) {
 
 void prefill_attention(const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
                        const at::Tensor& cu_seqlens_q, double softmax_scale,
-                       const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in) {
+                       const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in,
+                       int64_t sliding_window, double logit_softcapping) {
   const at::Tensor query = dense_rows(query_in), key = dense_rows(key_in), value = dense_rows(value_in);
   const at::Tensor out = dense_rows(out_in);
   Args a{};
-  common_args(a, query, out, softmax_scale, alibi_slopes, "prefill_attention");
+  common_args(a, query, out, softmax_scale, alibi_slopes, sliding_window, logit_softcapping, "prefill_attention");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(0) == a.T && value.size(0) == a.T &&
                   key.size(2) == a.D && value.size(2) == a.Dv && value.size(1) == key.size(1),
               "prefill_attention: key [T, Hkv, D], value [T, Hkv, Dv]");
@@ -303,14 +320,16 @@ void paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& key_c
                              const at::Tensor& kv_seq_len, double softmax_scale,
                              const std::optional<at::Tensor>& alibi_slopes, const at::Tensor& out_in,
                              const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                             const std::optional<at::Tensor>& v_zero) {
+                             const std::optional<at::Tensor>& v_zero, const std::optional<at::Tensor>& k_zero,
+                             int64_t sliding_window, double logit_softcapping) {
   const at::Tensor query = dense_rows(query_in), out = dense_rows(out_in);
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4, "paged_prefill_attention: caches [NB, BS, Hkv, D]");
   // A ValueError; the Python wrapper (kernels.py, _rows_dense) sends such caches to the torch vendor first.
   TORCH_CHECK_VALUE(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
                     "paged_prefill_attention: the last dim of the caches must be dense");
   Args a{};
-  common_args(a, query, out, softmax_scale, alibi_slopes, "paged_prefill_attention");
+  common_args(a, query, out, softmax_scale, alibi_slopes, sliding_window, logit_softcapping,
+              "paged_prefill_attention");
   const bool int8 = k_scale.has_value();
   const auto cache_type = int8 ? at::kChar : query.scalar_type();
   TORCH_CHECK(key_cache.scalar_type() == cache_type && value_cache.scalar_type() == cache_type,
@@ -339,6 +358,11 @@ void paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& key_c
     a.k_scale = k_scale->data_ptr<float>();
     a.v_scale = v_scale->data_ptr<float>();
     a.v_zero = v_zero->data_ptr<float>();
+    if (a.softcap > 0.f) {
+      TORCH_CHECK(k_zero.has_value() && k_zero->scalar_type() == at::kFloat && k_zero->is_contiguous() &&
+                      k_zero->numel() == a.Hkv, "paged_prefill_attention: a soft cap over an int8 cache needs k_zero [Hkv]");
+      a.k_zero = k_zero->data_ptr<float>();
+    }
   }
   if (a.T == 0) return;
   if (a.NB == 0 || a.Mb == 0) {
@@ -357,12 +381,13 @@ void paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& key_c
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def(
       "prefill_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, float softmax_scale, "
-      "Tensor? alibi_slopes, Tensor(a!) out) -> ()");
+      "Tensor? alibi_slopes, Tensor(a!) out, int sliding_window=0, float logit_softcapping=0.0) -> ()");
   m.impl("prefill_attention", c10::DispatchKey::CPU, &prefill_attention);
   m.def(
       "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
       "Tensor cu_seqlens_q, Tensor kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
-      "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? v_zero=None) -> ()");
+      "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? v_zero=None, Tensor? k_zero=None, "
+      "int sliding_window=0, float logit_softcapping=0.0) -> ()");
   m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
 }
 

@@ -63,10 +63,13 @@ struct RowState {
   float* corr;   // this chunk's rescale factor e^(m_old - m_new)
   const float* pos;    // query position of the row; -1 for a row that sees nothing (padding, not owned)
   const float* slope;  // ALiBi slope of the row's head, or nullptr
+  float window = 0.f;   // sliding window W: keys at or before pos - W score -inf (0: none)
+  float softcap = 0.f;  // soft cap c: s -> c tanh(s / c) before ALiBi (0: none)
 };
 
 // Masks, exponentiates and sums one chunk: keys at positions kpos0 .. kpos0 + n - 1, causal
-// (a key after the row's position scores -inf), ALiBi bias slope * (key pos - query pos). s becomes
+// (a key after the row's position scores -inf, and with a window W one at or before position - W),
+// soft-capped (c tanh(s / c)) when asked, ALiBi bias slope * (key pos - query pos). s becomes
 // the unnormalised probabilities e^(s - m_new); m, l move on and corr holds e^(m_old - m_new)
 // (0 where the row saw no key before, and m stays -inf, e 0, for a row that sees none yet).
 inline void chunk_softmax(float* s, int64_t rows, int64_t n, int64_t kpos0, const RowState& st) {
@@ -74,12 +77,16 @@ inline void chunk_softmax(float* s, int64_t rows, int64_t n, int64_t kpos0, cons
   for (int64_t r = 0; r < rows; r += kLanes) {
     const Vec pos = Vec::loadu(st.pos + r);
     const Vec slope = st.slope ? Vec::loadu(st.slope + r) : zero;
+    const Vec cap(st.softcap), inv_cap(st.softcap > 0.f ? 1.f / st.softcap : 0.f);
+    const Vec oldest = pos - Vec(st.window);  // keys at or before this are out of the window
     Vec bmax = ninf;
     for (int64_t p = 0; p < n; ++p) {
       const Vec kp(static_cast<float>(kpos0 + p));
       Vec v = Vec::loadu(s + p * rows + r);
+      if (st.softcap > 0.f) v = cap * (v * inv_cap).tanh();
       if (st.slope) v = v + slope * (kp - pos);
       v = Vec::blendv(v, ninf, kp > pos);
+      if (st.window > 0.f) v = Vec::blendv(v, ninf, kp <= oldest);
       v.store(s + p * rows + r);
       bmax = at::vec::maximum(bmax, v);
     }
