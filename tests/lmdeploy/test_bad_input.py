@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("name,message", [
-    ("gemma2", "cannot run architecture 'Gemma2ForCausalLM'; supported: " + ", ".join(sorted(SUPPORTED_ARCHITECTURES))),
-    ("qwen2_sliding_window", "cannot run sliding-window attention (Qwen2ForCausalLM, sliding_window=64"),
+    ("starcoder2", "cannot run architecture 'Starcoder2ForCausalLM'; supported: "
+                   + ", ".join(sorted(SUPPORTED_ARCHITECTURES))),
+    ("qwen2_window_layers", "cannot run Qwen2ForCausalLM with these sliding windows: LMDeploy 0.18's model windows "
+                            "layers [0] as [7] where transformers uses [None]"),
     ("llama_rope_dynamic", "cannot run rope_type='dynamic' (LlamaForCausalLM): LMDeploy rescales the NTK base"),
     ("llama_rope_longrope", "cannot run rope_type='longrope' (LlamaForCausalLM): LMDeploy 0.18's dlinfer rotary "
                             "layer has no LongRoPE branch"),

@@ -20,7 +20,9 @@ from dlinfer.framework.lmdeploy_ext.backend.model_support import (
 from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend
 
 # What each architecture's tested checkpoints set (and its real ones do).
-_ARCH_DEFAULTS = {"GemmaForCausalLM": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)}
+_ARCH_DEFAULTS = {"GemmaForCausalLM": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
+                  "Gemma2ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+                  "Gemma3ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)}
 
 
 def _model_config(arch="LlamaForCausalLM", **hf):
@@ -84,10 +86,53 @@ def test_partial_rotary_is_refused():
     check_model(_model_config("LlamaForCausalLM", partial_rotary_factor=1.0), devices.CPU)
 
 
-def test_sliding_window_shorter_than_the_context_is_refused():
-    _refused(_model_config("Phi3ForCausalLM", sliding_window=255),
-             "cannot run sliding-window attention (Phi3ForCausalLM, sliding_window=255 < max_position_embeddings=1024)")
-    check_model(_model_config("Phi3ForCausalLM", sliding_window=4096), devices.CPU)
+@pytest.mark.parametrize("arch,hf", [
+    ("Phi3ForCausalLM", dict(sliding_window=255)),
+    ("MistralForCausalLM", dict(sliding_window=4096)),
+    ("MixtralForCausalLM", dict(sliding_window=64)),
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=64,
+                              layer_types=["sliding_attention"] * 4)),
+    ("Gemma2ForCausalLM", dict(sliding_window=64, attn_logit_softcapping=50.0,
+                               layer_types=["sliding_attention", "full_attention"] * 2)),
+    ("Gemma3ForCausalLM", dict(model_type="gemma3_text", sliding_window=64,
+                               layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2)),
+    ("LlamaForCausalLM", dict(sliding_window=64)),  # transformers' Llama does not read it; LMDeploy's neither
+])
+def test_windows_lmdeploy_gives_the_layers_transformers_gives_run(arch, hf):
+    check_model(_model_config(arch, num_hidden_layers=len(hf.get("layer_types", [0] * 4)), **hf), devices.CPU)
+
+
+@pytest.mark.parametrize("arch,hf,message", [
+    # transformers windows layers >= max_window_layers only; LMDeploy's Qwen2 windows every layer
+    ("Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=64,
+                              layer_types=["full_attention"] + ["sliding_attention"] * 3),
+     "LMDeploy 0.18's model windows layers [0] as [64] where transformers uses [None]"),
+    # LMDeploy's Gemma 3 windows 5 of every 6 layers whatever layer_types says
+    ("Gemma3ForCausalLM", dict(model_type="gemma3_text", sliding_window=64,
+                               layer_types=["sliding_attention", "full_attention"] * 2),
+     "windows layers [1, 3] as [64, 64] where transformers uses [None, None]"),
+])
+def test_windows_lmdeploy_would_put_elsewhere_are_refused(arch, hf, message):
+    _refused(_model_config(arch, num_hidden_layers=len(hf["layer_types"]), **hf), message)
+
+
+def test_soft_capping_runs_only_where_lmdeploy_passes_it():
+    _refused(_model_config("LlamaForCausalLM", attn_logit_softcapping=30.0),
+             "cannot run attention logit soft-capping (LlamaForCausalLM): LMDeploy 0.18's model for it does not pass")
+    check_model(_model_config("Gemma2ForCausalLM", attn_logit_softcapping=30.0), devices.CPU)
+
+
+def test_models_windowing_some_layers_keep_their_whole_history():
+    """patches/window_cache.py: LMDeploy frees the KV blocks before the window of a windowed model;
+    a model with global layers too must keep them."""
+    from dlinfer.framework.lmdeploy_ext.patches.window_cache import windows_some_layers
+
+    gemma3 = _model_config("Gemma3ForCausalLM", model_type="gemma3_text", sliding_window=64, num_hidden_layers=6)
+    gemma2 = _model_config("Gemma2ForCausalLM", sliding_window=64, num_hidden_layers=2)
+    mistral = _model_config("MistralForCausalLM", sliding_window=64, num_hidden_layers=2)
+    llama = _model_config("LlamaForCausalLM", num_hidden_layers=2)
+    assert windows_some_layers(gemma3) and windows_some_layers(gemma2)
+    assert not windows_some_layers(mistral) and not windows_some_layers(llama)
 
 
 @pytest.mark.parametrize("hf,message", [
@@ -176,3 +221,26 @@ def test_awq_4bit_gemm_with_zero_points_accepted():
     config = _model_config(quantization_config={"quant_method": "awq", "bits": 4, "group_size": 128,
                                                 "zero_point": True, "version": "gemm"})
     check_model(config, devices.CPU)
+
+
+def test_the_attention_layer_carries_the_window_and_cap_only_where_set():
+    """backend/scored_attention.py: LMDeploy's dlinfer layer for plain attention; its own layer,
+    calling the ops with the window and cap, where either is set; a (left, right) window refused."""
+    from lmdeploy.pytorch.backends.attention import PagedAttentionBuildSpec
+
+    from dlinfer.framework.lmdeploy_ext.backend.scored_attention import build_scored_attention, window_of
+
+    def spec(window, cap):
+        return PagedAttentionBuildSpec(num_heads=4, head_dim=32, scale=None, num_kv_heads=2, v_head_dim=32,
+                                       alibi=False, sliding_window=window, logit_softcapping=cap, causal=True,
+                                       use_flash_mla=False, mla_index_topk=None, learnable_sink=False,
+                                       block_sparse_size=1)
+
+    assert build_scored_attention(spec(None, 0.0)) is None and build_scored_attention(spec(-1, None)) is None
+    layer = build_scored_attention(spec(7, 0.0))
+    assert layer.paged_attention_fwd.keywords == {"sliding_window": 7, "logit_softcapping": None}
+    assert type(CpuOpsBackend.build_op(spec(-1, 50.0))) is type(layer)
+    assert CpuOpsBackend.build_op(spec(-1, 50.0)).paged_attention_fwd.keywords["logit_softcapping"] == 50.0
+    assert window_of(0) is None and window_of(True) is None
+    with pytest.raises(ValueError, match="one int"):
+        window_of((6, 0))

@@ -182,10 +182,10 @@ def test_cli_refuses_a_model_the_device_cannot_run_in_one_line(model_dir, monkey
     from lmdeploy.serve.openai import api_server
 
     monkeypatch.setattr(api_server, "serve", lambda *a, **k: pytest.fail("server started"))
-    assert serve.main([str(model_dir("gemma2"))]) == 2
+    assert serve.main([str(model_dir("starcoder2"))]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m dlinfer serve: error: device_type='cpu' cannot run architecture "
-                          "'Gemma2ForCausalLM'") and "\n" not in err, err
+                          "'Starcoder2ForCausalLM'") and "\n" not in err, err
 
 
 def _copy_without(model_dir, tmp_path, *missing):

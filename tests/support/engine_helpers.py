@@ -68,9 +68,13 @@ class HFReference:
     """HF transformers greedy generation of one checkpoint in float32 (one prompt at a time)."""
 
     def __init__(self, model_dir: Path):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        # transformers' SDPA attention (its default) drops Gemma 2's attention soft cap: only its
+        # eager attention computes the model as defined.
+        capped = getattr(AutoConfig.from_pretrained(model_dir), "attn_logit_softcapping", None)
+        kwargs = {"attn_implementation": "eager"} if capped else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
         self._memo: dict[tuple, tuple[list[int], float]] = {}
 
     def greedy(self, input_ids: Sequence[int], max_new_tokens: int,

@@ -102,11 +102,28 @@ SPECS: dict[str, dict] = {
         rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 16, long_factor=[4.0] * 16))),
     "llama_rope_dynamic": dict(model_type="llama", intermediate_size=256, **_with(
         COMMON, max_position_embeddings=64, rope_scaling=dict(rope_type="dynamic", factor=4.0))),
-    # Gemma 2: soft-capping and sliding windows, which dlinfer's attention does not run.
-    "gemma2": dict(model_type="gemma2", intermediate_size=256, head_dim=32, query_pre_attn_scalar=32,
-                   sliding_window=64, **_with(COMMON, tie_word_embeddings=True)),
+    # Qwen2 windowing only some layers (max_window_layers > 0), which LMDeploy windows all of.
+    "qwen2_window_layers": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=True,
+                                sliding_window=7, max_window_layers=1, **COMMON),
+    # An architecture dlinfer does not run (LMDeploy knows it).
+    "starcoder2": dict(model_type="starcoder2", intermediate_size=256, sliding_window=None, **COMMON),
+    # Sliding windows (7 keys, shorter than most test prompts) and soft-capping
+    # (tests/lmdeploy/test_windowed_models.py). Caps far below the real 50 / 30, so that they bend
+    # these small random models' scores.
+    "mistral": dict(model_type="mistral", intermediate_size=256, sliding_window=7, **COMMON),
+    "phi3_window": dict(model_type="phi3", intermediate_size=256, sliding_window=7, **COMMON),
     "qwen2_sliding_window": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=True,
-                                 sliding_window=64, max_window_layers=0, **COMMON),
+                                 sliding_window=7, max_window_layers=0, **COMMON),
+    "gemma2": dict(model_type="gemma2", intermediate_size=256, head_dim=32, query_pre_attn_scalar=32,
+                   sliding_window=7, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+                   hidden_activation="gelu_pytorch_tanh", post_norm_weight=8.0,
+                   **_with(COMMON, tie_word_embeddings=True)),
+    # Gemma 3's text model: five windowed layers, then a global one. Both Gemmas with their post-attention
+    # and post-MLP norm weights at 8 (x9 in Gemma's 1 + w): from the zero init, the sqrt(hidden)-scaled
+    # embeddings outweigh every layer and the model only repeats its last input token.
+    "gemma3_text": dict(model_type="gemma3_text", intermediate_size=256, head_dim=32, query_pre_attn_scalar=32,
+                        sliding_window=7, hidden_activation="gelu_pytorch_tanh", rope_local_base_freq=10000.0,
+                        post_norm_weight=8.0, **_with(COMMON, tie_word_embeddings=True, num_hidden_layers=6)),
 }
 
 
@@ -137,9 +154,15 @@ def _save_model(spec: dict, folder: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(spec)
+    post_norm = spec.pop("post_norm_weight", None)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if post_norm is not None:  # Gemma 2/3's norms after attention and MLP, from their zero init
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "post_attention_layernorm" in name or "post_feedforward_layernorm" in name:
+                    param.fill_(post_norm)
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
 

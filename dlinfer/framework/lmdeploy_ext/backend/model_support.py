@@ -1,9 +1,9 @@
 """Which models dlinfer's device types run, checked before any weight is loaded.
 
 LMDeploy's dlinfer layers accept every model LMDeploy knows, but some of them need ops dlinfer
-does not offer (MLA, linear attention, most quantized formats, sliding windows, soft-capping), and a
-few of those would run silently wrong rather than fail (the dlinfer attention layer ignores its
-`sliding_window` argument; dynamic NTK rope depends on the batch). So the check is an allowlist:
+does not offer (MLA, linear attention, most quantized formats), and a few of those would run
+silently wrong rather than fail (dynamic NTK rope depends on the batch; a model whose layers
+LMDeploy windows differently from transformers, `check_windows`). So the check is an allowlist:
 architectures and rope types whose greedy tokens were compared with HF transformers in
 tests/lmdeploy (test_pipeline_greedy.py, test_architectures.py, test_rope_scaling.py), minus
 features they may turn on; every refusal names what is refused, why, and what is supported.
@@ -26,6 +26,10 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "Phi3ForCausalLM",
     "GemmaForCausalLM",
     "InternLM2ForCausalLM",
+    # sliding windows and soft-capping (tests/lmdeploy/test_windowed_models.py)
+    "MistralForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     # vision-language (tests/lmdeploy/test_vlm.py: images through `pipeline`, token-exact vs HF)
     "InternVLForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
@@ -82,9 +86,58 @@ class UnsupportedModelError(ValueError):
     """The model, or a feature it turns on, cannot run on a dlinfer device type."""
 
 
-def _sliding_window(model_config) -> int:
-    window = getattr(model_config, "sliding_window", -1)
-    return window if isinstance(window, int) else -1
+def _window(value) -> int | None:
+    """A config's window as attention sees it: an int >= 1, or None (None, -1, 0: none)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+# Architectures whose LMDeploy 0.18 model passes the config's `sliding_window` to every layer
+# (models/mistral.py, phi3.py, qwen3.py, qwen3_moe.py, qwen2_moe.py, mixtral.py).
+_EVERY_LAYER_WINDOWED = frozenset({"MistralForCausalLM", "Phi3ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                   "Qwen2MoeForCausalLM", "MixtralForCausalLM"})
+
+
+def lmdeploy_layer_windows(arch: str, hf_config) -> list[int | None]:
+    """The sliding window LMDeploy 0.18's model gives each layer's attention (None: global)."""
+    n = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    window = _window(getattr(hf_config, "sliding_window", None))
+    if arch in _EVERY_LAYER_WINDOWED:
+        return [window] * n
+    if arch == "Qwen2ForCausalLM":  # models/qwen2.py: every layer, when use_sliding_window
+        return [window if getattr(hf_config, "use_sliding_window", False) else None] * n
+    if arch in ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # models/gemma.py
+        if getattr(hf_config, "model_type", None) == "gemma3_text":
+            pattern = getattr(hf_config, "sliding_window_pattern", 6)
+            return [window if (i + 1) % pattern else None for i in range(n)]
+        return [None if i % 2 else window for i in range(n)]
+    return [None] * n  # the others pass no window
+
+
+def hf_layer_windows(arch: str, hf_config) -> list[int | None]:
+    """The sliding window transformers 4.57 gives each layer: `layer_types` where the config has
+    them (Qwen2, Qwen3, Gemma 2/3, ...); else the config's `sliding_window` on every layer for the
+    models that mask every layer with it when it is set (Mistral, Phi-3, Mixtral); else none (a
+    Llama config's `sliding_window`, if any, is not read)."""
+    n = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    window = _window(getattr(hf_config, "sliding_window", None))
+    types = getattr(hf_config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == n:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window if arch in _EVERY_LAYER_WINDOWED else None] * n
+
+
+def check_windows(hf_config, arch: str, where: str) -> None:
+    """Raise UnsupportedModelError unless LMDeploy windows the same layers, by the same amount, as
+    transformers (the attention layer runs whatever LMDeploy's model asks for:
+    scored_attention.py)."""
+    ours, theirs = lmdeploy_layer_windows(arch, hf_config), hf_layer_windows(arch, hf_config)
+    if ours != theirs:
+        differ = [i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b]
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with these sliding windows: LMDeploy 0.18's model windows layers "
+            f"{differ} as {[ours[i] for i in differ]} where transformers uses {[theirs[i] for i in differ]} "
+            "(None: no window), so the tokens would differ; e.g. Qwen2 with use_sliding_window runs only "
+            "with max_window_layers=0.")
 
 
 def rope_parameters(hf_config) -> dict | None:
@@ -132,20 +185,23 @@ def _check_rope(hf_config, arch: str, where: str) -> None:
 
 
 def _check_gemma(hf_config, arch: str, where: str) -> None:
-    """LMDeploy 0.18's Gemma (models/gemma.py) always ties the LM head to the embeddings and always
-    runs tanh-approximated GELU, where HF transformers 4.57 reads `tie_word_embeddings` and
-    `hidden_act`: only checkpoints on which both agree run."""
+    """LMDeploy 0.18's Gemma (models/gemma.py, also Gemma 2 and 3) always ties the LM head to the
+    embeddings and always runs tanh-approximated GELU, where HF transformers 4.57 reads
+    `tie_word_embeddings` and the activation (Gemma: `hidden_act`; Gemma 2/3: `hidden_activation`):
+    only checkpoints on which both agree run."""
     if not getattr(hf_config, "tie_word_embeddings", True):
         raise UnsupportedModelError(
             f"{where} cannot run {arch} with tie_word_embeddings=False: LMDeploy's Gemma ignores the "
             "checkpoint's lm_head and reuses the input embeddings.")
-    act = getattr(hf_config, "hidden_act", None)
     declared = getattr(hf_config, "hidden_activation", None)
+    act = getattr(hf_config, "hidden_act", None) if arch == "GemmaForCausalLM" else declared
     if act != "gelu_pytorch_tanh" or declared not in (None, "gelu_pytorch_tanh"):
+        field = "hidden_act" if arch == "GemmaForCausalLM" else "hidden_activation"
         raise UnsupportedModelError(
-            f"{where} cannot run {arch} with hidden_act={act!r}, hidden_activation={declared!r}: LMDeploy's "
-            "Gemma always runs tanh-approximated GELU ('gelu_pytorch_tanh', Gemma's reference activation), "
-            "HF transformers runs `hidden_act`. Set hidden_act to 'gelu_pytorch_tanh' in config.json to run it.")
+            f"{where} cannot run {arch} with hidden_act={getattr(hf_config, 'hidden_act', None)!r}, "
+            f"hidden_activation={declared!r}: LMDeploy's Gemma always runs tanh-approximated GELU "
+            f"('gelu_pytorch_tanh', Gemma's reference activation), HF transformers runs `{field}`. Set {field} to "
+            "'gelu_pytorch_tanh' in config.json to run it.")
 
 
 def _check_internlm2(hf_config, arch: str, where: str) -> None:
@@ -155,9 +211,14 @@ def _check_internlm2(hf_config, arch: str, where: str) -> None:
             f"{where} cannot run {arch} with bias=True: not compared with HF on dlinfer device types.")
 
 
+# Architectures whose LMDeploy model passes `attn_logit_softcapping` to its attention (models/gemma.py).
+_SOFTCAPPED = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
+
 # Checks of one architecture beyond the common ones (what LMDeploy's model hard-codes).
 _ARCHITECTURE_CHECKS = {
     "GemmaForCausalLM": _check_gemma,
+    "Gemma2ForCausalLM": _check_gemma,
+    "Gemma3ForCausalLM": _check_gemma,
     "InternLM2ForCausalLM": _check_internlm2,
 }
 
@@ -189,14 +250,10 @@ def check_model(model_config, spec: DeviceSpec) -> None:
     quant = getattr(top, "quantization_config", None) or getattr(hf_config, "quantization_config", None)
     if quant:
         check_quantization(quant, arch, where)
-    window = _sliding_window(model_config)
-    max_positions = getattr(hf_config, "max_position_embeddings", None)
-    if window > 0 and (max_positions is None or window < max_positions):
-        raise UnsupportedModelError(
-            f"{where} cannot run sliding-window attention ({arch}, sliding_window={window} < "
-            f"max_position_embeddings={max_positions}).")
-    if getattr(hf_config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError(f"{where} cannot run attention logit soft-capping ({arch}).")
+    check_windows(hf_config, arch, where)
+    if getattr(hf_config, "attn_logit_softcapping", None) and arch not in _SOFTCAPPED:
+        raise UnsupportedModelError(f"{where} cannot run attention logit soft-capping ({arch}): LMDeploy 0.18's "
+                                    "model for it does not pass the cap to its attention.")
     _check_rope(hf_config, arch, where)
     extra = _ARCHITECTURE_CHECKS.get(arch)
     if extra is not None:

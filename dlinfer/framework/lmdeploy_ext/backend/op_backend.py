@@ -8,6 +8,8 @@ layers, which call `dlinfer.ops` through `lmdeploy/pytorch/kernels/dlinfer`. Wha
 - the rotary layer where LMDeploy's dlinfer choice is wrong (Llama 3.x scaling: `rotary.py`);
 - non-causal attention without a cache (vision towers), which LMDeploy's dlinfer layer runs
   causally (`bidirectional_attention.py`);
+- attention with a sliding window or logit soft-capping, which LMDeploy's dlinfer layer drops
+  (`scored_attention.py`);
 - the collective backend of tp > 1 from the device type (`DeviceSpec.ccl_backend`: "gloo" on the
   CPU, "nccl" for dlinfer_cuda);
 - for the CPU: cache allocation on the host (`cache.py`), and
@@ -20,6 +22,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from lmdeploy.pytorch.backends.attention import PagedAttentionBuildSpec
 from lmdeploy.pytorch.backends.dlinfer.op_backend import DlinferOpsBackend
 from lmdeploy.pytorch.backends.flash_attention import FlashAttentionBuildSpec
 from lmdeploy.pytorch.backends.rotary_embedding import RotaryEmbeddingBuildSpec
@@ -29,6 +32,7 @@ from dlinfer.framework.lmdeploy_ext.backend.bidirectional_attention import build
 from dlinfer.framework.lmdeploy_ext.backend.cache import HostCacheBackend
 from dlinfer.framework.lmdeploy_ext.backend.kv_layout import active_kv_layout, block_shape
 from dlinfer.framework.lmdeploy_ext.backend.rotary import build_rotary_embedding
+from dlinfer.framework.lmdeploy_ext.backend.scored_attention import build_scored_attention
 from dlinfer.framework.lmdeploy_ext.backend.step_context import build_attention_metadata, build_moe_metadata
 
 
@@ -39,14 +43,19 @@ class DlinferDeviceOpsBackend(DlinferOpsBackend):
 
     @classmethod
     def build_op(cls, spec, *, enable_deterministic: bool = False):
-        """LMDeploy's dlinfer layer for `spec`, except the rotary layers `rotary.py` builds itself
-        and the non-causal attention `bidirectional_attention.py` builds."""
+        """LMDeploy's dlinfer layer for `spec`, except the rotary layers `rotary.py` builds itself,
+        the non-causal attention `bidirectional_attention.py` builds and the windowed or
+        soft-capped attention `scored_attention.py` builds."""
         if isinstance(spec, RotaryEmbeddingBuildSpec):
             impl = build_rotary_embedding(spec)
             if impl is not None:
                 return impl
         if isinstance(spec, FlashAttentionBuildSpec):
             impl = build_bidirectional_attention(spec)
+            if impl is not None:
+                return impl
+        if isinstance(spec, PagedAttentionBuildSpec):
+            impl = build_scored_attention(spec)
             if impl is not None:
                 return impl
         return super().build_op(spec, enable_deterministic=enable_deterministic)

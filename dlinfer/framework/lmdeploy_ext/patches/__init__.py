@@ -28,6 +28,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     request_checks,
     vl_preprocess,
     weight_reads,
+    window_cache,
 )
 
 PATCHES = (
@@ -39,6 +40,7 @@ PATCHES = (
     env_check,         # LMDeploy's torch check runs on the engine's device
     cuda_calls,        # streams/events/"cuda" strings in the engine modules
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
+    window_cache,      # models windowing only some layers (Gemma 2/3) keep their whole KV history
     weight_reads,      # safetensors shards read tensor by tensor, not mapped (CPU): no file pages on top of the weights
     lm_head,           # DLINFER_LM_HEAD: the LM head quantised to int8 after loading (quantised checkpoints)
     huge_pages,        # DLINFER_HUGE_PAGES: the built model's weights moved onto 2 MB pages (CPU)
