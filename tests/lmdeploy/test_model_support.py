@@ -22,7 +22,9 @@ from dlinfer.framework.lmdeploy_ext.backend.op_backend import CpuOpsBackend
 # What each architecture's tested checkpoints set (and its real ones do).
 _ARCH_DEFAULTS = {"GemmaForCausalLM": dict(hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True),
                   "Gemma2ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
-                  "Gemma3ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)}
+                  "Gemma3ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+                  "DeepseekV2ForCausalLM": dict(moe_layer_freq=1, scoring_func="softmax", topk_method="greedy"),
+                  "DeepseekV3ForCausalLM": dict(moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")}
 
 
 def _model_config(arch="LlamaForCausalLM", **hf):
@@ -42,8 +44,8 @@ def test_supported_architectures_pass(arch):
 
 
 def test_refusal_lists_what_is_supported():
-    _refused(_model_config("DeepseekV2ForCausalLM"),
-             "device_type='cpu' cannot run architecture 'DeepseekV2ForCausalLM'; supported: "
+    _refused(_model_config("Starcoder2ForCausalLM"),
+             "device_type='cpu' cannot run architecture 'Starcoder2ForCausalLM'; supported: "
              + ", ".join(sorted(SUPPORTED_ARCHITECTURES)) + ".")
 
 
@@ -143,6 +145,28 @@ def test_models_windowing_some_layers_keep_their_whole_history():
 ])
 def test_gemma_that_lmdeploy_would_run_differently_is_refused(hf, message):
     _refused(_model_config("GemmaForCausalLM", **hf), message)
+
+
+@pytest.mark.parametrize("arch,hf,message", [
+    ("DeepseekV2ForCausalLM", dict(moe_layer_freq=None), "without moe_layer_freq in config.json"),
+    ("DeepseekV3ForCausalLM", dict(scoring_func=None), "without scoring_func in config.json"),
+    ("DeepseekV2ForCausalLM", dict(moe_layer_freq=2), "moe_layer_freq=2"),
+    ("DeepseekV3ForCausalLM", dict(topk_method="sinkhorn"), "topk_method='sinkhorn'"),
+    ("DeepseekV2ForCausalLM", dict(topk_method="group_limited_greedy"),
+     "topk_method='group_limited_greedy' (DeepSeek-V2 and V2-Chat): LMDeploy 0.18 masks the router logits"),
+    ("DeepseekV2ForCausalLM", dict(rope_scaling=dict(type="yarn", factor=40.0, mscale_all_dim=0.707)),
+     "cannot run DeepseekV2ForCausalLM with YaRN rope scaling: LMDeploy (as DeepSeek's own code) multiplies"),
+])
+def test_deepseek_configs_lmdeploy_reads_otherwise_are_refused(arch, hf, message):
+    config = _model_config(arch, **{k: v for k, v in hf.items() if v is not None})
+    for key in (k for k, v in hf.items() if v is None):
+        delattr(config.hf_config, key)
+    _refused(config, message)
+
+
+def test_deepseek_v3_with_yarn_runs():
+    check_model(_model_config("DeepseekV3ForCausalLM", rope_scaling=dict(type="yarn", factor=40.0,
+                                                                         mscale_all_dim=1.0)), devices.CPU)
 
 
 def test_internlm2_with_biases_is_refused():

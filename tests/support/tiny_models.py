@@ -65,6 +65,10 @@ def _with(base: dict, **changes) -> dict:
     return {**base, **changes}
 
 
+_DEEPSEEK = dict(intermediate_size=256, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                 num_experts_per_tok=2, first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32, n_group=2, topk_group=1)
+
 SPECS: dict[str, dict] = {
     "llama": dict(model_type="llama", intermediate_size=256, **COMMON),
     "qwen2": dict(model_type="qwen2", intermediate_size=256, use_sliding_window=False, **COMMON),
@@ -118,6 +122,23 @@ SPECS: dict[str, dict] = {
                    sliding_window=7, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                    hidden_activation="gelu_pytorch_tanh", post_norm_weight=8.0,
                    **_with(COMMON, tie_word_embeddings=True)),
+    # MLA (DeepSeek-V2/V3, tests/lmdeploy/test_mla_models.py): one latent KV head of 32 + 16 rope dims,
+    # a dense first layer, then MoE layers of 4 routed experts (2 per token) and a shared one. The
+    # keys LMDeploy reads that transformers' own configs lack (DeepSeek's checkpoints carry them).
+    "deepseek_v2": dict(model_type="deepseek_v2", **_DEEPSEEK, q_lora_rank=None, topk_method="greedy",
+                        scoring_func="softmax", **_with(COMMON, num_key_value_heads=4)),
+    "deepseek_v2_q_lora": dict(model_type="deepseek_v2", **_DEEPSEEK, q_lora_rank=48, topk_method="greedy",
+                               scoring_func="softmax",
+                               **_with(COMMON, num_key_value_heads=4)),
+    "deepseek_v3": dict(model_type="deepseek_v3", **_DEEPSEEK, q_lora_rank=48, topk_method="noaux_tc",
+                        scoring_func="sigmoid", routed_scaling_factor=2.5, score_bias_std=0.1,
+                        **_with(COMMON, num_key_value_heads=4, norm_topk_prob=True)),
+    # DeepSeek-V3 with YaRN (as its checkpoints): prompts past a 32-token original context.
+    "deepseek_v3_yarn": dict(model_type="deepseek_v3", **_DEEPSEEK, q_lora_rank=48, topk_method="noaux_tc",
+                             scoring_func="sigmoid", routed_scaling_factor=2.5, score_bias_std=0.1,
+                             **_with(COMMON, num_key_value_heads=4, norm_topk_prob=True, rope_scaling=dict(
+                                 rope_type="yarn", type="yarn", factor=4.0, original_max_position_embeddings=32,
+                                 mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1))),
     # Gemma 3's text model: five windowed layers, then a global one. Both Gemmas with their post-attention
     # and post-MLP norm weights at 8 (x9 in Gemma's 1 + w): from the zero init, the sqrt(hidden)-scaled
     # embeddings outweigh every layer and the model only repeats its last input token.
@@ -155,6 +176,7 @@ def _save_model(spec: dict, folder: Path) -> None:
 
     spec = dict(spec)
     post_norm = spec.pop("post_norm_weight", None)
+    score_bias = spec.pop("score_bias_std", None)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -163,6 +185,11 @@ def _save_model(spec: dict, folder: Path) -> None:
             for name, param in model.named_parameters():
                 if "post_attention_layernorm" in name or "post_feedforward_layernorm" in name:
                     param.fill_(post_norm)
+    if score_bias is not None:  # DeepSeek-V3's router bias, zero at init: random, so that it steers routing
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "e_score_correction_bias" in name:
+                    param.copy_(torch.randn(param.shape) * score_bias)
     model.generation_config.eos_token_id = None
     model.save_pretrained(folder, safe_serialization=True)
 

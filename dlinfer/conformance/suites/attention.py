@@ -79,10 +79,13 @@ class PagedSetup:
         if stale is None:  # finite garbage, far from the live values
             self.key_cache.mul_(30)
             self.value_cache.mul_(30)
+        if case.latent:  # MLA: the value is the key's first Dv dims, read through a view of the key cache
+            self.value_cache = self.key_cache[..., :case.dv]
+            self.v = self.k[..., :case.dv]
         start = 0
         for b, (hist, n) in enumerate(case.seqs):
             hk = randn((hist, case.hkv, case.d), dtype, g)
-            hv = randn((hist, case.hkv, case.dv), dtype, g)
+            hv = hk[..., :case.dv] if case.latent else randn((hist, case.hkv, case.dv), dtype, g)
             write_cache(self.key_cache, slots_of(self.paged, b, range(hist), case.bs), hk, case.bs, layout)
             write_cache(self.value_cache, slots_of(self.paged, b, range(hist), case.bs), hv, case.bs, layout)
             new = slots_of(self.paged, b, range(hist, hist + n), case.bs)
@@ -149,6 +152,8 @@ def _prefill(vendor, layout, case, dtype, with_cpu_ends):
     seed = seed_of("prefill", case.id, dtype)
     g = gen(seed)
     q, k, v = packed_qkv(case.T, case.hq, case.hkv, case.d, case.dv, dtype, g, case.packed)
+    if case.latent:  # MLA: the value is a view of the key's first Dv dims
+        v = k[..., :case.dv]
     expected = memo(seed, lambda: ref.prefill_attention(q, k, v, torch.tensor(case.q_lens), case.scale,
                                                         _slopes(case), case.window, case.softcap))
     # LMDeploy passes the (filled) caches; the op must not need nor touch them.

@@ -25,6 +25,7 @@ class AttnCase:
     packed: bool = True  # q/k/v as strided views of one qkv buffer
     scale: float = None  # softmax_scale
     alibi: bool = False
+    latent: bool = False  # MLA: value_cache = key_cache[..., :Dv], the values the keys' first Dv dims
     window: int = 0  # sliding_window (0: none)
     softcap: float = 0.0  # logit_softcapping (0: none)
 
@@ -80,6 +81,8 @@ PREFILL_CASES = [
     AttnCase("b1_softcap1_gqa1_d64", ((0, 11),), 2, 2, 64, 64, 16, True, scale=0.5, softcap=1.0, packed=False),
     AttnCase("b2_window100_softcap3_gqa5_d128", ((0, 513), (0, 77)), 10, 2, 128, 128, 16, False, window=100,
              softcap=3.0),
+    AttnCase("b2_mla_gqa8_d48_dv32", ((0, 7), (0, 12)), 8, 1, 48, 32, 16, True, latent=True),
+    AttnCase("b1_mla_gqa16_d576_dv512", ((0, 150),), 16, 1, 576, 512, 16, False, latent=True),
 ]
 
 # paged_prefill_attention: history + new, history not dividing the block size.
@@ -100,6 +103,9 @@ PAGED_PREFILL_CASES = [
     AttnCase("b2_softcap1_gqa1_d64_bs16", ((17, 3), (0, 5)), 2, 2, 64, 64, 16, True, softcap=1.0, packed=False),
     AttnCase("b3_window64_softcap3_gqa5_d128_bs16", ((1000, 37), (64, 129), (5, 3)), 10, 2, 128, 128, 16, False,
              window=64, softcap=3.0),
+    # MLA (DeepSeek through LMDeploy): one latent KV head, values a view of the key cache.
+    AttnCase("b2_mla_gqa8_d48_dv32_bs4", ((5, 3), (0, 6)), 8, 1, 48, 32, 4, True, latent=True),
+    AttnCase("b2_mla_gqa16_d576_dv512_bs64", ((200, 40), (63, 65)), 16, 1, 576, 512, 64, False, latent=True),
 ]
 
 # paged_decode_attention: one new token per sequence, and multi-token decode.
@@ -131,4 +137,7 @@ DECODE_CASES = [
     AttnCase("b1_long_window128_gqa8_d128_bs16_split", ((1900, 1),), 8, 1, 128, 128, 16, False, window=128),
     AttnCase("b3_window256_softcap3_gqa5_d128_bs64", ((700, 1), (15, 1), (2046, 1)), 10, 2, 128, 128, 64, False,
              window=256, softcap=3.0),
+    AttnCase("b3_mla_gqa8_d48_dv32_bs4", ((9, 1), (0, 1), (22, 1)), 8, 1, 48, 32, 4, True, latent=True,
+             index_dtype=I64),
+    AttnCase("b2_mla_gqa16_d576_dv512_bs64", ((1000, 1), (63, 1)), 16, 1, 576, 512, 64, False, latent=True),
 ]

@@ -24,6 +24,7 @@ class FillCase:
     small: bool
     contiguous_run: bool = False  # a prefill: consecutive positions through shuffled blocks
     packed: bool = True
+    latent: bool = False  # MLA: value = key[..., :Dv] and value_cache = key_cache[..., :Dv] (views)
 
 
 CASES = [
@@ -34,6 +35,10 @@ CASES = [
     FillCase("t19_kv4_d64_bs8_run", 19, 4, 64, 64, 8, 6, True, contiguous_run=True),
     FillCase("t300_kv8_d128_bs64", 300, 8, 128, 128, 64, 9, False),
     FillCase("t129_kv3_d80_bs16_run", 129, 3, 80, 80, 16, 13, False, contiguous_run=True, packed=False),
+    # MLA (LMDeploy's DeepSeek): one latent head of kv_lora_rank + rope dims; the value is its first
+    # kv_lora_rank dims and lands in the key cache's memory through a view.
+    FillCase("t9_mla_d48_dv32_bs4_run", 9, 1, 48, 32, 4, 5, True, contiguous_run=True, latent=True),
+    FillCase("t70_mla_d576_dv512_bs64", 70, 1, 576, 512, 64, 3, False, latent=True),
 ]
 
 # (index dtype, kv_indices as [T, 1], id)
@@ -58,6 +63,8 @@ def _fill(vendor, layout, case, dtype, index_dtype, column):
     _, key, value = packed_qkv(case.T, 1, case.hkv, case.d, case.dv, dtype, g, case.packed)
     key_cache = alloc_cache(case.nb, case.bs, case.hkv, case.d, layout, dtype, g)
     value_cache = alloc_cache(case.nb, case.bs, case.hkv, case.dv, layout, dtype, g)
+    if case.latent:
+        value, value_cache = key[..., :case.dv], key_cache[..., :case.dv]
     slots = torch.tensor(slots_for(case, g), dtype=index_dtype, device=device())
     if column:
         slots = slots.reshape(-1, 1)

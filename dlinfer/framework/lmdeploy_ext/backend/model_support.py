@@ -26,6 +26,9 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "Phi3ForCausalLM",
     "GemmaForCausalLM",
     "InternLM2ForCausalLM",
+    # MLA: one latent KV head, values a slice of it (tests/lmdeploy/test_mla_models.py)
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     # sliding windows and soft-capping (tests/lmdeploy/test_windowed_models.py)
     "MistralForCausalLM",
     "Gemma2ForCausalLM",
@@ -211,6 +214,37 @@ def _check_internlm2(hf_config, arch: str, where: str) -> None:
             f"{where} cannot run {arch} with bias=True: not compared with HF on dlinfer device types.")
 
 
+def _check_deepseek(hf_config, arch: str, where: str) -> None:
+    """LMDeploy 0.18's DeepSeek model (models/deepseek_v2.py) reads keys DeepSeek's own configs
+    carry and transformers' do not (a transformers-format config crashed it with an AttributeError),
+    routes by `topk_method`, and scales V2's attention by YaRN's mscale where transformers 4.57's
+    DeepseekV2 does not."""
+    missing = [key for key in ("moe_layer_freq", "scoring_func") if not hasattr(hf_config, key)]
+    if missing:
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} without {', '.join(missing)} in config.json: LMDeploy's DeepSeek model "
+            "reads them (DeepSeek's checkpoints carry them; transformers' configs do not). For the meaning "
+            "transformers gives such a checkpoint, add \"moe_layer_freq\": 1 and \"scoring_func\": \"softmax\" "
+            "(DeepSeek-V2) or \"sigmoid\" (DeepSeek-V3).")
+    method = getattr(hf_config, "topk_method", "greedy")
+    if method == "group_limited_greedy":
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with topk_method='group_limited_greedy' (DeepSeek-V2 and V2-Chat): LMDeploy "
+            "0.18 masks the router logits of the groups left out with 0 and takes a softmax over what remains, where "
+            "DeepSeek's code and transformers take the softmax first, mask the scores and keep those weights, so "
+            "experts and weights differ (greedy, as DeepSeek-V2-Lite, and DeepSeek-V3's noaux_tc run).")
+    if method not in ("greedy", "noaux_tc") or getattr(hf_config, "moe_layer_freq") != 1:
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with topk_method={method!r}, moe_layer_freq="
+            f"{getattr(hf_config, 'moe_layer_freq')!r}: compared with HF transformers are greedy and noaux_tc "
+            "routing with every layer from first_k_dense_replace on an MoE layer (moe_layer_freq=1).")
+    if arch == "DeepseekV2ForCausalLM" and rope_type(hf_config) == "yarn":
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with YaRN rope scaling: LMDeploy (as DeepSeek's own code) multiplies the "
+            "softmax scale by YaRN's mscale_all_dim factor, transformers 4.57's DeepseekV2 does not, so the tokens "
+            "cannot be compared with HF (DeepSeek-V3 with YaRN runs).")
+
+
 # Architectures whose LMDeploy model passes `attn_logit_softcapping` to its attention (models/gemma.py).
 _SOFTCAPPED = frozenset({"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 
@@ -220,6 +254,8 @@ _ARCHITECTURE_CHECKS = {
     "Gemma2ForCausalLM": _check_gemma,
     "Gemma3ForCausalLM": _check_gemma,
     "InternLM2ForCausalLM": _check_internlm2,
+    "DeepseekV2ForCausalLM": _check_deepseek,
+    "DeepseekV3ForCausalLM": _check_deepseek,
 }
 
 

@@ -19,6 +19,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     huge_pages,
     image_checks,
     lm_head,
+    mla_bmm,
     model_agent,
     model_dtype,
     mp_engine,
@@ -41,6 +42,7 @@ PATCHES = (
     cuda_calls,        # streams/events/"cuda" strings in the engine modules
     model_agent,       # weights, warm-up inputs and free memory on the engine's device
     window_cache,      # models windowing only some layers (Gemma 2/3) keep their whole KV history
+    mla_bmm,           # DeepSeek's per-head latent products traceable in graph mode
     weight_reads,      # safetensors shards read tensor by tensor, not mapped (CPU): no file pages on top of the weights
     lm_head,           # DLINFER_LM_HEAD: the LM head quantised to int8 after loading (quantised checkpoints)
     huge_pages,        # DLINFER_HUGE_PAGES: the built model's weights moved onto 2 MB pages (CPU)

@@ -8,6 +8,12 @@ How: both functions are wrapped; a dlinfer device type gets its answer from `dev
 (bf16: always on CPU, LMDeploy's CUDA answer for dlinfer_cuda), every other device type gets
 LMDeploy's. They are replaced in `lmdeploy.utils` and in the two modules that imported them by
 name before we could patch (`pytorch.engine.config_builder`, `pytorch.config`).
+
+Also `flash_mla_available` (pytorch/configurations/utils.py), which DeepSeek-V2/V3's config
+builder calls whatever the device type: it asks CUDA for device 0's properties and catches only
+an ImportError, so on a torch without CUDA (this CPU build) its AssertionError ended LMDeploy's
+model check ("Torch not compiled with CUDA enabled"). Without CUDA there is no FlashMLA: the
+wrapper answers False then, LMDeploy's function otherwise.
 """
 
 from __future__ import annotations
@@ -42,13 +48,28 @@ def _patch_is_bf16_supported(original):
     return is_bf16_supported
 
 
+def _patch_flash_mla_available(original):
+
+    @functools.wraps(original)
+    def flash_mla_available():
+        import torch
+
+        return original() if torch.cuda.is_available() else False
+
+    return flash_mla_available
+
+
 def apply() -> None:
     import lmdeploy.pytorch.config as pytorch_config
+    import lmdeploy.pytorch.configurations.deepseek_v2 as deepseek_v2_config
+    import lmdeploy.pytorch.configurations.utils as configuration_utils
     import lmdeploy.pytorch.engine.config_builder as config_builder
     import lmdeploy.utils as utils
 
     wrap(utils, "get_max_batch_size", _patch_get_max_batch_size)
     wrap(utils, "is_bf16_supported", _patch_is_bf16_supported)
+    wrap(configuration_utils, "flash_mla_available", _patch_flash_mla_available)
+    wrap(deepseek_v2_config, "flash_mla_available", _patch_flash_mla_available)  # imported by name
     # Modules that did `from lmdeploy.utils import ...` hold the unpatched function: point them at
     # the patched one (only if they still hold LMDeploy's original).
     for module, name in ((config_builder, "get_max_batch_size"), (pytorch_config, "is_bf16_supported")):
