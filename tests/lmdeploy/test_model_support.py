@@ -24,6 +24,11 @@ _ARCH_DEFAULTS = {"GemmaForCausalLM": dict(hidden_act="gelu_pytorch_tanh", tie_w
                   "Gemma2ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
                   "Gemma3ForCausalLM": dict(hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
                   "DeepseekV2ForCausalLM": dict(moe_layer_freq=1, scoring_func="softmax", topk_method="greedy"),
+                  "InternVLChatModel": dict(llm_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"],
+                                                                       max_position_embeddings=1024,
+                                                                       tie_word_embeddings=False),
+                                            dynamic_image_size=True, ps_version="v2", select_layer=-1,
+                                            tie_word_embeddings=False),
                   "DeepseekV3ForCausalLM": dict(moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")}
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 from support.engine_helpers import MIN_TOP2_MARGIN, cpu_pipeline
-from support.tiny_vlms import SPECS, tiny_vlm
+from support.tiny_vlms import SPECS, tiny_internvl_chat, tiny_vlm
 from test_pipeline_greedy import _CallCounter
 
 from dlinfer.framework.lmdeploy_ext import UnsupportedModelError, devices
@@ -43,7 +43,7 @@ from dlinfer.framework.lmdeploy_ext.backend.model_support import SUPPORTED_ARCHI
 
 NEW_TOKENS = 12
 GRAPH_NEW_TOKENS = 8
-MODELS = tuple(SPECS)  # internvl, qwen2_vl, qwen2_5_vl
+MODELS = ("internvl", "qwen2_vl", "qwen2_5_vl")  # internvl_llama: the reference of the remote-code InternLM2 one
 
 
 def _image(width: int, height: int, seed: int):
@@ -118,7 +118,7 @@ class _HFVLM:
 
     def pixel_kwargs(self, multimodal: list[dict]) -> dict:
         kwargs = dict(pixel_values=torch.cat([item["pixel_values"] for item in multimodal]))
-        if self.name != "internvl":
+        if not self.name.startswith("internvl"):
             kwargs["image_grid_thw"] = torch.cat([item["image_grid_thw"] for item in multimodal])
         return kwargs
 
@@ -260,6 +260,74 @@ def test_unsupported_vlm_is_refused_by_name_before_its_preprocessor(config, arch
         with cpu_pipeline(tmp_path):
             pass
     assert message in str(info.value) and str(info.value).endswith(f"; supported: {supported}.")
+
+
+# -- remote-code InternVL (InternVLChatModel, InternVL 1.5 / 2) -------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("llm,reference_name", [("qwen2", "internvl"), ("internlm2", "internvl_llama")])
+def test_remote_code_internvl_matches_the_hf_native_model(llm, reference_name, hf_vlm, monkeypatch):
+    """A remote-code InternVL checkpoint written from the tiny HF-native one's weights
+    (tiny_vlms.tiny_internvl_chat: InternViT + Qwen2, or InternLM2 from a Llama-based one; the
+    checkpoint's own config module) runs
+    through LMDeploy's InternVLChatModel with its dynamic-tile preprocessing built without
+    torchvision: eager with chunked prefill, then graph mode, each equal to the HF-native model
+    fed the same input ids and pixel values; bfloat16 runs. Each tile's pixels equal HF's image
+    processor's for that tile."""
+    from transformers import AutoImageProcessor
+
+    from dlinfer.framework.lmdeploy_ext.patches.vl_preprocess import TileTransform
+
+    reference = hf_vlm(reference_name)
+    checkpoint = tiny_internvl_chat(llm)
+    recorder = _Recorder(monkeypatch)
+    with cpu_pipeline(checkpoint, trust_remote_code=True, max_prefill_token_num=32,
+                      max_batch_size=2) as pipe:
+        assert pipe.async_engine.engine.model_config.hf_config.architectures == ["InternVLChatModel"]
+        results = _run(pipe, recorder, NEW_TOKENS)
+    _assert_matches_hf(results, reference, NEW_TOKENS)
+    assert max(len(record["input_ids"]) for record, _, _ in results) > 32
+    assert {int(item["pixel_values"].shape[0]) for record, _, _ in results for item in record["multimodal"]} == {3, 7}
+
+    graph = _Recorder(monkeypatch)
+    with cpu_pipeline(checkpoint, trust_remote_code=True, eager_mode=False, max_batch_size=2) as pipe:
+        runner = pipe.async_engine.engine.executor.model_agent.patched_model
+        graph_results = _run(pipe, graph, GRAPH_NEW_TOKENS)
+    assert type(runner).__name__ == "DlinferGraphRunner" and runner.graph_steps >= GRAPH_NEW_TOKENS - 1
+    _assert_matches_hf(graph_results, reference, GRAPH_NEW_TOKENS)
+
+    with cpu_pipeline(checkpoint, trust_remote_code=True, dtype="bfloat16", max_batch_size=2) as pipe:
+        _run(pipe, _Recorder(monkeypatch), 4)
+
+    # one tile: the stand-in for torchvision's transform = HF's image processor without cropping,
+    # with InternVL 1.5 / 2's ImageNet mean and std
+    processor = AutoImageProcessor.from_pretrained(tiny_vlm("internvl"))
+    for size, seed in ((56, 3), (80, 4), (33, 5)):
+        tile = _image(size, size, seed)
+        expected = processor(images=[tile], crop_to_patches=False, image_mean=TileTransform.MEAN,
+                             image_std=TileTransform.STD, return_tensors="pt")["pixel_values"][0]
+        torch.testing.assert_close(TileTransform(56)(tile), expected, rtol=0, atol=1e-6)
+
+
+def _internvl_chat_config(llm_arch="Qwen2ForCausalLM", **top):
+    from types import SimpleNamespace
+
+    llm = SimpleNamespace(architectures=[llm_arch], max_position_embeddings=1024, tie_word_embeddings=False)
+    fields = {**dict(dynamic_image_size=True, ps_version="v2", select_layer=-1, tie_word_embeddings=False), **top}
+    return SimpleNamespace(hf_config=SimpleNamespace(architectures=["InternVLChatModel"], llm_config=llm, **fields),
+                           sliding_window=-1)
+
+
+@pytest.mark.parametrize("llm_arch,top,message", [
+    ("Phi3ForCausalLM", {}, "with a Phi3ForCausalLM language model: compared with HF transformers are the Qwen2"),
+    ("Qwen2ForCausalLM", {"dynamic_image_size": False}, "without dynamic_image_size"),
+    ("Qwen2ForCausalLM", {"ps_version": "v1"}, "ps_version='v1'"),
+    ("Qwen2ForCausalLM", {"tie_word_embeddings": True}, "LMDeploy ties the LM head by the top-level value"),
+])
+def test_remote_code_internvl_other_than_tested_is_refused(llm_arch, top, message):
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        check_model(_internvl_chat_config(llm_arch, **top), devices.CPU)
+    check_model(_internvl_chat_config(), devices.CPU)
 
 
 # -- the non-causal attention on its own -----------------------------------------------------------

@@ -21,11 +21,12 @@ MIN_TOP2_MARGIN = 1e-4
 
 
 @contextlib.contextmanager
-def cpu_pipeline(model_dir: Path, **engine_kwargs) -> Iterator:
+def cpu_pipeline(model_dir: Path, *, trust_remote_code: bool = False, **engine_kwargs) -> Iterator:
     """An `lmdeploy.pipeline` on device_type="cpu" (closed on exit).
 
     Defaults keep tests small and fast: eager steps (graph mode is tested in tests/graph),
     16-token blocks and a 128-block KV cache (2048 tokens), unless `engine_kwargs` say otherwise.
+    `trust_remote_code`: the checkpoint's own config module may run (remote-code InternVL).
     """
     from lmdeploy import PytorchEngineConfig, pipeline
 
@@ -33,7 +34,8 @@ def cpu_pipeline(model_dir: Path, **engine_kwargs) -> Iterator:
 
     kwargs = dict(device_type="cpu", eager_mode=True, block_size=16, num_gpu_blocks=128, max_batch_size=32)
     kwargs.update(engine_kwargs)
-    pipe = pipeline(str(model_dir), backend_config=PytorchEngineConfig(**kwargs), log_level="ERROR")
+    pipe = pipeline(str(model_dir), backend_config=PytorchEngineConfig(**kwargs), log_level="ERROR",
+                    trust_remote_code=trust_remote_code)
     try:
         yield pipe
     finally:

@@ -72,6 +72,22 @@ SPECS: dict[str, dict] = {
                              crop_to_patches=True, min_patches=1, max_patches=6),
         processor=dict(processor_class="InternVLProcessor", image_seq_length=16),
         tokens=INTERNVL_TOKENS),
+    # The same with a Llama language model: the HF-native reference of the remote-code InternVL with
+    # an InternLM2 one (tiny_internvl_chat("internlm2"): InternLM2 is Llama in other names).
+    "internvl_llama": dict(
+        model="InternVLForConditionalGeneration",
+        config=dict(
+            model_type="internvl",
+            vision_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                               image_size=[56, 56], patch_size=[7, 7], initializer_range=0.2,
+                               layer_scale_init_value=1.0),
+            text_config=dict(model_type="llama", architectures=["LlamaForCausalLM"], **_TEXT),
+            image_seq_length=16, downsample_ratio=0.5, projector_hidden_act="gelu",
+            vision_feature_layer=-1, vision_feature_select_strategy="default"),
+        image_processor=dict(image_processor_type="GotOcr2ImageProcessor", size={"height": 56, "width": 56},
+                             crop_to_patches=True, min_patches=1, max_patches=6),
+        processor=dict(processor_class="InternVLProcessor", image_seq_length=16),
+        tokens=INTERNVL_TOKENS),
     # Qwen2-VL: 14x14 patches, 2x2 merge, mrope (sections of a 32-dim head: 4 + 6 + 6), the LM head
     # tied to the embeddings (as Qwen2-VL-2B).
     "qwen2_vl": dict(
@@ -172,3 +188,125 @@ def tiny_vlm(name: str) -> Path:
         _save_processor(spec, staging)
 
     return cached_folder(CACHE_ROOT / "tiny_models" / f"{name}-{_key(spec)}", build)
+
+
+# ---------------------------------------------------------------- remote-code InternVL
+
+# The checkpoint's own config module (InternVL 1.5/2 checkpoints ship one, `auto_map` points at
+# it). Written here for the tests: the config classes LMDeploy reads, nothing else.
+INTERNVL_CHAT_CONFIG_MODULE = '''"""InternVLChatConfig for dlinfer's tiny remote-code InternVL test checkpoint."""
+from transformers import AutoConfig, PretrainedConfig
+
+
+class InternVisionConfig(PretrainedConfig):
+    model_type = "intern_vit_6b"
+
+
+class InternLM2Config(PretrainedConfig):
+    model_type = "internlm2"
+
+
+class InternVLChatConfig(PretrainedConfig):
+    model_type = "internvl_chat"
+    is_composition = True
+
+    def __init__(self, vision_config=None, llm_config=None, **kwargs):
+        super().__init__(**kwargs)
+        self.vision_config = InternVisionConfig(**(vision_config or {}))
+        llm = dict(llm_config or {"model_type": "qwen2"})
+        model_type = llm.pop("model_type")
+        if model_type == "internlm2":  # no transformers class: its own config, as its checkpoints carry
+            self.llm_config = InternLM2Config(**llm)
+        else:
+            self.llm_config = AutoConfig.for_model(model_type, **llm)
+
+    def to_dict(self):
+        out = super().to_dict()
+        out["vision_config"] = self.vision_config.to_dict()
+        out["llm_config"] = self.llm_config.to_dict()
+        return out
+'''
+
+
+def internvl_chat_weights(hf_weights: dict) -> dict:
+    """The weights of an HF-native InternVL (`InternVLForConditionalGeneration`, as transformers
+    4.57 saves them) under the remote-code `InternVLChatModel`'s names: the vision tower's q/k/v
+    fused into one `qkv`, its layer scales `ls1`/`ls2`, the projector as `mlp1.{0,1,3}` (the
+    language model's `language_model.*` names are the remote ones already)."""
+    out, renames = {}, (
+        ("vision_tower.embeddings.cls_token", "vision_model.embeddings.class_embedding"),
+        ("vision_tower.embeddings.patch_embeddings.projection", "vision_model.embeddings.patch_embedding"),
+        ("vision_tower.embeddings.position_embeddings", "vision_model.embeddings.position_embedding"),
+        ("vision_tower.encoder.layer.", "vision_model.encoder.layers."),
+        (".attention.projection_layer.", ".attn.proj."), (".lambda_1", ".ls1"), (".lambda_2", ".ls2"),
+        (".layernorm_before.", ".norm1."), (".layernorm_after.", ".norm2."),
+        ("multi_modal_projector.layer_norm.", "mlp1.0."), ("multi_modal_projector.linear_1.", "mlp1.1."),
+        ("multi_modal_projector.linear_2.", "mlp1.3."))
+    for name, tensor in hf_weights.items():
+        if ".attention.k_proj." in name or ".attention.v_proj." in name:
+            continue
+        if ".attention.q_proj." in name:
+            parts = [hf_weights[name.replace(".q_proj.", f".{p}_proj.")] for p in "qkv"]
+            tensor, name = _cat(parts), name.replace(".attention.q_proj.", ".attn.qkv.")
+        for old, new in renames:
+            name = name.replace(old, new)
+        out[name] = tensor
+    return out
+
+
+def _cat(parts):
+    import torch
+
+    return torch.cat(parts, dim=0)
+
+
+def tiny_internvl_chat(llm: str = "qwen2") -> Path:
+    """A remote-code InternVL (InternVLChatModel: InternViT + a Qwen2 or InternLM2 language model)
+    with the weights of a tiny HF-native one (`tiny_vlm("internvl")`, or "internvl_llama" for
+    InternLM2, whose weights are the Llama's in InternLM2's layout), so that the HF-native model is
+    its reference."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from support.tiny_internlm2 import internlm2_config, internlm2_state_dict
+
+    source = tiny_vlm({"qwen2": "internvl", "internlm2": "internvl_llama"}[llm])
+    hf = json.loads((source / "config.json").read_text())
+    vision, text = hf["vision_config"], hf["text_config"]
+
+    def build(staging: Path) -> None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (source / name).exists():
+                shutil.copy(source / name, staging / name)
+        weights = internvl_chat_weights(load_file(source / "model.safetensors"))
+        llm_config = {**text, "architectures": ["Qwen2ForCausalLM"]}
+        if llm == "internlm2":
+            lm = {name[len("language_model."):]: t for name, t in weights.items() if name.startswith("language_model.")}
+            lm = internlm2_state_dict(lm, text["num_attention_heads"], text["num_key_value_heads"])
+            weights = {**{n: t for n, t in weights.items() if not n.startswith("language_model.")},
+                       **{f"language_model.{n}": t for n, t in lm.items()}}
+            llm_config = internlm2_config(text)
+        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+        (staging / "configuration_internvl_chat.py").write_text(INTERNVL_CHAT_CONFIG_MODULE)
+        config = {
+            "architectures": ["InternVLChatModel"], "model_type": "internvl_chat",
+            "auto_map": {"AutoConfig": "configuration_internvl_chat.InternVLChatConfig"},
+            "vision_config": {
+                "architectures": ["InternVisionModel"], "hidden_size": vision["hidden_size"],
+                "num_hidden_layers": vision["num_hidden_layers"], "num_attention_heads": vision["num_attention_heads"],
+                "intermediate_size": vision["intermediate_size"], "image_size": vision["image_size"][0],
+                "patch_size": vision["patch_size"][0], "qkv_bias": vision["attention_bias"],
+                "qk_normalization": vision["use_qk_norm"], "norm_type": vision["norm_type"],
+                "layer_norm_eps": vision["layer_norm_eps"], "hidden_act": vision["hidden_act"],
+                "torch_dtype": "float32"},
+            "llm_config": llm_config,
+            "downsample_ratio": hf["downsample_ratio"], "force_image_size": vision["image_size"][0],
+            "select_layer": hf["vision_feature_layer"], "ps_version": "v2", "template": "internvl2_5",
+            "dynamic_image_size": True, "use_thumbnail": True, "min_dynamic_patch": 1, "max_dynamic_patch": 6,
+            "torch_dtype": "float32", "tie_word_embeddings": False,
+        }
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+    key = hashlib.sha256((INTERNVL_CHAT_CONFIG_MODULE + source.name + llm + "v2").encode()).hexdigest()[:12]
+    return cached_folder(CACHE_ROOT / "tiny_models" / f"internvl_chat_{llm}-{key}", build)

@@ -37,10 +37,13 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "InternVLForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "InternVLChatModel",  # remote-code InternVL 1.5 / 2 (InternViT + a Qwen2 language model)
 })
 
-# Vision-language architectures among them: their language model's settings live in `text_config`.
+# Vision-language architectures among them: their language model's settings live in `text_config`
+# (the remote-code InternVL's in `llm_config`).
 VISION_LANGUAGE_ARCHITECTURES: frozenset[str] = frozenset({
+    "InternVLChatModel",
     "InternVLForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
@@ -58,10 +61,6 @@ REFUSED_ARCHITECTURES: dict[str, str] = {
         "its tokens cannot be compared with HF transformers offline: transformers 4.57 has no CogVLM, whose "
         "modeling code is remote code on the Hugging Face Hub (THUDM's modeling_cogvlm.py, which also imports "
         "xformers and torchvision), and LMDeploy's CogVLM image preprocessor needs torchvision"),
-    "InternVLChatModel": (
-        "the remote-code InternVL checkpoints (OpenGVLab/InternVL*, not '-hf') have no transformers class to "
-        "compare with, and LMDeploy's preprocessor for them needs torchvision; the HF-native '-hf' checkpoints "
-        "(InternVLForConditionalGeneration) run"),
 }
 
 
@@ -214,6 +213,39 @@ def _check_internlm2(hf_config, arch: str, where: str) -> None:
             f"{where} cannot run {arch} with bias=True: not compared with HF on dlinfer device types.")
 
 
+def check_internvl_chat(top, where: str) -> None:
+    """The remote-code InternVL (`InternVLChatModel`, InternVL 1.5 / 2) as tested: a Qwen2 or
+    InternLM2 language model (checked as that architecture is), dynamic tiles (the preprocessing
+    patches/vl_preprocess.py builds without torchvision), pixel shuffle v2, the last vision layer,
+    and one `tie_word_embeddings` (LMDeploy ties the LM head by the top-level value, a
+    PretrainedConfig's default being True)."""
+    arch = "InternVLChatModel"
+    llm = getattr(top, "llm_config", None)
+    llm_arch = (list(getattr(llm, "architectures", None) or []) or ["?"])[0]
+    if llm_arch not in ("Qwen2ForCausalLM", "InternLM2ForCausalLM"):
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with a {llm_arch} language model: compared with HF transformers are the "
+            "Qwen2 (InternVL2-1B) and InternLM2 (InternVL 1.5, InternVL2-2B/8B/26B) ones.")
+    extra = _ARCHITECTURE_CHECKS.get(llm_arch)
+    if extra is not None:
+        extra(llm, f"{arch}'s {llm_arch}", where)
+    if not getattr(top, "dynamic_image_size", False):
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} without dynamic_image_size (InternVL-Chat-V1-1/1-2's CLIP preprocessing): "
+            "compared with HF transformers is the dynamic-tile preprocessing of InternVL 1.5 / 2.")
+    if getattr(top, "ps_version", "v1") != "v2" or getattr(top, "select_layer", -1) != -1 \
+            or getattr(top, "flash_mode", None) is not None:
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with ps_version={getattr(top, 'ps_version', 'v1')!r}, select_layer="
+            f"{getattr(top, 'select_layer', -1)!r}, flash_mode={getattr(top, 'flash_mode', None)!r}: LMDeploy runs "
+            "pixel shuffle v2 on the last vision layer; only that is compared with HF transformers.")
+    if bool(getattr(top, "tie_word_embeddings", True)) != bool(getattr(llm, "tie_word_embeddings", False)):
+        raise UnsupportedModelError(
+            f"{where} cannot run {arch} with tie_word_embeddings={getattr(top, 'tie_word_embeddings', True)!r} at the "
+            f"top of config.json and {getattr(llm, 'tie_word_embeddings', False)!r} in llm_config: LMDeploy ties the "
+            "LM head by the top-level value; set both to the language model's.")
+
+
 def _check_deepseek(hf_config, arch: str, where: str) -> None:
     """LMDeploy 0.18's DeepSeek model (models/deepseek_v2.py) reads keys DeepSeek's own configs
     carry and transformers' do not (a transformers-format config crashed it with an AttributeError),
@@ -281,8 +313,12 @@ def check_model(model_config, spec: DeviceSpec) -> None:
     top = model_config.hf_config
     arch = architecture(top)
     check_architecture(arch, spec)
+    if arch == "InternVLChatModel":
+        check_internvl_chat(top, f"device_type={spec.device_type!r}")
     # A VLM's language model: its rope, window, soft-capping and quantization are checked there.
-    hf_config = (getattr(top, "text_config", None) or top) if arch in VISION_LANGUAGE_ARCHITECTURES else top
+    hf_config = top
+    if arch in VISION_LANGUAGE_ARCHITECTURES:
+        hf_config = getattr(top, "text_config", None) or getattr(top, "llm_config", None) or top
     quant = getattr(top, "quantization_config", None) or getattr(hf_config, "quantization_config", None)
     if quant:
         check_quantization(quant, arch, where)

@@ -16,7 +16,10 @@ What it does
 - A model Dynamo cannot capture whole logs a warning and runs eagerly.
 - Vision-language models: a decode step passes their image inputs as None (it runs a graph like a
   text model's) and Qwen2-VL's mrope positions [3, B], padded to the bucket like `position_ids`;
-  prefill steps, which run the vision tower, are eager as for every model.
+  prefill steps, which run the vision tower, are eager as for every model. The remote-code
+  InternVL (`InternVLChatModel`) also passes LMDeploy's `StepContext` as `context`, which its
+  forward reads only in its token-compressing `flash_mode`: without that mode a decode step drops
+  it and runs a graph (`_UNUSED_CONTEXT`).
 
 Keeping recompiles bounded (one per bucket, whatever the lengths): the graph is static
 (`dynamic=False`) except for the two things that grow with the sequences, marked dynamic through
@@ -75,6 +78,9 @@ _FORWARD_KEYS = {"input_ids", "position_ids", "past_key_values", "attn_metadata"
 # last dim): Qwen2-VL's multimodal rope positions [3, T]. Their other inputs (pixel values, image
 # masks, ...) are None in a decode step; a step that carries any of them runs eagerly.
 _PER_TOKEN_KEYS = {"mrope_position_ids"}
+# Models whose forward takes `context` (LMDeploy's StepContext) but reads it in a plain decode step
+# only in a mode named here (the model attribute that turns the mode on): without it, dropped.
+_UNUSED_CONTEXT = {"InternVLChatModel": "flash_mode"}
 REPLAY_ENV = "DLINFER_GRAPH_REPLAY"  # "0": warm steps go through Dynamo (see "Replay" in the docstring)
 GUARDS_ENV = "DLINFER_GRAPH_GUARDS"  # "full": every guard at every step; unset / "warm": see the docstring
 
@@ -96,6 +102,8 @@ class DlinferGraphRunner(GraphRunner):
         self._new_graph: Optional[CompiledGraph] = None  # compiled during the current call
         self._failed: Optional[BaseException] = None
         self._constants: Dict[int, Dict[str, torch.Tensor]] = {}
+        mode = _UNUSED_CONTEXT.get(type(model).__name__)
+        self._drops_context = mode is not None and getattr(model, mode, None) is None
         raw_guards = envs.get(GUARDS_ENV) or "warm"
         guards = raw_guards.lower()
         if guards not in ("warm", "full"):
@@ -219,6 +227,10 @@ class DlinferGraphRunner(GraphRunner):
     # -- the forward -----------------------------------------------------------------------------
 
     def __call__(self, **kwargs):
+        if self._drops_context and kwargs.get("context") is not None:
+            graph_kwargs = {key: value for key, value in kwargs.items() if key != "context"}
+            if self._graph_batch(graph_kwargs) is not None:
+                kwargs = graph_kwargs
         batch = self._graph_batch(kwargs)
         if batch is None:
             return self.model(**kwargs)

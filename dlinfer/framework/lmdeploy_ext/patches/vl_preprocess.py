@@ -19,6 +19,11 @@ How: for the pytorch engine of a dlinfer device type only (the device type of `b
   `ImageEncoder` before the engine) first runs `model_support.check_architecture` on the
   checkpoint's config, so an unsupported VLM is refused by name, then runs LMDeploy's `__init__`
   with the flag below set;
+- with the flag set, `build_preprocessor` of the remote-code InternVL (`InternVLVisionModel` in
+  vl/model/internvl.py: InternVL 1.5 / 2, dynamic tiles) builds its per-tile transform without
+  torchvision (`TileTransform`: RGB, bicubic resize with PIL, as torchvision's `Resize` does on a
+  PIL image, scale to [0, 1], normalise by ImageNet's mean and std), then sets what LMDeploy's
+  method sets;
 - with the flag set, `build_preprocessor` of `InternVL3VisionModel` and `Qwen2VLModel` loads the
   model's own transformers processor class restricted to its image processor and tokenizer
   (`image_only_processor`: the class with `attributes` minus "video_processor"; same
@@ -135,6 +140,50 @@ def _patch_internvl_preprocessor(original):
     return build_preprocessor
 
 
+class TileTransform:
+    """One InternVL tile (a PIL image) -> float32 [3, size, size]: what LMDeploy's torchvision
+    `Compose([RGB, Resize((size, size), BICUBIC), ToTensor(), Normalize(MEAN, STD)])` computes for
+    a PIL image (torchvision resizes a PIL image with PIL's own resampling)."""
+
+    MEAN = (0.485, 0.456, 0.406)
+    STD = (0.229, 0.224, 0.225)
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, image) -> torch.Tensor:
+        import numpy as np
+        from PIL import Image
+
+        image = image.convert("RGB") if image.mode != "RGB" else image
+        image = image.resize((self.size, self.size), Image.BICUBIC)
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1).float().div(255)
+        mean = torch.tensor(self.MEAN).view(3, 1, 1)
+        std = torch.tensor(self.STD).view(3, 1, 1)
+        return (pixels - mean) / std
+
+
+def _patch_internvl_chat_preprocessor(original):
+
+    @functools.wraps(original)
+    def build_preprocessor(self, trust_remote_code: bool = False):
+        if not _IMAGE_ONLY.get() or not getattr(self.hf_config, "dynamic_image_size", False):
+            return original(self, trust_remote_code=trust_remote_code)  # CLIP processor path: no torchvision
+        # LMDeploy 0.18.0's `InternVLVisionModel.build_preprocessor`, dynamic-tile path, with its
+        # torchvision transform replaced by `TileTransform`.
+        from lmdeploy.vl.model.internvl import _normalize_vision_config
+
+        self.config = self.hf_config
+        self.vision_config = _normalize_vision_config(self.config.vision_config)
+        self.transform = TileTransform(self.vision_config.image_size)
+        self.processor = self._preprocess_v1_5
+        patch_size = self.vision_config.patch_size
+        self.image_tokens_per_patch = int((self.hf_config.force_image_size // patch_size) ** 2 *
+                                          (self.hf_config.downsample_ratio ** 2))
+
+    return build_preprocessor
+
+
 def _patch_qwen2_vl_preprocessor(original):
 
     @functools.wraps(original)
@@ -152,11 +201,13 @@ def _patch_qwen2_vl_preprocessor(original):
 
 def _apply_vl_model_patches() -> None:
     import lmdeploy.vl.engine as vl_engine
+    from lmdeploy.vl.model.internvl import InternVLVisionModel
     from lmdeploy.vl.model.internvl3_hf import InternVL3VisionModel
     from lmdeploy.vl.model.qwen2 import Qwen2VLModel
 
     wrap(vl_engine, "_resolve_mm_feature_dtype", _patch_resolve_dtype)
     wrap(InternVL3VisionModel, "build_preprocessor", _patch_internvl_preprocessor)
+    wrap(InternVLVisionModel, "build_preprocessor", _patch_internvl_chat_preprocessor)
     wrap(Qwen2VLModel, "build_preprocessor", _patch_qwen2_vl_preprocessor)
 
 
