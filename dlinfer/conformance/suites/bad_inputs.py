@@ -225,6 +225,10 @@ for _op in ("paged_prefill_attention", "paged_decode_attention"):
         (_op, "attn_output", "size", lambda a, l, _t=_t: torch.empty(_t, HQ, DV + 1, device=device())),
         (_op, "attn_output", "device", lambda a, l, _t=_t: torch.empty(_t, HQ, DV, device=META)),
     ]
+for _op in ("fill_kv_cache", "paged_prefill_attention", "paged_decode_attention"):
+    BAD += [  # MLA's value cache is a view of the key cache's first Dv dims: one narrower than the value's
+        (_op, "value_cache", "latent_view_narrower", lambda a, l: a["key_cache"][..., : DV // 2]),
+    ]
 for _op in ("prefill_attention", "paged_prefill_attention", "paged_decode_attention"):
     BAD += [  # the score options (None / -1 / 0 mean off; anything else out of range is refused)
         (_op, "sliding_window", "zero", lambda a, l: 0),
