@@ -52,42 +52,34 @@ _QWEN_VL_IMAGES = dict(image_processor_type="Qwen2VLImageProcessor", patch_size=
 # Bump when the builder below changes what it writes (the cache key covers SPECS, not the code).
 BUILDER_VERSION = 1
 
+def _internvl(text_config: dict) -> dict:
+    """An HF-native InternVL spec with the language model `text_config`."""
+    return dict(
+        model="InternVLForConditionalGeneration",
+        config=dict(
+            model_type="internvl",
+            vision_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                               image_size=[56, 56], patch_size=[7, 7], initializer_range=0.2,
+                               layer_scale_init_value=1.0),
+            text_config=text_config,
+            image_seq_length=16, downsample_ratio=0.5, projector_hidden_act="gelu",
+            vision_feature_layer=-1, vision_feature_select_strategy="default"),
+        image_processor=dict(image_processor_type="GotOcr2ImageProcessor", size={"height": 56, "width": 56},
+                             crop_to_patches=True, min_patches=1, max_patches=6),
+        processor=dict(processor_class="InternVLProcessor", image_seq_length=16),
+        tokens=INTERNVL_TOKENS)
+
+
 # name -> what defines the checkpoint: the HF model class, its config, the image processor and
 # processor config, and the special tokens.
 SPECS: dict[str, dict] = {
     # InternVL3-style (HF-native): an InternViT with 56x56 tiles of 7x7 patches (64 patches, 16
     # tokens after the 0.5 pixel shuffle), a Qwen2 language model.
-    "internvl": dict(
-        model="InternVLForConditionalGeneration",
-        config=dict(
-            model_type="internvl",
-            vision_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                               image_size=[56, 56], patch_size=[7, 7], initializer_range=0.2,
-                               layer_scale_init_value=1.0),
-            text_config=dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
-                             **_TEXT),
-            image_seq_length=16, downsample_ratio=0.5, projector_hidden_act="gelu",
-            vision_feature_layer=-1, vision_feature_select_strategy="default"),
-        image_processor=dict(image_processor_type="GotOcr2ImageProcessor", size={"height": 56, "width": 56},
-                             crop_to_patches=True, min_patches=1, max_patches=6),
-        processor=dict(processor_class="InternVLProcessor", image_seq_length=16),
-        tokens=INTERNVL_TOKENS),
+    "internvl": _internvl(dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
+                               **_TEXT)),
     # The same with a Llama language model: the HF-native reference of the remote-code InternVL with
     # an InternLM2 one (tiny_internvl_chat("internlm2"): InternLM2 is Llama in other names).
-    "internvl_llama": dict(
-        model="InternVLForConditionalGeneration",
-        config=dict(
-            model_type="internvl",
-            vision_config=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                               image_size=[56, 56], patch_size=[7, 7], initializer_range=0.2,
-                               layer_scale_init_value=1.0),
-            text_config=dict(model_type="llama", architectures=["LlamaForCausalLM"], **_TEXT),
-            image_seq_length=16, downsample_ratio=0.5, projector_hidden_act="gelu",
-            vision_feature_layer=-1, vision_feature_select_strategy="default"),
-        image_processor=dict(image_processor_type="GotOcr2ImageProcessor", size={"height": 56, "width": 56},
-                             crop_to_patches=True, min_patches=1, max_patches=6),
-        processor=dict(processor_class="InternVLProcessor", image_seq_length=16),
-        tokens=INTERNVL_TOKENS),
+    "internvl_llama": _internvl(dict(model_type="llama", architectures=["LlamaForCausalLM"], **_TEXT)),
     # Qwen2-VL: 14x14 patches, 2x2 merge, mrope (sections of a 32-dim head: 4 + 6 + 6), the LM head
     # tied to the embeddings (as Qwen2-VL-2B).
     "qwen2_vl": dict(
