@@ -129,17 +129,26 @@ def test_soft_capping_runs_only_where_lmdeploy_passes_it():
     check_model(_model_config("Gemma2ForCausalLM", attn_logit_softcapping=30.0), devices.CPU)
 
 
-def test_models_windowing_some_layers_keep_their_whole_history():
-    """patches/window_cache.py: LMDeploy frees the KV blocks before the window of a windowed model;
-    a model with global layers too must keep them."""
-    from dlinfer.framework.lmdeploy_ext.patches.window_cache import windows_some_layers
+def test_only_models_windowing_every_layer_let_lmdeploy_free_old_blocks():
+    """patches/window_cache.py: LMDeploy frees the KV blocks before its cache window; a model with
+    global layers (Gemma 2/3), or whose config's window its attention ignores (a Llama config with
+    one: LMDeploy's default builder still sets the cache window), must keep them."""
+    from dlinfer.framework.lmdeploy_ext.patches.window_cache import frees_needed_history
 
     gemma3 = _model_config("Gemma3ForCausalLM", model_type="gemma3_text", sliding_window=64, num_hidden_layers=6)
     gemma2 = _model_config("Gemma2ForCausalLM", sliding_window=64, num_hidden_layers=2)
+    llama_with_window = _model_config("LlamaForCausalLM", sliding_window=64, num_hidden_layers=2)
     mistral = _model_config("MistralForCausalLM", sliding_window=64, num_hidden_layers=2)
     llama = _model_config("LlamaForCausalLM", num_hidden_layers=2)
-    assert windows_some_layers(gemma3) and windows_some_layers(gemma2)
-    assert not windows_some_layers(mistral) and not windows_some_layers(llama)
+    assert frees_needed_history(gemma3) and frees_needed_history(gemma2) and frees_needed_history(llama_with_window)
+    assert not frees_needed_history(mistral) and not frees_needed_history(llama)
+
+
+def test_mistral_windows_every_layer_whatever_layer_types_says():
+    """transformers' Mistral keeps a config.json's `layer_types` as a plain attribute and windows
+    every layer, as LMDeploy's does: no refusal."""
+    check_model(_model_config("MistralForCausalLM", sliding_window=64, num_hidden_layers=2,
+                              layer_types=["sliding_attention", "full_attention"]), devices.CPU)
 
 
 @pytest.mark.parametrize("hf,message", [

@@ -115,13 +115,19 @@ def lmdeploy_layer_windows(arch: str, hf_config) -> list[int | None]:
     return [None] * n  # the others pass no window
 
 
+# Architectures whose transformers 4.57 model masks every layer with the config's `sliding_window`
+# when it is set, whatever `layer_types` a config.json carries (it keeps them as plain attributes).
+_HF_EVERY_LAYER_WINDOWED = frozenset({"MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"})
+
+
 def hf_layer_windows(arch: str, hf_config) -> list[int | None]:
-    """The sliding window transformers 4.57 gives each layer: `layer_types` where the config has
-    them (Qwen2, Qwen3, Gemma 2/3, ...); else the config's `sliding_window` on every layer for the
-    models that mask every layer with it when it is set (Mistral, Phi-3, Mixtral); else none (a
-    Llama config's `sliding_window`, if any, is not read)."""
+    """The sliding window transformers 4.57 gives each layer: the config's `sliding_window` on every
+    layer for Mistral, Phi-3 and Mixtral; `layer_types` where the config has them (Qwen2, Qwen3,
+    Gemma 2/3, ...); else none (a Llama config's `sliding_window`, if any, is not read)."""
     n = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
     window = _window(getattr(hf_config, "sliding_window", None))
+    if arch in _HF_EVERY_LAYER_WINDOWED:
+        return [window] * n
     types = getattr(hf_config, "layer_types", None)
     if isinstance(types, (list, tuple)) and len(types) == n:
         return [window if kind == "sliding_attention" else None for kind in types]

@@ -299,7 +299,10 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
       tok_seq[t] = b;
       tok_pos[t] = pos;
       tok_len[t] = std::min(std::max<int64_t>(pos + 1, 0), cap);
-      if (sliding_window > 0) tok_first[t] = std::min(std::max<int64_t>(pos - sliding_window + 1, 0), tok_len[t]);
+      // the first key seen; at most the last one (a length clamped by bad metadata still leaves a key
+      // to see in the first block read, never a block of -inf scores)
+      if (sliding_window > 0)
+        tok_first[t] = std::min(std::max<int64_t>(pos - sliding_window + 1, 0), std::max<int64_t>(tok_len[t] - 1, 0));
       const int64_t seen = tok_len[t] - tok_first[t] / a.BS * a.BS;  // the keys of the blocks it reads
       longest = std::max(longest, seen);
       keys += seen;
