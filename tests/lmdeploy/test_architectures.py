@@ -15,9 +15,9 @@ batch of prompts of different lengths.
 from __future__ import annotations
 
 import pytest
-from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import OpCalls, assert_matches_hf, cpu_pipeline, greedy_generate
 from support.tiny_internlm2 import tiny_internlm2
-from test_pipeline_greedy import PROMPTS, _CallCounter
+from test_pipeline_greedy import PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +43,8 @@ def checkpoint(model_dir):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_hf(name, checkpoint, hf_reference, monkeypatch):
-    prefill = _CallCounter(monkeypatch, "prefill_attention")
-    paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
+    prefill = OpCalls(monkeypatch, "prefill_attention")
+    paged_prefill = OpCalls(monkeypatch, "paged_prefill_attention")
     with cpu_pipeline(checkpoint(name), enable_prefix_caching=True, max_prefill_token_num=32) as pipe:
         assert pipe.async_engine.engine.model_config.hf_config.architectures == [MODELS[name]]
         first = greedy_generate(pipe, PROMPTS, NEW_TOKENS)

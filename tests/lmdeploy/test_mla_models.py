@@ -17,10 +17,8 @@ from cached blocks; batched decode), graph mode, and bfloat16 runs.
 from __future__ import annotations
 
 import pytest
-from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import OpCalls, assert_matches_hf, cpu_pipeline, greedy_generate
 from test_pipeline_greedy import PROMPTS
-
-import dlinfer.ops
 
 pytestmark = pytest.mark.slow
 
@@ -35,26 +33,17 @@ MODELS = {
 LATENT, ROPE = 32, 16  # tiny_models._DEEPSEEK
 
 
-class _LatentCalls:
-    """Counts paged attention calls whose value cache is the key cache's first LATENT dims."""
-
-    def __init__(self, monkeypatch):
-        self.count = 0
-        for name, at in (("paged_prefill_attention", 4), ("paged_decode_attention", 2)):
-            original = getattr(dlinfer.ops, name)
-
-            def counted(*args, _original=original, _at=at, **kwargs):
-                key_cache, value_cache = args[_at - 1], args[_at]
-                self.count += (key_cache.shape[-1] == LATENT + ROPE and value_cache.shape[-1] == LATENT
-                               and value_cache.data_ptr() == key_cache.data_ptr())
-                return _original(*args, **kwargs)
-
-            monkeypatch.setattr(dlinfer.ops, name, counted)
+def _reads_latent_values(name, args, kwargs) -> bool:
+    """A paged attention call whose value cache is the key cache's first LATENT dims."""
+    at = {"paged_prefill_attention": 4, "paged_decode_attention": 2}[name]  # value_cache's position
+    key_cache, value_cache = args[at - 1], args[at]
+    return (key_cache.shape[-1] == LATENT + ROPE and value_cache.shape[-1] == LATENT
+            and value_cache.data_ptr() == key_cache.data_ptr())
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_hf(name, model_dir, hf_reference, monkeypatch):
-    calls = _LatentCalls(monkeypatch)
+    calls = OpCalls(monkeypatch, "paged_prefill_attention", "paged_decode_attention", where=_reads_latent_values)
     with cpu_pipeline(model_dir(name), enable_prefix_caching=True, max_prefill_token_num=32) as pipe:
         assert pipe.async_engine.engine.model_config.hf_config.architectures == [MODELS[name]]
         first = greedy_generate(pipe, PROMPTS, NEW_TOKENS)

@@ -12,7 +12,7 @@ two engine settings:
 from __future__ import annotations
 
 import pytest
-from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import OpCalls, assert_matches_hf, cpu_pipeline, greedy_generate
 
 import dlinfer.ops
 import dlinfer.vendor
@@ -31,24 +31,10 @@ PROMPTS = (
 )
 
 
-class _CallCounter:
-    """Counts calls of one `dlinfer.ops` function (LMDeploy looks it up on every call)."""
-
-    def __init__(self, monkeypatch, name: str):
-        self.count = 0
-        original = getattr(dlinfer.ops, name)
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(dlinfer.ops, name, counted)
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_hf_prefix_cache_off(name, model_dir, hf_reference, monkeypatch):
-    paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
-    prefill = _CallCounter(monkeypatch, "prefill_attention")
+    paged_prefill = OpCalls(monkeypatch, "paged_prefill_attention")
+    prefill = OpCalls(monkeypatch, "prefill_attention")
     with cpu_pipeline(model_dir(name), enable_prefix_caching=False) as pipe:
         # the default vendor for device_type="cpu" (tests/vendor checks it builds wherever it can)
         assert dlinfer.vendor.vendor_name == ("cpu" if "cpu" in dlinfer.vendor.available() else "torch")
@@ -69,7 +55,7 @@ def test_greedy_matches_hf_torch_vendor(name, model_dir, hf_reference):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_hf_prefix_cache_on_chunked_prefill(name, model_dir, hf_reference, monkeypatch):
-    paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
+    paged_prefill = OpCalls(monkeypatch, "paged_prefill_attention")
     with cpu_pipeline(model_dir(name), enable_prefix_caching=True, max_prefill_token_num=32) as pipe:
         first = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
         chunked_calls = paged_prefill.count
@@ -85,7 +71,7 @@ def test_greedy_matches_hf_prefix_cache_on_chunked_prefill(name, model_dir, hf_r
 @pytest.mark.parametrize("vendor", [v for v in ("cpu", "torch") if v in dlinfer.vendor.available()])
 def test_greedy_matches_hf_head_major_kv_cache(vendor, model_dir, hf_reference, monkeypatch):
     """The same engine with the vendor's other KV layout: caches [NB, Hkv, BS, D]."""
-    paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
+    paged_prefill = OpCalls(monkeypatch, "paged_prefill_attention")
     with dlinfer.vendor.using(vendor, kv_layout="head_major"):
         with cpu_pipeline(model_dir("llama"), enable_prefix_caching=True, max_prefill_token_num=32) as pipe:
             k_cache = pipe.async_engine.engine.executor.model_agent.cache_engine.gpu_cache[0][0]

@@ -28,9 +28,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.engine_helpers import MIN_TOP2_MARGIN, cpu_pipeline
+from support.engine_helpers import MIN_TOP2_MARGIN, OpCalls, cpu_pipeline
 from support.tiny_vlms import SPECS, tiny_internvl_chat, tiny_vlm
-from test_pipeline_greedy import _CallCounter
 
 from dlinfer.framework.lmdeploy_ext import UnsupportedModelError, devices
 from dlinfer.framework.lmdeploy_ext.backend import model_support
@@ -179,7 +178,7 @@ def test_greedy_matches_hf(name, hf_vlm, monkeypatch):
     """eager_mode=True, chunked prefill: tokens equal HF's; HF's image processor gives the same
     pixel values; the image decides the tokens; non-causal vision attention runs on dlinfer's ops."""
     recorder = _Recorder(monkeypatch)
-    paged_prefill = _CallCounter(monkeypatch, "paged_prefill_attention")
+    paged_prefill = OpCalls(monkeypatch, "paged_prefill_attention")
     calls = []
     original_forward = DlinferBidirectionalAttentionImpl.forward
     monkeypatch.setattr(DlinferBidirectionalAttentionImpl, "forward",

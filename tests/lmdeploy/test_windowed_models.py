@@ -14,10 +14,8 @@ Graph mode: decode steps compiled by dlinfer's backend.
 from __future__ import annotations
 
 import pytest
-from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import OpCalls, assert_matches_hf, cpu_pipeline, greedy_generate
 from test_pipeline_greedy import PROMPTS
-
-import dlinfer.ops
 
 pytestmark = pytest.mark.slow
 
@@ -38,25 +36,11 @@ LONG_PROMPT = " ".join([PROMPTS[2]] * 2)
 WINDOW_PROMPTS = ("Seven small blue windows", *PROMPTS[1:], LONG_PROMPT)
 
 
-class _WindowCalls:
-    """Counts calls of the attention ops that carry a sliding window, and the largest one seen."""
-
-    def __init__(self, monkeypatch):
-        self.windowed, self.capped = 0, 0
-        for name in ("prefill_attention", "paged_prefill_attention", "paged_decode_attention"):
-            original = getattr(dlinfer.ops, name)
-
-            def counted(*args, _original=original, **kwargs):
-                self.windowed += kwargs.get("sliding_window") == WINDOW
-                self.capped += bool(kwargs.get("logit_softcapping"))
-                return _original(*args, **kwargs)
-
-            monkeypatch.setattr(dlinfer.ops, name, counted)
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_matches_hf(name, model_dir, hf_reference, monkeypatch):
-    calls = _WindowCalls(monkeypatch)
+    attention = ("prefill_attention", "paged_prefill_attention", "paged_decode_attention")
+    windowed = OpCalls(monkeypatch, *attention, where=lambda _, args, kwargs: kwargs.get("sliding_window") == WINDOW)
+    capped = OpCalls(monkeypatch, *attention, where=lambda _, args, kwargs: bool(kwargs.get("logit_softcapping")))
     with cpu_pipeline(model_dir(name), enable_prefix_caching=True, max_prefill_token_num=32) as pipe:
         assert pipe.async_engine.engine.model_config.hf_config.architectures == [MODELS[name]]
         first = greedy_generate(pipe, WINDOW_PROMPTS, NEW_TOKENS)
@@ -66,8 +50,8 @@ def test_greedy_matches_hf(name, model_dir, hf_reference, monkeypatch):
     reference = hf_reference(name)
     assert_matches_hf(first, reference, NEW_TOKENS)
     assert_matches_hf(second, reference, NEW_TOKENS)
-    assert calls.windowed > 0
-    assert (calls.capped > 0) == (name == "gemma2")
+    assert windowed.count > 0
+    assert (capped.count > 0) == (name == "gemma2")
 
 
 @pytest.mark.parametrize("name", MODELS)

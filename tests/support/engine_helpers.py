@@ -42,6 +42,25 @@ def cpu_pipeline(model_dir: Path, *, trust_remote_code: bool = False, **engine_k
         pipe.close()
 
 
+class OpCalls:
+    """Counts the calls of the named `dlinfer.ops` functions (LMDeploy looks them up on every call)
+    for which `where(name, args, kwargs)` holds (every call without `where`), through monkeypatch."""
+
+    def __init__(self, monkeypatch, *names: str, where=None):
+        import dlinfer.ops
+
+        self.count = 0
+        for name in names:
+            original = getattr(dlinfer.ops, name)
+
+            def counted(*args, _name=name, _original=original, **kwargs):
+                if where is None or where(_name, args, kwargs):
+                    self.count += 1
+                return _original(*args, **kwargs)
+
+            monkeypatch.setattr(dlinfer.ops, name, counted)
+
+
 @dataclass
 class Generated:
     input_ids: list[int]
