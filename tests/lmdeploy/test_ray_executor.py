@@ -149,9 +149,6 @@ def test_serve_over_ray_answers_and_stops(ray_cluster, model_dir, tmp_path):
         srv.wait_ready()
         choice = srv.chat(MESSAGES, return_token_ids=True)["choices"][0]
         assert (choice["output_ids"], choice["message"]["content"]) == reference
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), srv.log_tail()
-        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
-        assert alive == [], f"left running after SIGTERM: {alive}"
+        srv.sigterm_and_wait()
     finally:
         srv.stop()

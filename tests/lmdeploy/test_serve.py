@@ -9,7 +9,6 @@ processes, sleep, dropping clients) are driven in tests/serving.
 
 from __future__ import annotations
 
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -84,11 +83,7 @@ def test_sigterm_shuts_down_cleanly_with_no_engine_process_left(server):
     engine = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
     assert engine and all(p.is_running() for p in engine), server.descendants
     start = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    # uvicorn shuts down, then re-raises the signal it caught: -SIGTERM is a clean exit too
-    assert server.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), server.log_tail()
-    _, alive = psutil.wait_procs(server.descendants, timeout=STOP_TIMEOUT_S)
-    assert alive == [], f"left running after SIGTERM: {alive}\n{server.log_tail()}"
+    server.sigterm_and_wait()  # uvicorn re-raises the SIGTERM it caught: -SIGTERM is a clean exit too
     assert time.monotonic() - start < STOP_TIMEOUT_S
     log = server.log_tail()
     assert "Application shutdown complete" in log and "Finished server process" in log, log
@@ -115,10 +110,7 @@ def test_tensor_parallel_server_answers_and_stops_with_its_ranks(model_dir, tmp_
         assert len(engine) == 1 and len(engine[0].children()) >= 2, srv.descendants  # its rank processes
         choice = srv.chat(MESSAGES, return_token_ids=True)["choices"][0]
         assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), srv.log_tail()
-        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
-        assert alive == [], f"left running after SIGTERM: {alive}\n{srv.log_tail()}"
+        srv.sigterm_and_wait()
     finally:
         srv.stop()
 

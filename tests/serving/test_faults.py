@@ -19,7 +19,6 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import pytest
 from support.api_server import MESSAGES, REQUEST_TIMEOUT_S, STOP_TIMEOUT_S, Server, greedy_reference_of
 
@@ -205,10 +204,7 @@ def test_sleep_then_wakeup_serves_the_same_tokens(server, greedy_reference):
 def test_sigterm_stops_the_server_with_no_process_left(server):
     """Runs last: stops the module's server."""
     start = time.monotonic()
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), server.log_tail()
-    _, alive = psutil.wait_procs(server.descendants, timeout=STOP_TIMEOUT_S)
-    assert alive == [], f"left running after SIGTERM: {alive}\n{server.log_tail()}"
+    server.sigterm_and_wait()
     assert time.monotonic() - start < STOP_TIMEOUT_S
 
 
@@ -222,8 +218,7 @@ def test_engine_process_exits_when_the_server_is_killed(model_dir, tmp_path):
         assert engine, srv.descendants
         srv.proc.kill()
         srv.proc.wait(STOP_TIMEOUT_S)
-        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
-        assert alive == [], f"orphaned: {alive}"
+        srv.assert_nothing_left("orphaned")
     finally:
         srv.stop()
 
@@ -240,8 +235,7 @@ def test_server_exits_when_its_engine_process_dies(model_dir, tmp_path):
         engine.kill()
         assert srv.proc.wait(30) == ENGINE_DIED_STATUS
         assert "the engine process (pid" in (tmp_path / "server.log").read_text()
-        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
-        assert alive == [], f"left running: {alive}"
+        srv.assert_nothing_left()
     finally:
         srv.stop()
 
@@ -273,7 +267,6 @@ def test_sigterm_cancels_a_long_generation_after_the_shutdown_bound(model_dir, t
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), srv.log_tail()
         assert time.monotonic() - start < 1 + 10 + 5, srv.log_tail()  # the bound, the engine's close, slack
-        _, alive = psutil.wait_procs(srv.descendants, timeout=STOP_TIMEOUT_S)
-        assert alive == [], f"left running after SIGTERM: {alive}"
+        srv.assert_nothing_left("left running after SIGTERM")
     finally:
         srv.stop()

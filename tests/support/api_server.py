@@ -93,6 +93,17 @@ class Server:
         assert status == 200, (status, answer)
         return answer
 
+    def assert_nothing_left(self, what: str = "left running") -> None:
+        """Every process the server started has exited (within STOP_TIMEOUT_S)."""
+        _, alive = psutil.wait_procs(self.descendants, timeout=STOP_TIMEOUT_S)
+        assert alive == [], f"{what}: {alive}\n{self.log_tail()}"
+
+    def sigterm_and_wait(self) -> None:
+        """SIGTERM: the server exits cleanly within STOP_TIMEOUT_S, and so does all it started."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(STOP_TIMEOUT_S) in (0, -signal.SIGTERM), self.log_tail()
+        self.assert_nothing_left("left running after SIGTERM")
+
     def stop(self, sig=signal.SIGTERM) -> int | None:
         """Signal the server; wait for it; kill what is left of the processes it started."""
         if self.proc.poll() is None:
