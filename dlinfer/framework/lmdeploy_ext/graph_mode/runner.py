@@ -229,11 +229,12 @@ class DlinferGraphRunner(GraphRunner):
     def __call__(self, **kwargs):
         if self._drops_context and kwargs.get("context") is not None:
             graph_kwargs = {key: value for key, value in kwargs.items() if key != "context"}
-            if self._graph_batch(graph_kwargs) is not None:
-                kwargs = graph_kwargs
-        batch = self._graph_batch(kwargs)
+        else:
+            graph_kwargs = kwargs
+        batch = self._graph_batch(graph_kwargs)
         if batch is None:
             return self.model(**kwargs)
+        kwargs = graph_kwargs
         bucket = self.bucket_for(batch)
         replay = self._replays.get(bucket)
         if replay is not None:

@@ -150,6 +150,8 @@ class TileTransform:
 
     def __init__(self, size: int):
         self.size = size
+        self._mean = torch.tensor(self.MEAN).view(3, 1, 1)
+        self._std = torch.tensor(self.STD).view(3, 1, 1)
 
     def __call__(self, image) -> torch.Tensor:
         import numpy as np
@@ -158,9 +160,7 @@ class TileTransform:
         image = image.convert("RGB") if image.mode != "RGB" else image
         image = image.resize((self.size, self.size), Image.BICUBIC)
         pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1).float().div(255)
-        mean = torch.tensor(self.MEAN).view(3, 1, 1)
-        std = torch.tensor(self.STD).view(3, 1, 1)
-        return (pixels - mean) / std
+        return (pixels - self._mean) / self._std
 
 
 def _patch_internvl_chat_preprocessor(original):
