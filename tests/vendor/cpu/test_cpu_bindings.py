@@ -100,7 +100,7 @@ def test_gil_is_released_while_a_kernel_runs(kernels):
             if one_run >= 0.1:
                 break
             tokens *= 2
-        worker = threading.Thread(target=kernels.prefill_attention, args=(q, kv, kv, cu, 0.125, None, out))
+        worker = threading.Thread(target=kernels.prefill_attention, args=(q, kv, kv, cu, 0.125, None, out, 0, 0.0))
         stamps = [time.perf_counter()]
         worker.start()
         while worker.is_alive():
