@@ -1,16 +1,19 @@
 """Decode speed of tensor parallel through LMDeploy's mp executor against its Ray executor, on
-device_type="cpu", each side in a process of its own, alternated.
+device_type="cpu", each side in a process of its own, alternated. Three sides: `mp`; `ray`, dlinfer's
+default, where a step's inputs and outputs go over a TCP connection to each rank
+(framework/lmdeploy_ext/ray_steps.py); `ray-calls`, LMDeploy's own per-step put and actor calls
+(DLINFER_RAY_STEP_CHANNEL=0).
 
     .venv/bin/python benchmarks/tp_executors.py [--model DIR] [--tp 2] [--tokens 128] [--rounds 3]
 
 Each run builds a pipeline (eager steps) and times a greedy generation of `--tokens` tokens at
 batch 1, after a warm-up generation; decode tokens/s = (tokens - 1) / (time - time to the first
 token). The Ray side starts its own one-node cluster on the loopback address and shuts it down.
-Prints every run and, per side, the min / median; the ratio ray / mp at the medians. Then Ray's
+Prints every run and, per side, the min / median; the ratios to mp at the medians. Then Ray's
 own fixed costs on this machine, measured in a process of their own with an idle actor: a
 `ray.put` of a step's inputs, and an actor call's round trip with the put object as its argument
 (LMDeploy's Ray executor makes one put and three calls a step: a forward per rank, the leader's
-outputs); that is the floor of what the Ray side adds per step.
+outputs); that is the floor of what the `ray-calls` side adds per step.
 """
 
 from __future__ import annotations
@@ -91,13 +94,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--side", choices=("mp", "ray", "ray-costs"), help=argparse.SUPPRESS)  # one run, in a child
+    parser.add_argument("--sides", default="mp,ray,ray-calls", help="comma-separated, from mp, ray, ray-calls")
+    parser.add_argument("--side", choices=("mp", "ray", "ray-calls", "ray-costs"), help=argparse.SUPPRESS)  # one run, in a child
     args = parser.parse_args(argv)
     if args.side == "ray-costs":
         print(json.dumps(ray_call_costs()))
         return 0
     if args.side:
-        print(json.dumps(run_side(args.model, args.tp, args.side, args.tokens)))
+        if args.side == "ray-calls":
+            os.environ["DLINFER_RAY_STEP_CHANNEL"] = "0"
+        backend = "mp" if args.side == "mp" else "ray"
+        print(json.dumps(run_side(args.model, args.tp, backend, args.tokens)))
         return 0
     if args.model is None:
         sys.path.insert(0, str(REPO / "tests"))
@@ -107,9 +114,12 @@ def main(argv=None) -> int:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0",
                RAY_AUTH_MODE="disabled")
     env.pop("RAY_ADDRESS", None)
-    rates: dict[str, list[float]] = {"mp": [], "ray": []}
+    sides = args.sides.split(",")
+    if "mp" not in sides or not set(sides) <= {"mp", "ray", "ray-calls"}:
+        parser.error(f"--sides: mp and any of ray, ray-calls; got {args.sides!r}")
+    rates: dict[str, list[float]] = {side: [] for side in sides}
     for round_ in range(args.rounds):
-        for side in (("mp", "ray") if round_ % 2 == 0 else ("ray", "mp")):
+        for side in (sides if round_ % 2 == 0 else sides[::-1]):
             out = subprocess.run([sys.executable, __file__, "--side", side, "--model", args.model, "--tp", str(args.tp),
                                   "--tokens", str(args.tokens)], env=env, capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
@@ -121,9 +131,9 @@ def main(argv=None) -> int:
     med = {side: statistics.median(values) for side, values in rates.items()}
     for side, values in rates.items():
         print(f"{side}: min {min(values):.1f} / median {med[side]:.1f} tokens/s")
-    print(f"ray / mp at the medians: {med['ray'] / med['mp']:.3f}")
-    print(f"per step: mp {1e3 / med['mp']:.1f} ms, ray {1e3 / med['ray']:.1f} ms "
-          f"(+{1e3 / med['ray'] - 1e3 / med['mp']:.1f} ms)")
+    for side in (s for s in sides if s != "mp"):
+        print(f"{side} / mp at the medians: {med[side] / med['mp']:.3f}; per step: mp {1e3 / med['mp']:.1f} ms, "
+              f"{side} {1e3 / med[side]:.1f} ms ({1e3 / med[side] - 1e3 / med['mp']:+.1f} ms)")
     out = subprocess.run([sys.executable, __file__, "--side", "ray-costs"], env=env, capture_output=True, text=True,
                          timeout=300)
     if out.returncode != 0:

@@ -64,6 +64,9 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("DLINFER_FAIL_FORWARD_TOKEN", "unset", "tests only: <token id>[:start|model|output]; a step whose "
             "model inputs hold that id raises there (drives the failed-forward recovery through a live server)",
             "framework/lmdeploy_ext/patches/forward_failures.py, at each forward step"),
+    Setting("DLINFER_RAY_STEP_CHANNEL", "1", "0: LMDeploy's Ray executor sends each step by object-store put "
+            "and actor calls, as LMDeploy does, instead of over a TCP connection to each rank",
+            "framework/lmdeploy_ext/ray_steps.py, at a Ray engine's first step"),
     Setting("DLINFER_THREADS_PER_RANK", "cores / tp", "compute threads of each tensor-parallel rank on one machine",
             "framework/lmdeploy_ext/patches/mp_executor.py, when the ranks start"),
     # op tools

@@ -102,12 +102,20 @@ def _ray_pipeline(model_dir, **kwargs):
     return cpu_pipeline(model_dir, tp=2, distributed_executor_backend="ray", **kwargs)
 
 
-@pytest.mark.parametrize("name,eager", [("llama", True), ("llama", False), ("qwen2", True), ("mixtral", True)])
-def test_tp2_over_ray_gives_hfs_greedy_tokens(name, eager, ray_cluster, model_dir, hf_reference):
+@pytest.mark.parametrize("name,eager,channel", [("llama", True, True), ("llama", False, True), ("qwen2", True, True),
+                                                 ("mixtral", True, True), ("llama", True, False)])
+def test_tp2_over_ray_gives_hfs_greedy_tokens(name, eager, channel, ray_cluster, model_dir, hf_reference,
+                                              monkeypatch):
+    """Steps over the step connections (dlinfer's default), and through LMDeploy's own per-step
+    put and calls (DLINFER_RAY_STEP_CHANNEL=0) on the same actors."""
+    from dlinfer.framework.lmdeploy_ext.ray_steps import StepChannels
+
+    monkeypatch.setenv("DLINFER_RAY_STEP_CHANNEL", "1" if channel else "0")
     with _ray_pipeline(model_dir(name), eager_mode=eager) as pipe:
         executor = pipe.async_engine.engine.executor
         assert type(executor).__name__ == "RayExecutor" and len(executor.workers) == 2
         assert_matches_hf(greedy_generate(pipe, PROMPTS, 12), hf_reference(name), 12)
+        assert isinstance(executor._dlinfer_steps, StepChannels) == channel
     assert not ray.is_initialized() and ray_cluster.poll() is None  # the driver left; the cluster runs on
 
 
@@ -122,21 +130,27 @@ class _Records(logging.Handler):
         self.texts.append(logging.Formatter().format(record))
 
 
-def test_a_killed_rank_ends_the_engine_in_bounded_time(ray_cluster, model_dir):
+@pytest.mark.parametrize("served_first", [False, True], ids=["before-any-step", "after-a-generation"])
+def test_a_killed_rank_ends_the_engine_in_bounded_time(served_first, ray_cluster, model_dir):
+    """A rank killed before the first step (the step connections are opened with one actor gone)
+    or after steps ran over them: the next requests fail, and the pipeline closes, in bounded time."""
     from lmdeploy import GenerationConfig
 
     records = _Records()
     logging.getLogger("lmdeploy").addHandler(records)
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False)
     with _ray_pipeline(model_dir("llama")) as pipe:
+        if served_first:
+            assert len(pipe(["The model token cache"], gen_config=gen)[0].token_ids) == 8
         workers = pipe.async_engine.engine.executor.workers
         pid = ray.get(workers[1].get_pid.remote())
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        gen = GenerationConfig(max_new_tokens=8, do_sample=False)
         for _ in range(2):  # the engine has ended: this request and the next fail at once
             out = pipe(["The model token cache"], gen_config=gen)[0]
             assert out.finish_reason == "error" and out.token_ids == [], out
         assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 90  # the close too
     logging.getLogger("lmdeploy").removeHandler(records)
     died = [t for t in records.texts if "ActorDiedError" in t]
     assert died and "name: dlinfer-cpu-tp-worker-1-" in died[0], records.texts[-3:]  # the error names the worker

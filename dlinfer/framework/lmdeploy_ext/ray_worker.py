@@ -9,20 +9,29 @@ imports it.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import hmac
+import logging
 import os
+import pickle
 
 import torch
 from lmdeploy.pytorch.devices import DeviceContext, get_device_manager
 from lmdeploy.pytorch.engine.executor.ray_executor import RayWorkerWrapper
 
 from dlinfer.framework.lmdeploy_ext import devices
+from dlinfer.framework.lmdeploy_ext.ray_steps import ERROR, INPUTS, OUTPUT, TOKEN, read_frame, write_frame
+
+logger = logging.getLogger("dlinfer.ray")
 
 
 class DlinferRayWorker(RayWorkerWrapper):
     """LMDeploy's `RayWorkerWrapper` for a dlinfer device type: the process serves that device type
     for its life (its device context set once: LMDeploy's process-group start reads the current
-    one), with `threads` compute threads, and warms its collectives up on the device's torch
-    device instead of "cuda"."""
+    one), with `threads` compute threads, warms its collectives up on the device's torch device
+    instead of "cuda", and takes its steps from the driver's connection (`open_step_channel`,
+    ray_steps.py) where the executor uses one."""
 
     def __init__(self, *args, threads: int | None = None, **kwargs):
         device_type = kwargs.get("device_type")
@@ -33,6 +42,7 @@ class DlinferRayWorker(RayWorkerWrapper):
             torch.set_num_threads(threads)
         get_device_manager().set_context(DeviceContext(device_type))
         super().__init__(*args, **kwargs)
+        self._step_server: asyncio.AbstractServer | None = None
 
     def warmup_dist(self):
         from lmdeploy.pytorch.distributed import all_reduce, get_dist_manager
@@ -43,3 +53,67 @@ class DlinferRayWorker(RayWorkerWrapper):
 
     def get_pid(self) -> int:
         return os.getpid()
+
+    async def open_step_channel(self, token: bytes) -> tuple[str, int]:
+        """Listen on this node's address for the driver's one step connection, which must open
+        with `token`; returns (host, port). Runs on the actor's event loop, the model agent's."""
+        if self._step_server is not None:
+            self._step_server.close()
+        self._step_server = await asyncio.start_server(functools.partial(self._serve_steps, token),
+                                                       host=self.node_ip, port=0)
+        host, port = self._step_server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def _serve_steps(self, token: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        """One connection: each INPUTS frame goes to the model agent; where this rank produces
+        outputs, `_send_outputs` answers each step in order. Ends with the connection."""
+        owed: asyncio.Queue = asyncio.Queue()
+        sender = None
+        try:
+            kind, payload = await read_frame(reader)
+            if kind != TOKEN or not hmac.compare_digest(payload, token):
+                logger.error("rank %s: a step connection without this driver's token was refused", self.rank)
+                return
+            self._step_server.close()  # one driver, one connection
+            agent = self.model_agent
+            if agent.need_output:
+                sender = asyncio.ensure_future(self._send_outputs(owed, writer))
+            while True:
+                kind, payload = await read_frame(reader)
+                if kind != INPUTS:
+                    raise ValueError(f"unexpected frame {kind!r} on the step connection")
+                agent.set_forward_inputs(pickle.loads(payload))
+                if sender is not None:
+                    owed.put_nowait(None)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the driver closed the connection: the engine stops
+        finally:
+            if sender is not None:
+                sender.cancel()
+            writer.close()
+
+    async def _send_outputs(self, owed: asyncio.Queue, writer: asyncio.StreamWriter):
+        """For each step sent: its output packed and pickled in an OUTPUT frame, or an ERROR frame
+        if the model agent's loop ends first (a failed forward, a peer gone from the all-reduce),
+        after which the connection closes: no step waits for an output that cannot come."""
+        from ray import cloudpickle
+
+        agent = self.model_agent
+        while True:
+            await owed.get()
+            output = asyncio.ensure_future(self.get_outputs())
+            loops = [task for task in (agent._background_task, agent._preprocess_task) if task is not None]
+            done, _ = await asyncio.wait([output, *loops], return_when=asyncio.FIRST_COMPLETED)
+            if output in done:
+                write_frame(writer, OUTPUT, cloudpickle.dumps(output.result()))
+                await writer.drain()
+                continue
+            output.cancel()
+            ended = next(iter(done))
+            error = ended.exception() if not ended.cancelled() else asyncio.CancelledError()
+            message = (f"tp rank {self.rank}: the model agent's {ended.get_name()} loop ended before the step's "
+                       f"output: {error!r}")
+            write_frame(writer, ERROR, message.encode())
+            await writer.drain()
+            writer.close()
+            return

@@ -26,12 +26,18 @@ engine.py calls it), so that importing the adaptor never imports Ray:
   to the worker's environment).
 - `_init_distributed_environment_by_device` orders the workers by node (the driver's first), as
   LMDeploy does for its device types, and sets no device.
-- Ray 2.60 has no `ray.internal.free`, which LMDeploy calls every step and then logged a warning
-  for: `release_refs` stands in (Ray frees the object when LMDeploy drops its reference).
-Everything else is LMDeploy's: the rank processes' gloo group (the spec's collective backend),
-forward and output passing, a killed rank ending the engine (`RayExecutor.wait_tasks`), and
-`release`, which removes the placement group and shuts Ray down: a cluster the engine started
-ends with it; with `RAY_ADDRESS` (an existing cluster) only this driver's connection ends.
+- `forward_async` / `get_output_async` send a step's inputs and read its output over one TCP
+  connection per rank (`ray_steps.StepChannels`, which says why: no object-store put and tp + 1
+  actor calls a step) where `ray_steps.wanted` says so (dp = 1, no KV transfer,
+  DLINFER_RAY_STEP_CHANNEL not 0); `stop` and `release` close the connections first. Elsewhere
+  LMDeploy's own calls run.
+- Ray 2.60 has no `ray.internal.free`, which LMDeploy's own step path calls every step and then
+  logged a warning for: `release_refs` stands in (Ray frees the object when LMDeploy drops its
+  reference).
+Everything else is LMDeploy's: the rank processes' gloo group (the spec's collective backend), a
+killed rank ending the engine (`RayExecutor.wait_tasks`, and the failed step), and `release`,
+which removes the placement group and shuts Ray down: a cluster the engine started ends with it;
+with `RAY_ADDRESS` (an existing cluster) only this driver's connection ends.
 """
 
 from __future__ import annotations
@@ -119,6 +125,55 @@ def _patch_init_distributed(original):
     return _init_distributed_environment_by_device
 
 
+def _step_channels(executor):
+    """The executor's `ray_steps.StepChannels`, made at its first step; None where LMDeploy's own
+    forward and output calls run (`ray_steps.wanted`)."""
+    steps = executor.__dict__.get("_dlinfer_steps", False)
+    if steps is False:
+        from dlinfer.framework.lmdeploy_ext import ray_steps
+
+        steps = ray_steps.StepChannels(executor.workers) if ray_steps.wanted(executor) else None
+        executor._dlinfer_steps = steps
+    return steps
+
+
+def _patch_forward_async(original):
+
+    @functools.wraps(original)
+    async def forward_async(self, inputs):
+        steps = _step_channels(self)
+        if steps is None:
+            return await original(self, inputs)
+        await steps.submit(inputs)
+
+    return forward_async
+
+
+def _patch_get_output_async(original):
+
+    @functools.wraps(original)
+    async def get_output_async(self):
+        steps = _step_channels(self)
+        if steps is None:
+            return await original(self)
+        return (await steps.next_output()).to_tensor()
+
+    return get_output_async
+
+
+def _patch_close_steps(original):
+    """stop / release: the step connections are closed before LMDeploy stops or releases the ranks."""
+
+    @functools.wraps(original)
+    def close_then(self, *args, **kwargs):
+        steps = self.__dict__.get("_dlinfer_steps")
+        if steps:
+            steps.close()
+        return original(self, *args, **kwargs)
+
+    return close_then
+
+
 def release_refs(refs, local_only: bool = False) -> None:
     """What `ray.internal.free` did, for Ray versions without it: nothing to do. LMDeploy's
     `RayExecutor.forward_async` frees the previous step's `ray.put` inputs with it and then drops
@@ -139,6 +194,10 @@ def apply_ray_patches() -> None:
     wrap(ray_executor, "get_device_str", _patch_get_device_str)
     wrap(ray_executor.RayExecutor, "_init_workers_ray", _patch_init_workers)
     wrap(ray_executor.RayExecutor, "_init_distributed_environment_by_device", _patch_init_distributed)
+    wrap(ray_executor.RayExecutor, "forward_async", _patch_forward_async)
+    wrap(ray_executor.RayExecutor, "get_output_async", _patch_get_output_async)
+    wrap(ray_executor.RayExecutor, "stop", _patch_close_steps)
+    wrap(ray_executor.RayExecutor, "release", _patch_close_steps)
 
 
 def _patch_build_executor(original):
