@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sides", default="mp,ray,ray-calls", help="comma-separated, from mp, ray, ray-calls")
-    parser.add_argument("--side", choices=("mp", "ray", "ray-calls", "ray-costs"), help=argparse.SUPPRESS)  # one run, in a child
+    # one run, in a child
+    parser.add_argument("--side", choices=("mp", "ray", "ray-calls", "ray-costs"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.side == "ray-costs":
         print(json.dumps(ray_call_costs()))

@@ -116,7 +116,18 @@ def test_tp2_over_ray_gives_hfs_greedy_tokens(name, eager, channel, ray_cluster,
         assert type(executor).__name__ == "RayExecutor" and len(executor.workers) == 2
         assert_matches_hf(greedy_generate(pipe, PROMPTS, 12), hf_reference(name), 12)
         assert isinstance(executor._dlinfer_steps, StepChannels) == channel
+        # every thread of each rank at the engine's niceness, not Ray's worker niceness (15)
+        for worker in executor.workers:
+            pid = ray.get(worker.get_pid.remote())
+            threads = os.listdir(f"/proc/{pid}/task")
+            assert {_niceness(pid, tid) for tid in threads} == {os.getpriority(os.PRIO_PROCESS, 0)}
     assert not ray.is_initialized() and ray_cluster.poll() is None  # the driver left; the cluster runs on
+
+
+def _niceness(pid: int, tid: str) -> int:
+    """A thread's niceness (/proc/<pid>/task/<tid>/stat, field 19)."""
+    stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+    return int(stat[stat.rindex(")") + 2:].split()[16])
 
 
 class _Records(logging.Handler):

@@ -68,6 +68,22 @@ def wanted(executor) -> bool:
     return transfer is None or not transfer.is_kv_transfer_instance
 
 
+async def first_dead_rank(workers: list) -> Exception | None:
+    """Ray's error (ActorDiedError, which names the actor) for the first of `workers` that no longer
+    answers a call, or None if each answers (or is too busy to, within LIVENESS_TIMEOUT_S)."""
+    import ray
+
+    for worker in workers:
+        try:
+            await asyncio.wait_for(worker.get_pid.remote(), LIVENESS_TIMEOUT_S)
+        except ray.exceptions.RayActorError as died:
+            logger.error("a tensor-parallel rank is gone: %s", died)
+            return died
+        except asyncio.TimeoutError:
+            continue
+    return None
+
+
 class RankFailed(RuntimeError):
     """A rank's step ended in an error (its ERROR frame) or its connection ended."""
 
@@ -135,19 +151,9 @@ class StepChannels:
         return pickle.loads(payload)
 
     async def _failure(self, error: Exception) -> Exception:
-        """The error to raise for a failed step: Ray's ActorDiedError of the first rank that is gone
-        (it names the actor), else `error`."""
-        import ray
-
-        for worker in self.workers:
-            try:
-                await asyncio.wait_for(worker.get_pid.remote(), LIVENESS_TIMEOUT_S)
-            except ray.exceptions.RayActorError as died:
-                logger.error("a tensor-parallel rank is gone: %s", died)
-                return died
-            except asyncio.TimeoutError:
-                continue
-        return error
+        """The error to raise for a failed step: Ray's error for the first rank that is gone (it
+        names the actor), else `error`."""
+        return await first_dead_rank(self.workers) or error
 
     def close(self) -> None:
         """Close the connections (idempotent; from any thread): each rank's reader sees the end

@@ -23,7 +23,8 @@ engine.py calls it), so that importing the adaptor never imports Ray:
   per rank (Ray pickles the class by module and name, so the worker imports the adaptor first),
   asking for no resource of its own (the bundle holds it), with `threads` compute threads
   (`mp_executor.threads_per_rank`: cores / tp on one machine, or `DLINFER_THREADS_PER_RANK`, passed
-  to the worker's environment).
+  to the worker's environment), at the engine's niceness instead of Ray's 15
+  (`ray_worker.take_niceness` says why).
 - `_init_distributed_environment_by_device` orders the workers by node (the driver's first), as
   LMDeploy does for its device types, and sets no device.
 - `forward_async` / `get_output_async` send a step's inputs and read its output over one TCP
@@ -34,6 +35,8 @@ engine.py calls it), so that importing the adaptor never imports Ray:
 - Ray 2.60 has no `ray.internal.free`, which LMDeploy's own step path calls every step and then
   logged a warning for: `release_refs` stands in (Ray frees the object when LMDeploy drops its
   reference).
+- `wait_tasks`: when the ranks' tasks fail and a rank is gone, the error raised is Ray's for the
+  dead rank (it names the actor), not its peer's gloo error that came first.
 Everything else is LMDeploy's: the rank processes' gloo group (the spec's collective backend), a
 killed rank ending the engine (`RayExecutor.wait_tasks`, and the failed step), and `release`,
 which removes the placement group and shuts Ray down: a cluster the engine started ends with it;
@@ -43,6 +46,7 @@ with `RAY_ADDRESS` (an existing cluster) only this driver's connection ends.
 from __future__ import annotations
 
 import functools
+import os
 
 from dlinfer import envs
 from dlinfer.framework.lmdeploy_ext import devices
@@ -92,6 +96,7 @@ def _patch_init_workers(original):
             raise ValueError(f"the Ray placement group has {len(bundles)} bundle(s) with {spec.ray_resource}, "
                              f"tp={tp} needs one per rank")
         threads = worker_threads(self.dist_config.world_size)
+        niceness = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else None  # the engine's
         env_vars = {"OMP_NUM_THREADS": str(threads)}
         chosen = envs.get("DLINFER_THREADS_PER_RANK")
         if chosen:
@@ -105,7 +110,7 @@ def _patch_init_workers(original):
             workers.append(ray.remote(num_cpus=0, num_gpus=0, scheduling_strategy=strategy,
                                       runtime_env={"env_vars": env_vars})(DlinferRayWorker)
                            .options(name=f"dlinfer-{spec.device_type}-tp-worker-{index}-{id(self):x}")
-                           .remote(threads=threads, **worker_kwargs))
+                           .remote(threads=threads, niceness=niceness, **worker_kwargs))
         return workers
 
     return _init_workers_ray
@@ -174,6 +179,27 @@ def _patch_close_steps(original):
     return close_then
 
 
+def _patch_wait_tasks(original):
+    """When the ranks' tasks fail because a rank died, the error raised is Ray's for the dead rank
+    (it names the actor): its peers' failures (a gloo connection closed) would otherwise come first."""
+
+    @functools.wraps(original)
+    async def wait_tasks(self):
+        try:
+            return await original(self)
+        except Exception as error:
+            if devices.spec_for(self.device_type) is None:
+                raise
+            from dlinfer.framework.lmdeploy_ext.ray_steps import first_dead_rank
+
+            died = await first_dead_rank(self.workers)
+            if died is None:
+                raise
+            raise died from error
+
+    return wait_tasks
+
+
 def release_refs(refs, local_only: bool = False) -> None:
     """What `ray.internal.free` did, for Ray versions without it: nothing to do. LMDeploy's
     `RayExecutor.forward_async` frees the previous step's `ray.put` inputs with it and then drops
@@ -196,6 +222,7 @@ def apply_ray_patches() -> None:
     wrap(ray_executor.RayExecutor, "_init_distributed_environment_by_device", _patch_init_distributed)
     wrap(ray_executor.RayExecutor, "forward_async", _patch_forward_async)
     wrap(ray_executor.RayExecutor, "get_output_async", _patch_get_output_async)
+    wrap(ray_executor.RayExecutor, "wait_tasks", _patch_wait_tasks)
     wrap(ray_executor.RayExecutor, "stop", _patch_close_steps)
     wrap(ray_executor.RayExecutor, "release", _patch_close_steps)
 
