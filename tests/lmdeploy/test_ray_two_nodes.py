@@ -1,0 +1,135 @@
+"""Tensor parallel over LMDeploy's Ray executor across two Ray nodes on this machine: the second
+node in a network namespace the test makes itself (docs/lmdeploy.md, "Across machines").
+
+The namespace and a veth pair with addresses of their own (10.231.<n>.1 here, .2 inside) are made
+with iproute2 and removed at the end; the head node listens on the first address, the other node
+runs inside the namespace on the second, so the ranks' step connections, Ray's traffic and gloo's
+all-reduce all cross the veth pair. No packet leaves this machine. Needs root (or CAP_NET_ADMIN)
+and `ip`: skipped, saying why, where either is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from support.api_server import free_port
+from support.engine_helpers import Generated, assert_matches_hf
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = ["The model token cache", "One two three four five six seven"]
+NEW_TOKENS = 12
+# The processes' environment: Ray's own settings for a cluster no other machine reaches, but not
+# the suite's loopback-only switch (tests/conftest.py), which would put every node on 127.0.0.1.
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def _ip(*args, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    argv = ["ip", "netns", "exec", netns, "ip", *args] if netns else ["ip", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=check)
+
+
+def _die_with_parent():
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@pytest.fixture(scope="module")
+def network_namespace():
+    """(namespace, host-side address, namespace-side address, host-side and inside interface)."""
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip`")
+    tag = f"{os.getpid() % 100000}"
+    ns, outside, inside = f"dlray{tag}", f"dlra{tag}", f"dlrb{tag}"
+    used = _ip("-4", "addr").stdout
+    subnet = next((f"10.231.{n}" for n in range(7, 250) if f"10.231.{n}." not in used), None)
+    made = _ip("netns", "add", ns, check=False)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make a network namespace here: {made.stderr.strip()}")
+    try:
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        _ip("link", "set", inside, "netns", ns)
+        _ip("addr", "add", f"{subnet}.1/24", "dev", outside)
+        _ip("link", "set", outside, "up")
+        _ip("addr", "add", f"{subnet}.2/24", "dev", inside, netns=ns)
+        _ip("link", "set", inside, "up", netns=ns)
+        _ip("link", "set", "lo", "up", netns=ns)
+        yield ns, f"{subnet}.1", f"{subnet}.2", outside, inside
+    finally:
+        _ip("link", "del", outside, check=False)  # takes its peer with it
+        _ip("netns", "del", ns, check=False)
+
+
+def _start_node(argv: list[str], log: Path, env: dict) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+
+
+def _stop(nodes: list[subprocess.Popen]) -> list[psutil.Process]:
+    """SIGTERM each `ray start --block` (it stops its node), then kill what is left; returns what
+    did not end."""
+    started = []
+    for node in nodes:
+        try:
+            started += [psutil.Process(node.pid)] + psutil.Process(node.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        try:
+            os.killpg(node.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    _, alive = psutil.wait_procs(started, timeout=15)
+    for proc in alive:
+        proc.kill()
+    _, alive = psutil.wait_procs(alive, timeout=10)
+    return alive
+
+
+def test_tp2_across_two_ray_nodes_gives_hfs_greedy_tokens(network_namespace, model_dir, hf_reference, tmp_path):
+    ns, head_ip, node_ip, outside, inside = network_namespace
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    env.update(RAY_ENV)
+    port = free_port()
+    temp = Path(tempfile.mkdtemp(prefix="dlr", dir="/tmp"))  # Ray's socket paths must stay under 108 bytes
+    common = ["--num-cpus=1", "--num-gpus=0", "--disable-usage-stats", "--block"]
+    nodes = [_start_node([ray_cli, "start", "--head", f"--node-ip-address={head_ip}", f"--port={port}",
+                          "--include-dashboard=false", f"--temp-dir={temp / 'h'}", *common],
+                         tmp_path / "head.log", dict(env, GLOO_SOCKET_IFNAME=outside))]
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in (tmp_path / "head.log").read_text(errors="replace"):
+            assert nodes[0].poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-3000:]
+            time.sleep(0.5)
+        nodes.append(_start_node(["ip", "netns", "exec", ns, ray_cli, "start", f"--address={head_ip}:{port}",
+                                  f"--node-ip-address={node_ip}", f"--temp-dir={temp / 'n'}", *common],
+                                 tmp_path / "node.log", dict(env, GLOO_SOCKET_IFNAME=inside)))
+        while "Ray runtime started" not in (tmp_path / "node.log").read_text(errors="replace"):
+            assert nodes[1].poll() is None and time.monotonic() < deadline, (tmp_path / "node.log").read_text()[-3000:]
+            time.sleep(0.5)
+        child = subprocess.run([sys.executable, str(HERE / "ray_two_node_child.py"), str(model_dir("llama")),
+                                str(NEW_TOKENS), *PROMPTS], env=dict(env, RAY_ADDRESS=f"{head_ip}:{port}"),
+                               capture_output=True, text=True, timeout=300)
+        assert child.returncode == 0, child.stderr[-4000:]
+        out = json.loads(child.stdout.strip().splitlines()[-1])
+        assert sorted(out["node_ips"]) == [head_ip, node_ip]  # one rank on each node
+        assert_matches_hf([Generated(**r) for r in out["results"]], hf_reference("llama"), NEW_TOKENS)
+    finally:
+        left = _stop(nodes)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert left == []
