@@ -4,7 +4,8 @@ setting.
 
     python tests/lmdeploy/ray_two_node_child.py MODEL_DIR NEW_TOKENS PROMPT [PROMPT ...]
 
-Prints one JSON line: {"node_ips": [each rank's node address], "results": [Generated as a dict]}.
+Prints one JSON line: {"node_ips": [each rank's node address], "steps": the class the executor sent
+its steps through, "results": [Generated as a dict]}.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ def main(model_dir: str, new_tokens: str, *prompts: str) -> None:
     import ray
 
     with cpu_pipeline(Path(model_dir), tp=2, distributed_executor_backend="ray") as pipe:
-        workers = pipe.async_engine.engine.executor.workers
-        node_ips = ray.get([worker.get_node_ip.remote() for worker in workers])
+        executor = pipe.async_engine.engine.executor
+        node_ips = ray.get([worker.get_node_ip.remote() for worker in executor.workers])
         results = greedy_generate(pipe, list(prompts), int(new_tokens))
-    print(json.dumps({"node_ips": node_ips, "results": [dataclasses.asdict(r) for r in results]}), flush=True)
+        steps = type(executor.__dict__.get("_dlinfer_steps")).__name__
+    print(json.dumps({"node_ips": node_ips, "steps": steps, "results": [dataclasses.asdict(r) for r in results]}),
+          flush=True)
 
 
 if __name__ == "__main__":

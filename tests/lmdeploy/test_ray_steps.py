@@ -22,6 +22,8 @@ class _Output:
         self.token = token
 
     def to_numpy(self):  # LMDeploy's RayWorkerWrapper.pack_output packs with it
+        if self.token == "unpackable":
+            raise TypeError("cannot pack this output")
         return {"next_token_ids": [self.token]}
 
 
@@ -65,7 +67,7 @@ class _Handle:
 
     def __init__(self, rank: int, need_output: bool):
         worker = object.__new__(DlinferRayWorker)  # LMDeploy's constructor loads a model
-        worker.rank, worker.node_ip, worker._step_server = rank, "127.0.0.1", None
+        worker.rank, worker.node_ip, worker._step_server, worker._step_task = rank, "127.0.0.1", None, None
         worker.model_agent = _Agent(need_output)
         self.worker, self.dead = worker, False
 
@@ -77,7 +79,11 @@ class _Handle:
         async def open_step_channel(token):
             return await worker.open_step_channel(token)
 
+        async def close_step_channel():
+            return await worker.close_step_channel()
+
         self.get_pid, self.open_step_channel = _Call(get_pid), _Call(open_step_channel)
+        self.close_step_channel = _Call(close_step_channel)
 
 
 def _ranks():
@@ -129,6 +135,43 @@ def test_a_step_whose_agent_loop_ends_raises_its_reason_instead_of_waiting():
     asyncio.run(run())
 
 
+def test_after_a_reset_an_output_sent_for_a_dropped_step_is_not_read():
+    """LMDeploy's sleep drops the step it sent ahead; the rank may have sent that step's output
+    already. After `reset` the next step connects again and reads its own output."""
+    async def run():
+        ranks = _ranks()
+        channels = ray_steps.StepChannels(ranks)
+        await channels.submit({"token": 1})
+        await channels.submit({"token": 2})  # sent ahead, then dropped
+        assert await channels.next_output() == {"next_token_ids": [1]}
+        await asyncio.sleep(0.1)  # the rank has sent step 2's output by now
+        await channels.reset()
+        await channels.submit({"token": 3})
+        output = await asyncio.wait_for(channels.next_output(), 10)
+        channels.close()
+        with pytest.raises(RuntimeError, match="closed: the engine has stopped"):
+            await channels.submit({"token": 4})
+        await asyncio.sleep(0.05)
+        _stop(ranks)
+        return output
+
+    assert asyncio.run(run()) == {"next_token_ids": [3]}
+
+
+def test_an_output_that_cannot_be_sent_is_answered_by_its_reason():
+    async def run():
+        ranks = _ranks()
+        channels = ray_steps.StepChannels(ranks)
+        await channels.submit({"token": "unpackable"})
+        with pytest.raises(ray_steps.RankFailed, match="tp rank 0: cannot pack this output"):
+            await asyncio.wait_for(channels.next_output(), 10)
+        channels.close()
+        await asyncio.sleep(0.05)
+        _stop(ranks)
+
+    asyncio.run(run())
+
+
 def test_a_dead_rank_is_named_by_rays_error():
     """A rank's connection ends (its process died): the step fails with Ray's ActorDiedError for it,
     found by asking each rank for its pid."""
@@ -159,6 +202,22 @@ def test_a_connection_without_the_token_is_refused():
         await writer.drain()
         assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing served
         assert rank.worker.model_agent.inputs == []
+        writer.close()
+        rank.worker._step_server.close()
+        _stop([rank])
+
+    asyncio.run(run())
+
+
+def test_a_first_frame_that_is_not_a_token_sized_token_is_not_read():
+    """A peer that announces a huge first frame is closed at once, its payload never read."""
+    async def run():
+        rank = _Handle(0, need_output=True)
+        host, port = await rank.worker.open_step_channel(b"t" * 16)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(ray_steps._HEADER.pack(ray_steps.TOKEN, 1 << 40))  # and then nothing
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
         writer.close()
         rank.worker._step_server.close()
         _stop([rank])

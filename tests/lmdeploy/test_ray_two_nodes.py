@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -53,7 +54,7 @@ def network_namespace():
     """(namespace, host-side address, namespace-side address, host-side and inside interface)."""
     if shutil.which("ip") is None:
         pytest.skip("needs iproute2's `ip`")
-    tag = f"{os.getpid() % 100000}"
+    tag = secrets.token_hex(2)  # names of at most 15 characters; unlike the pid, not reused by a later run
     ns, outside, inside = f"dlray{tag}", f"dlra{tag}", f"dlrb{tag}"
     used = _ip("-4", "addr").stdout
     subnet = next((f"10.231.{n}" for n in range(7, 250) if f"10.231.{n}." not in used), None)
@@ -128,6 +129,7 @@ def test_tp2_across_two_ray_nodes_gives_hfs_greedy_tokens(network_namespace, mod
         assert child.returncode == 0, child.stderr[-4000:]
         out = json.loads(child.stdout.strip().splitlines()[-1])
         assert sorted(out["node_ips"]) == [head_ip, node_ip]  # one rank on each node
+        assert out["steps"] == "StepChannels"  # the steps went over the step connections
         assert_matches_hf([Generated(**r) for r in out["results"]], hf_reference("llama"), NEW_TOKENS)
     finally:
         left = _stop(nodes)

@@ -49,9 +49,14 @@ def write_frame(writer: asyncio.StreamWriter, kind: bytes, payload: bytes) -> No
     writer.write(_HEADER.pack(kind, len(payload)) + payload)
 
 
+async def read_header(reader: asyncio.StreamReader) -> tuple[bytes, int]:
+    """(kind, payload size); asyncio.IncompleteReadError at the end of the stream."""
+    return _HEADER.unpack(await reader.readexactly(_HEADER.size))
+
+
 async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     """(kind, payload); asyncio.IncompleteReadError at the end of the stream."""
-    kind, size = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    kind, size = await read_header(reader)
     return kind, await reader.readexactly(size)
 
 
@@ -90,7 +95,9 @@ class RankFailed(RuntimeError):
 
 class StepChannels:
     """The connections from one executor to its workers (module docstring); `workers[0]` is the
-    rank that produces outputs (LMDeploy's rank order). Used from the engine's event loop only."""
+    rank that produces outputs (LMDeploy's rank order). Used from the engine's event loop, but for
+    `close`. `reset` (LMDeploy's sleep) drops the connections and any output sent on them; the next
+    step connects again. `close` (the engine's stop) is final."""
 
     def __init__(self, workers: list):
         self.workers = list(workers)
@@ -99,22 +106,33 @@ class StepChannels:
         self._ended: list[asyncio.Task] = []  # one per other rank: done when its connection ends
         self._owed = 0  # steps sent whose output has not been read
         self._loop: asyncio.AbstractEventLoop | None = None  # the engine's, where the connections live
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("dlinfer's Ray step connections are closed: the engine has stopped")
 
     async def _connect(self) -> None:
         self._loop = asyncio.get_running_loop()
         token = secrets.token_bytes(16)
         addresses = await asyncio.gather(*(worker.open_step_channel.remote(token) for worker in self.workers))
-        readers = []
-        for host, port in addresses:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
-            write_frame(writer, TOKEN, token)
-            readers.append(reader)
-            self._writers.append(writer)
-        self._leader = readers[0]
+        readers, writers = [], []
+        try:
+            for host, port in addresses:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+                write_frame(writer, TOKEN, token)
+                readers.append(reader)
+                writers.append(writer)
+        except BaseException:
+            for writer in writers:
+                writer.close()
+            raise
+        self._writers, self._leader = writers, readers[0]
         self._ended = [asyncio.ensure_future(reader.read()) for reader in readers[1:]]  # b"" at the end
 
     async def submit(self, inputs: dict) -> None:
         """Send one step's inputs to every rank."""
+        self._check_open()
         if inputs.get("kv_connector_metadata") is not None:
             raise RuntimeError("a KV-connector step reached dlinfer's Ray step channel, which reads one rank's output")
         from ray import cloudpickle
@@ -132,22 +150,28 @@ class StepChannels:
 
     async def next_output(self):
         """The oldest step's output from the first rank (as LMDeploy's worker packs it)."""
+        self._check_open()
         if self._owed == 0:
             raise RuntimeError("dlinfer's Ray step channel: an output was asked for before its step was sent")
         self._owed -= 1
         frame = asyncio.ensure_future(read_frame(self._leader))
         try:
             await asyncio.wait([frame, *self._ended], return_when=asyncio.FIRST_COMPLETED)
+            self._check_open()  # closed meanwhile: not a rank's failure
             if not frame.done():
-                frame.cancel()
                 raise RankFailed("a tensor-parallel rank's step connection ended")
             kind, payload = frame.result()
             if kind == ERROR:
                 raise RankFailed(payload.decode(errors="replace"))
             if kind != OUTPUT:
                 raise RankFailed(f"unexpected frame {kind!r} from the first rank")
-        except Exception as error:
+        except RankFailed as error:
             raise await self._failure(error) from error
+        except (asyncio.IncompleteReadError, ConnectionError) as error:
+            raise await self._failure(RankFailed(f"the first rank's step connection ended: {error!r}")) from error
+        finally:
+            if not frame.done():
+                frame.cancel()
         return pickle.loads(payload)
 
     async def _failure(self, error: Exception) -> Exception:
@@ -155,9 +179,21 @@ class StepChannels:
         names the actor), else `error`."""
         return await first_dead_rank(self.workers) or error
 
+    async def reset(self) -> None:
+        """Drop the connections, and any output sent on them that was not read (LMDeploy's sleep
+        drops the step it sent ahead): each rank stops serving, and the next step connects again."""
+        self._drop()
+        if self.workers:
+            await asyncio.wait([asyncio.ensure_future(worker.close_step_channel.remote()) for worker in self.workers],
+                               timeout=LIVENESS_TIMEOUT_S)
+
     def close(self) -> None:
-        """Close the connections (idempotent; from any thread): each rank's reader sees the end
-        and stops."""
+        """Close the connections for good (idempotent; from any thread): each rank's reader sees
+        the end and stops; a later step raises."""
+        self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
         tasks, writers = self._ended, self._writers
         self._writers, self._ended, self._leader, self._owed = [], [], None, 0
         if not writers:

@@ -21,9 +21,12 @@ from lmdeploy.pytorch.devices import DeviceContext, get_device_manager
 from lmdeploy.pytorch.engine.executor.ray_executor import RayWorkerWrapper
 
 from dlinfer.framework.lmdeploy_ext import devices
-from dlinfer.framework.lmdeploy_ext.ray_steps import ERROR, INPUTS, OUTPUT, TOKEN, read_frame, write_frame
+from dlinfer.framework.lmdeploy_ext.ray_steps import ERROR, INPUTS, OUTPUT, TOKEN, read_frame, read_header, write_frame
 
 logger = logging.getLogger("dlinfer.ray")
+# Seconds: for a connection's token, and for a drained ERROR frame; for the served connection to end.
+TOKEN_TIMEOUT_S = 10.0
+STEP_CLOSE_TIMEOUT_S = 10.0
 
 
 def take_niceness(niceness: int) -> bool:
@@ -69,6 +72,7 @@ class DlinferRayWorker(RayWorkerWrapper):
         get_device_manager().set_context(DeviceContext(device_type))
         super().__init__(*args, **kwargs)
         self._step_server: asyncio.AbstractServer | None = None
+        self._step_task: asyncio.Task | None = None  # the connection being served
 
     def warmup_dist(self):
         from lmdeploy.pytorch.distributed import all_reduce, get_dist_manager
@@ -82,25 +86,51 @@ class DlinferRayWorker(RayWorkerWrapper):
 
     async def open_step_channel(self, token: bytes) -> tuple[str, int]:
         """Listen on this node's address for the driver's one step connection, which must open
-        with `token`; returns (host, port). Runs on the actor's event loop, the model agent's."""
-        if self._step_server is not None:
-            self._step_server.close()
+        with `token`; returns (host, port). Runs on the actor's event loop, the model agent's. A
+        connection served before is closed first (`close_step_channel`)."""
+        await self.close_step_channel()
         self._step_server = await asyncio.start_server(functools.partial(self._serve_steps, token),
                                                        host=self.node_ip, port=0)
         host, port = self._step_server.sockets[0].getsockname()[:2]
         return host, port
 
+    async def close_step_channel(self) -> None:
+        """Stop serving steps: the listener, the connection, and the output sender with the output
+        it holds, if any (dropped, as LMDeploy's sleep drains the agent's queues)."""
+        server, task = self._step_server, self._step_task
+        self._step_server = self._step_task = None
+        if server is not None:
+            server.close()
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task], timeout=STEP_CLOSE_TIMEOUT_S)
+
+    async def _read_token(self, token: bytes, reader: asyncio.StreamReader) -> bool:
+        """Whether the connection opens with `token`: its frame header first, so that nothing but a
+        token-sized payload is read from a peer that has not shown it, within TOKEN_TIMEOUT_S."""
+        try:
+            kind, size = await asyncio.wait_for(read_header(reader), TOKEN_TIMEOUT_S)
+            if kind != TOKEN or size != len(token):
+                return False
+            payload = await asyncio.wait_for(reader.readexactly(size), TOKEN_TIMEOUT_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            return False
+        return hmac.compare_digest(payload, token)
+
     async def _serve_steps(self, token: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         """One connection: each INPUTS frame goes to the model agent; where this rank produces
-        outputs, `_send_outputs` answers each step in order. Ends with the connection."""
+        outputs, `_send_outputs` answers each step in order. Anything else that goes wrong here is
+        answered by an ERROR frame naming it. Ends with the connection."""
+        if self._step_task is not None or not await self._read_token(token, reader):
+            logger.error("rank %s: a step connection without this driver's token, or a second one, was refused",
+                         self.rank)
+            writer.close()
+            return
+        self._step_task = asyncio.current_task()
+        self._step_server.close()  # one driver, one connection
         owed: asyncio.Queue = asyncio.Queue()
         sender = None
         try:
-            kind, payload = await read_frame(reader)
-            if kind != TOKEN or not hmac.compare_digest(payload, token):
-                logger.error("rank %s: a step connection without this driver's token was refused", self.rank)
-                return
-            self._step_server.close()  # one driver, one connection
             agent = self.model_agent
             if agent.need_output:
                 sender = asyncio.ensure_future(self._send_outputs(owed, writer))
@@ -112,34 +142,50 @@ class DlinferRayWorker(RayWorkerWrapper):
                 if sender is not None:
                     owed.put_nowait(None)
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the driver closed the connection: the engine stops
+            pass  # the driver closed the connection: the engine stops or sleeps
+        except Exception as error:  # a bad frame, inputs that do not unpickle, the agent refusing them
+            logger.exception("rank %s: the step connection failed", self.rank)
+            if sender is not None:
+                sender.cancel()
+            write_frame(writer, ERROR, f"tp rank {self.rank}: its step connection failed: {error!r}".encode())
         finally:
             if sender is not None:
                 sender.cancel()
             writer.close()
+            if self._step_task is asyncio.current_task():
+                self._step_task = None
 
     async def _send_outputs(self, owed: asyncio.Queue, writer: asyncio.StreamWriter):
         """For each step sent: its output packed and pickled in an OUTPUT frame, or an ERROR frame
-        if the model agent's loop ends first (a failed forward, a peer gone from the all-reduce),
-        after which the connection closes: no step waits for an output that cannot come."""
+        if the model agent's loop ends first (a failed forward, a peer gone from the all-reduce) or
+        the output cannot be made or sent, after which the connection closes: no step waits for an
+        output that cannot come."""
         from ray import cloudpickle
 
         agent = self.model_agent
-        while True:
-            await owed.get()
-            output = asyncio.ensure_future(self.get_outputs())
-            loops = [task for task in (agent._background_task, agent._preprocess_task) if task is not None]
-            done, _ = await asyncio.wait([output, *loops], return_when=asyncio.FIRST_COMPLETED)
-            if output in done:
-                write_frame(writer, OUTPUT, cloudpickle.dumps(output.result()))
+        output = None
+        try:
+            while True:
+                await owed.get()
+                output = asyncio.ensure_future(self.get_outputs())
+                loops = [task for task in (agent._background_task, agent._preprocess_task) if task is not None]
+                done, _ = await asyncio.wait([output, *loops], return_when=asyncio.FIRST_COMPLETED)
+                if output not in done:
+                    ended = next(iter(done))
+                    error = ended.exception() if not ended.cancelled() else asyncio.CancelledError()
+                    raise RuntimeError(f"the model agent's {ended.get_name()} loop ended before the step's output: "
+                                       f"{error!r}")
+                packed, output = output.result(), None
+                write_frame(writer, OUTPUT, cloudpickle.dumps(packed))
                 await writer.drain()
-                continue
-            output.cancel()
-            ended = next(iter(done))
-            error = ended.exception() if not ended.cancelled() else asyncio.CancelledError()
-            message = (f"tp rank {self.rank}: the model agent's {ended.get_name()} loop ended before the step's "
-                       f"output: {error!r}")
-            write_frame(writer, ERROR, message.encode())
-            await writer.drain()
+        except Exception as error:
+            logger.error("rank %s: a step's output failed: %r", self.rank, error)
+            write_frame(writer, ERROR, f"tp rank {self.rank}: {error}".encode(errors="replace"))
+            try:
+                await asyncio.wait_for(writer.drain(), TOKEN_TIMEOUT_S)
+            except Exception:  # the driver is gone too
+                pass
+        finally:
+            if output is not None:
+                output.cancel()
             writer.close()
-            return

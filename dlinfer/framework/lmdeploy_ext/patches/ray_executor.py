@@ -30,8 +30,8 @@ engine.py calls it), so that importing the adaptor never imports Ray:
 - `forward_async` / `get_output_async` send a step's inputs and read its output over one TCP
   connection per rank (`ray_steps.StepChannels`, which says why: no object-store put and tp + 1
   actor calls a step) where `ray_steps.wanted` says so (dp = 1, no KV transfer,
-  DLINFER_RAY_STEP_CHANNEL not 0); `stop` and `release` close the connections first. Elsewhere
-  LMDeploy's own calls run.
+  DLINFER_RAY_STEP_CHANNEL not 0); `stop` and `release` close the connections first, `sleep`
+  resets them (the next step connects again). Elsewhere LMDeploy's own calls run.
 - Ray 2.60 has no `ray.internal.free`, which LMDeploy's own step path calls every step and then
   logged a warning for: `release_refs` stands in (Ray frees the object when LMDeploy drops its
   reference).
@@ -179,6 +179,20 @@ def _patch_close_steps(original):
     return close_then
 
 
+def _patch_sleep(original):
+    """sleep: the step connections are reset first, so that the output of a step LMDeploy sent
+    ahead and now drops (its agent drains its queues) is not read as the next step's."""
+
+    @functools.wraps(original)
+    async def sleep(self, *args, **kwargs):
+        steps = self.__dict__.get("_dlinfer_steps")
+        if steps:
+            await steps.reset()
+        return await original(self, *args, **kwargs)
+
+    return sleep
+
+
 def _patch_wait_tasks(original):
     """When the ranks' tasks fail because a rank died, the error raised is Ray's for the dead rank
     (it names the actor): its peers' failures (a gloo connection closed) would otherwise come first."""
@@ -223,6 +237,7 @@ def apply_ray_patches() -> None:
     wrap(ray_executor.RayExecutor, "forward_async", _patch_forward_async)
     wrap(ray_executor.RayExecutor, "get_output_async", _patch_get_output_async)
     wrap(ray_executor.RayExecutor, "wait_tasks", _patch_wait_tasks)
+    wrap(ray_executor.RayExecutor, "sleep", _patch_sleep)
     wrap(ray_executor.RayExecutor, "stop", _patch_close_steps)
     wrap(ray_executor.RayExecutor, "release", _patch_close_steps)
 
