@@ -220,6 +220,35 @@ def test_the_watcher_leaves_the_caller_to_raise_when_the_signal_is_seen_after_th
     assert _watch(_watched_executor(exit_code=0), after_exit=signal_late_then_release) == []
 
 
+def test_the_watcher_ends_the_engine_when_a_signalled_failure_leaves_every_rank_running(monkeypatch, caplog):
+    """A rank signals its failure, but its clean-up blocks and no rank ends, and the engine's call
+    never returns: the watcher ends the ranks and the process once the grace has passed."""
+    import multiprocessing
+    import threading
+    import types
+
+    monkeypatch.setattr(mp_executor, "STUCK_AFTER_SIGNAL_S", 1.0)
+    ctx = multiprocessing.get_context("fork")
+    ranks = [_Rank(i, ctx.Process(target=time.sleep, args=(60,))) for i in range(2)]
+    executor = types.SimpleNamespace(procs=ranks, _dlinfer_releasing=threading.Event(),
+                                     _dlinfer_rank_signalled=threading.Event())
+    exits = []
+    for rank in ranks:
+        rank._proc.start()
+    try:
+        with caplog.at_level("ERROR", logger="dlinfer.lmdeploy"):
+            thread = mp_executor.watch_ranks(executor, exit_process=exits.append)
+            executor._dlinfer_rank_signalled.set()
+            thread.join(10 + mp_executor.JOIN_TIMEOUT_S)
+        assert not thread.is_alive() and exits == [1]
+        assert "no rank has ended" in caplog.text
+        assert not any(rank._proc.is_alive() for rank in ranks)
+    finally:
+        for rank in ranks:
+            rank._proc.kill()
+            rank._proc.join()
+
+
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_engine(model_dir, tmp_path):
     child = Child(model_dir("llama"), tmp_path / "child.log")

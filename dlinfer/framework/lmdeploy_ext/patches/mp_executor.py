@@ -43,7 +43,9 @@ How, for dlinfer's device types only (`devices/specs.py`; other device types get
   only records the failure, and starts `watch_ranks`: a daemon thread that waits on the ranks'
   process sentinels and, when one ends while the executor is not releasing, logs which rank ended
   and how, terminates the other ranks (SIGKILL after `JOIN_TIMEOUT_S`) and ends this process with
-  status 1, as LMDeploy's handler means to (5). A failing rank's own clean-up wakes the parent's
+  status 1, as LMDeploy's handler means to (5); likewise when a rank has signalled its failure but,
+  `STUCK_AFTER_SIGNAL_S` later, no rank has ended and the waiting call has not raised (a failing
+  rank's clean-up blocked on its peer). A failing rank's own clean-up wakes the parent's
   wait for its reply with no reply (LMDeploy then fails later on a None); `collective_rpc` (every
   call while the engine is built) raises `RankFailedError` instead, after ending the ranks, so a
   rank that cannot load its weights makes `pipeline(...)` raise, naming the call.
@@ -57,6 +59,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import types
 from contextlib import asynccontextmanager
 from multiprocessing.connection import wait
@@ -76,6 +79,11 @@ SIGNAL_GRACE_S = 5.0
 # rank signals and then exits, but Python runs the handler in the main thread, which may get to
 # it after the watcher thread has seen the exit (seen in CI on a loaded 2-core machine).
 SIGNAL_ARRIVAL_S = 2.0
+# Seconds the rank watcher waits, once a rank has signalled its failure, for a rank to end or the
+# waiting call to raise: a failing rank's clean-up (LMDeploy's `_main_loop`: stop, release, the
+# process group's destruction) can block on a peer that is itself waiting for it; seen once in a
+# full suite run, the engine then hung for good.
+STUCK_AFTER_SIGNAL_S = 20.0
 
 logger = logging.getLogger("dlinfer.lmdeploy")
 
@@ -221,8 +229,23 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
 
     def watch():
         sentinels = {proc.sentinel: (rank, proc) for rank, proc in procs}
-        ended = wait(list(sentinels))
+        signalled_at = None
+        while True:
+            ended = wait(list(sentinels), timeout=0.5)
+            if ended or executor._dlinfer_releasing.is_set():
+                break
+            if executor._dlinfer_rank_signalled.is_set():
+                signalled_at = signalled_at or time.monotonic()
+                if time.monotonic() - signalled_at > STUCK_AFTER_SIGNAL_S:
+                    break
         if executor._dlinfer_releasing.is_set():
+            return
+        if not ended:  # a rank reported its failure, but none has ended and no call has raised
+            logger.error("a tensor-parallel rank reported a failure %.0f s ago, but no rank has ended and the "
+                         "engine's call did not return: ending the engine's ranks and this process (status 1).",
+                         STUCK_AFTER_SIGNAL_S)
+            end_ranks(procs)
+            exit_process(1)
             return
         if executor._dlinfer_rank_signalled.wait(SIGNAL_ARRIVAL_S):
             executor._dlinfer_releasing.wait(SIGNAL_GRACE_S)
