@@ -286,7 +286,10 @@ def test_a_rank_that_cannot_load_its_weights_ends_the_engine(model_dir, tmp_path
         code = child.wait_end(BUILD_TIMEOUT_S)
         text = child.text()
         assert code != 0 and '{"ranks"' not in text
-        assert "RankFailedError: a tensor-parallel rank failed in 'build_model'" in text, text[-4000:]
+        # the build call raises, naming it; or, where the failing rank's clean-up blocks so that the
+        # call never returns, the rank watcher ends the engine (STUCK_AFTER_SIGNAL_S later)
+        assert ("RankFailedError: a tensor-parallel rank failed in 'build_model'" in text
+                or "reported a failure 20 s ago, but no rank has ended" in text), text[-4000:]
         assert "Attempted to load weight (torch.Size([130, 63]))" in text, text[-4000:]  # the rank's traceback
         child.assert_nothing_left()
     finally:
