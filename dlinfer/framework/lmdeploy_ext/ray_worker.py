@@ -145,8 +145,6 @@ class DlinferRayWorker(RayWorkerWrapper):
             pass  # the driver closed the connection: the engine stops or sleeps
         except Exception as error:  # a bad frame, inputs that do not unpickle, the agent refusing them
             logger.exception("rank %s: the step connection failed", self.rank)
-            if sender is not None:
-                sender.cancel()
             write_frame(writer, ERROR, f"tp rank {self.rank}: its step connection failed: {error!r}".encode())
         finally:
             if sender is not None:
