@@ -8,7 +8,7 @@ import math
 from collections import Counter
 
 from dlinfer.conformance.inputs import dtype_name
-from dlinfer.conformance.runner import FAILED, PASSED, SKIPPED, Report, Result
+from dlinfer.conformance.runner import FAILED, PASSED, SKIPPED, Report, Result, one_line
 
 _MAX_LISTED = 25  # failures listed in the text summary (all of them are in the JSON report)
 
@@ -73,16 +73,6 @@ def _headline(report: Report) -> str:
             f"{', '.join(report.kv_layouts)}): {len(report.results)} checks in {report.seconds:.1f} s: {verdict}")
 
 
-def _one_line(error: dict) -> str:
-    if error.get("type") == "mismatch":
-        return (f"{error['output']}: {error['mismatches']}/{error['elements']} elements off, max abs err "
-                f"{error['max_abs_err']:.4g}, max rel err {error['max_rel_err']:.4g}, worst at "
-                f"{tuple(error['worst_index'])}")
-    first = next((line for line in str(error.get("message", "")).splitlines() if line.strip()), "")
-    name = error.get("exception")
-    return f"{name}: {first}"[:300] if name else first[:300]
-
-
 def _skip_reasons(report: Report) -> list:
     return Counter(r.reason for r in report.results if r.status == SKIPPED).most_common()
 
@@ -116,7 +106,7 @@ def format_text(report: Report) -> str:
     if failed:
         lines += ["", f"failed ({len(failed)}):"]
         for r in failed[:_MAX_LISTED]:
-            lines.append(f"  {r.check.id} ({r.op}): {_one_line(r.error)}")
+            lines.append(f"  {r.check.id} ({r.op}): {one_line(r.error)}")
         if len(failed) > _MAX_LISTED:
             lines.append(f"  ... and {len(failed) - _MAX_LISTED} more (the JSON report, --report, lists all)")
     return "\n".join(lines)
@@ -136,7 +126,7 @@ def format_markdown(report: Report) -> str:
     failed = [r for r in report.results if r.status == FAILED]
     if failed:
         lines += ["", "## Failures", "", "| check | op | dtype | what |", "|---|---|---|---|"]
-        lines += [f"| `{_md(r.check.id)}` | `{r.op}` | {dtype_name(r.check.dtype)} | {_md(_one_line(r.error))} |"
+        lines += [f"| `{_md(r.check.id)}` | `{r.op}` | {dtype_name(r.check.dtype)} | {_md(one_line(r.error))} |"
                   for r in failed]
     skips = _skip_reasons(report)
     if skips:

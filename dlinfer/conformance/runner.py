@@ -119,6 +119,17 @@ def execute(vendor, check: Check):
         return check.fn(vendor)
 
 
+def one_line(error: dict) -> str:
+    """A failed check's error (Result.error) in one line of at most 300 characters."""
+    if error.get("type") == "mismatch":
+        return (f"{error['output']}: {error['mismatches']}/{error['elements']} elements off, max abs err "
+                f"{error['max_abs_err']:.4g}, max rel err {error['max_rel_err']:.4g}, worst at "
+                f"{tuple(error['worst_index'])}")
+    first = next((line for line in str(error.get("message", "")).splitlines() if line.strip()), "")
+    name = error.get("exception")
+    return f"{name}: {first}"[:300] if name else first[:300]
+
+
 def _device_type() -> str:
     from dlinfer.conformance.inputs import device
 
@@ -158,7 +169,8 @@ def run(vendor_name: str, ops: Optional[Sequence[str]] = None, dtypes: Optional[
         progress: Optional[Callable[[str], None]] = None) -> Report:
     """Run the conformance checks against the vendor named `vendor_name` (VendorError when it
     cannot load, ValueError when its declarations are malformed). progress(line) is called once
-    per op, and with a running counter (a line starting with '\\r')."""
+    per op, once per failed check as it fails, and with a running counter (a line starting
+    with '\\r')."""
     vendor = registry.load(vendor_name)
     caps = vendor.capabilities
     declared_tol = dict(caps.conformance_tolerances or {})
@@ -182,6 +194,9 @@ def run(vendor_name: str, ops: Optional[Sequence[str]] = None, dtypes: Optional[
                     if progress is not None:
                         progress(f"\r[{len(results) + j + 1}/{len(checks)}] {op} {check.id}")
                     mine.append(run_one(vendor, check))
+                    if progress is not None and mine[-1].status == FAILED:
+                        # at once, so a run cut off by a time limit still tells which checks failed
+                        progress(f"  FAILED {check.id}: {one_line(mine[-1].error)}")
                 results += mine
                 if progress is not None:
                     counts = {s: sum(r.status == s for r in mine) for s in (PASSED, FAILED, SKIPPED)}

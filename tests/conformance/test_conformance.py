@@ -80,8 +80,12 @@ def test_the_report_rows_and_outputs(wrong_run):
     assert table["rms_norm"][1] == counts["per_op"]["rms_norm"]["failed"]
     assert "FAIL" in proc.stdout.splitlines()[0] and re.search(r"^  rms_norm\[t7_h80-float32\] \(rms_norm\): "
                                                                r"output: \d+/560 elements off", proc.stdout, re.M)
-    # stderr: a progress line per op
+    # stderr: a progress line per op, and each failed check as it fails (before its op's line: a
+    # run killed by a time limit still names what failed)
     assert re.search(r"^rms_norm +\d+ passed +\d+ failed +\d+ skipped", proc.stderr, re.M), proc.stderr
+    failed_lines = re.findall(r"^  FAILED (\S+): output: \d+/\d+ elements off", proc.stderr, re.M)
+    assert len(failed_lines) == counts["failed"] and "rms_norm[t7_h80-float32]" in failed_lines, proc.stderr
+    assert proc.stderr.index("  FAILED ") < re.search(r"^rms_norm +\d+ passed", proc.stderr, re.M).start()
     # Markdown: the same table
     assert "| op | passed | failed | skipped |" in markdown
     p, f, s = table["rms_norm"]
