@@ -91,6 +91,8 @@ LINEAR_CASES = [
     LinearCase("b2_t3_k100_n24", (2, 3), 100, 24, True, False),
     LinearCase("b1_h2_t3_k19_n5", (1, 2, 3), 19, 5, False, True),
     LinearCase("t37_k4096_n512", (37,), 4096, 512, True, True, False),
+    # prefill-sized M (kernels switch tiles past 64 rows), partial in M, N and K
+    LinearCase("t130_k200_n136", (130,), 200, 136, True, False),
 ]
 
 

@@ -7,7 +7,8 @@ The weights are packed here, from the contract's words (nibble i of word j holds
 (dlinfer/conformance/reference.py): nothing of the code under test builds or reads them.
 
 Adversarial: M = 1, 2, 7, 64 and empty batches; K not a multiple of 64 (80, 96, 160); N not a
-multiple of 128 (a partial column tile); group sizes 32, 64, 128 and 0 (one group of K);
+multiple of 128 (a partial column tile); group sizes 32, 64, 128 and 0 (one group of K, 72 rows
+in one case: no power-of-two K step of 16 or more fits in its group);
 offset None (zero point 8); bias; leading dims; extreme nibbles (15 - 0 and 0 - 15, every word's
 top nibble set, i.e. negative int32 words).
 """
@@ -50,6 +51,8 @@ CASES = [
     W4Case("m7_k160_n264_g32_extreme", (7,), 160, 264, 32, fill="extreme"),
     W4Case("m0_k64_n64_g64", (0,), 64, 64, 64),
     W4Case("b1_t5_k128_n40_g0_nozero", (1, 5), 128, 40, 0, zeros=False, bias=True),
+    # one group of 72 rows: no power-of-two K step of 16 or more stays inside a group
+    W4Case("m3_k72_n64_g0", (3,), 72, 64, 0),
     W4Case("m8_k576_n1536_g64", (8,), 576, 1536, 64, small=False),
     W4Case("m33_k4096_n520_g128_bias", (33,), 4096, 520, 128, bias=True, small=False),
     W4Case("m3_k1024_n384_g0", (3,), 1024, 384, 0, small=False),

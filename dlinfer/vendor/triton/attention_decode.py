@@ -64,12 +64,13 @@ def num_kv_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, num_sms: 
 
 
 def split_plan(max_kv_len: int, num_splits: int, d_tile: int, fp32: bool = False):
-    """(splits, keys per segment, keys per tile). Keys per tile: 64 (32 for head dims above 128,
-    half that for fp32), at least 16 for tl.dot, never much above a segment. Segments are whole
-    tiles; splits that the rounding left empty are dropped."""
+    """(splits, keys per segment, keys per tile). Keys per tile: 64 (32 for head dims up to 256,
+    16 above: MLA's 576 / 512; half that for fp32), at least 16 for tl.dot, never much above a
+    segment: every launch fits sm_80's shared memory (scripts/triton_targets.py). Segments are
+    whole tiles; splits that the rounding left empty are dropped."""
     max_kv = max(1, max_kv_len)
     seg_len = triton.cdiv(max_kv, max(1, num_splits))
-    cap = (64 if d_tile <= 128 else 32) // (2 if fp32 else 1)
+    cap = max(16, (64 if d_tile <= 128 else 32 if d_tile <= 256 else 16) // (2 if fp32 else 1))
     block_n = min(cap, max(16, triton.next_power_of_2(seg_len)))
     seg_len = triton.cdiv(seg_len, block_n) * block_n
     return triton.cdiv(max_kv, seg_len), seg_len, block_n
@@ -218,6 +219,7 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
     span = min(max_kv_seq_len, window) if window > 0 else max_kv_seq_len  # the most keys a token sees
     if num_splits is None:
         num_splits = num_kv_splits(t, hkv, span, _num_sms(query.device))
+    is_quant = quant[0] is not None
     fp32 = query.dtype == torch.float32
     num_splits, seg_len, block_n = split_plan(span, num_splits, max(block_d, block_dv), fp32)
     split = num_splits > 1
@@ -228,7 +230,6 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
         opart = lse = out  # unused
     ks, vs = key_cache.stride(), value_cache.stride()
     alibi = alibi_slopes if alibi_slopes is not None else query
-    is_quant = quant[0] is not None
     kvq = torch.stack(quant) if is_quant else query
     _decode_split_kernel[(t, hkv, num_splits)](
         query, key_cache, value_cache, block_table, cu_seqlens_q, kv_seq_len, alibi, out, opart, lse, kvq,

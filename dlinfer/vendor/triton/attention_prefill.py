@@ -126,18 +126,21 @@ def _prefill_kernel(
 
 
 def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool):
-    """(BLOCK_M, BLOCK_N, num_warps). Head dims up to 128: 128 query rows x 64 keys; above: 64 x 32;
-    fp32 (twice the bytes, IEEE dots without tensor cores): half as tall and wide. Tiles never far
-    above the longest sequence (>= 16 for tl.dot). 8 warps, except 4 for fp16/bf16 tiles of fewer
-    than 64 rows with head dims up to 128. Chosen so that ptxas spills no register on sm_80 and
-    sm_90 (checked by compiling for those targets without a GPU)."""
+    """(BLOCK_M, BLOCK_N, num_stages, num_warps). Head dims up to 128: 128 query rows x 64 keys;
+    up to 256: 64 x 32; above (MLA's 576 and 512): 32 x 16; fp32 (twice the bytes, IEEE dots
+    without tensor cores): half as tall and wide, 16 x 16 at least, one stage for head dims above
+    256. Tiles never far above the longest sequence (>= 16 for tl.dot). 8 warps, except 4 for
+    fp16/bf16 tiles of fewer than 64 rows with head dims up to 128. Chosen so that every launch
+    fits sm_80's shared memory (the smallest of sm_80 / sm_90) and ptxas spills no register there,
+    checked without a GPU by scripts/triton_targets.py (tests/vendor/test_triton_targets.py)."""
     d_tile = max(block_dim(d), block_dim(dv))
-    block_m, block_n = (128, 64) if d_tile <= 128 else (64, 32)
+    block_m, block_n = (128, 64) if d_tile <= 128 else (64, 32) if d_tile <= 256 else (32, 16)
     if fp32:
-        block_m, block_n = block_m // 2, block_n // 2
+        block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
+    stages = 1 if fp32 and d_tile > 256 else 2
     block_m = min(block_m, max(16, triton.next_power_of_2(max(1, max_q))))
     block_n = min(block_n, max(16, triton.next_power_of_2(max(1, max_kv))))
-    return block_m, block_n, (8 if fp32 or d_tile > 128 or block_m >= 64 else 4)
+    return block_m, block_n, stages, (8 if fp32 or d_tile > 128 or block_m >= 64 else 4)
 
 
 def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slopes, out, ks, vs, hkv,
@@ -156,7 +159,7 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
     out.masked_fill_((rows >= cu.max()).view(t, 1, 1), 0)
     is_quant = quant[0] is not None
     f32 = dots_in_fp32(query.dtype) or is_quant
-    block_m, block_n, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32 or is_quant)
+    block_m, block_n, stages, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32 or is_quant)
     _prefill_kernel[(triton.cdiv(max_q, block_m), b, hq)](
         query, k, v, bt, cu, kvlen, alibi_slopes if alibi_slopes is not None else query, out,
         torch.stack(quant) if is_quant else query, t, m, nb, bs, hkv, score_scale(softmax_scale, softcap),
@@ -164,7 +167,7 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
         *query.stride(), *ks, *vs, *bt.stride(), *out.stride(),
         G=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(d),
         BLOCK_DV=block_dim(dv), PAGED=paged, HAS_ALIBI=alibi_slopes is not None,
-        F32=f32, QUANT=is_quant, WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=warps, num_stages=2,
+        F32=f32, QUANT=is_quant, WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages,
     )
 
 

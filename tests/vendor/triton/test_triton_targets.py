@@ -1,0 +1,69 @@
+"""scripts/triton_targets.py: the triton vendor's launches compiled for sm_80 / sm_90 without a GPU.
+
+The GPU check of 2026-11-27 (H200) failed the MLA attention cases (head dims 576 / 512) with
+tiles past the shared memory a block may use, and found the W4A16 kernel spilling registers and
+running at 3% of LMDeploy's speed: both show up here, on the CPU. The compiler runs in a
+subprocess without TRITON_INTERPRET (the interpreter has no compiled kernels)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.triton
+
+
+def _compiled_env():
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def test_a_launch_past_the_shared_memory_limit_is_reported(tmp_path):
+    # a toy kernel transposing a 64 x 1024 fp32 tile through shared memory: 256 KiB, past sm_80's limit
+    (tmp_path / "toy.py").write_text(
+        "import sys, torch, triton, triton.language as tl\n"
+        f"sys.path.insert(0, {str(REPO / 'scripts')!r})\n"
+        "import triton_targets as T\n"
+        "@triton.jit\n"
+        "def big(a_ptr, o_ptr, R: tl.constexpr, C: tl.constexpr):\n"
+        "    r = tl.arange(0, R)\n"
+        "    c = tl.arange(0, C)\n"
+        "    a = tl.load(a_ptr + r[:, None] * C + c[None, :])\n"
+        "    tl.store(o_ptr + c[:, None] * R + r[None, :], tl.trans(a))\n"
+        "rec = T.Recorder()\n"
+        "with rec:\n"
+        "    big[(1,)](torch.zeros(64 * 1024), torch.zeros(64 * 1024), R=64, C=1024, num_warps=32)\n"
+        "[(fn, sig, const, opts, _)] = rec.launches.values()\n"
+        "print(T.compile_for(fn, sig, const, opts, 80))\n")
+    proc = subprocess.run([sys.executable, str(tmp_path / "toy.py")], env=_compiled_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = eval(proc.stdout.strip().splitlines()[-1])  # the dict compile_for returned
+    assert result["ok"] is False and result["shared"] == 64 * 1024 * 4 > result["limit"] == 166912, result
+    assert result["registers"] > 0 and result["spill_bytes"] == 0, result
+
+
+def test_mla_attention_w8a8_prefill_and_w4_launches_fit_sm80_and_do_not_spill(tmp_path):
+    out = tmp_path / "launches.json"
+    checks = ("*mla*,*t130_k200_n136*,weight_quant_matmul[m33_k4096*,weight_quant_matmul[m4100*,"
+              "weight_quant_matmul[m3_k72*,weight_quant_matmul[m1_k64*")
+    proc = subprocess.run([sys.executable, "scripts/triton_targets.py", "--dtypes", "bfloat16,float32",
+                           "--checks", checks, "--targets", "80", "--json", str(out)],
+                          cwd=REPO, env=_compiled_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    rows = json.loads(out.read_text())
+    kernels = {r["kernel"] for r in rows}
+    assert {"attention_prefill._prefill_kernel", "attention_decode._decode_split_kernel",
+            "quant._linear_w8a8_kernel", "weight_quant._w4_group_kernel"} <= kernels, kernels
+    mla = [r for r in rows if r["constexprs"].get("D") == "576"]
+    assert mla and all(r["ok"] and r["shared"] <= r["limit"] for r in mla), mla
+    assert any(r["constexprs"].get("BLOCK_M") == "128" for r in rows if r["kernel"] == "quant._linear_w8a8_kernel")
+    w4 = [r for r in rows if r["kernel"].startswith("weight_quant.")]
+    assert {r["constexprs"].get("F32") for r in w4} == {"True", "False", None}  # None: the odd-group kernel
+    assert {r["constexprs"]["BLOCK_M"] for r in w4} >= {"16", "64", "128"}
+    assert all(r["spill_bytes"] == 0 for r in w4), [(r["constexprs"], r["spill_bytes"]) for r in w4]
