@@ -104,10 +104,39 @@ def child(args) -> int:
                 t_1 = min(t_1, time.perf_counter() - s)
             rates[str(b)] = decode_rate(b, args.new_tokens, t_n, t_1)
         out["decode_tok_s"] = rates
+        if args.eager and side["device_type"] != "cpu":  # where an eager step's host time goes (GPU only:
+            # the interpreter's Python calls would swamp the profiler)
+            out["host_profile"] = host_profile(run, max(batches), min(8, args.new_tokens), prompts)
     finally:
         pipe.close()
     Path(args.out).write_text(json.dumps(out))
     return 0
+
+
+def host_profile(run, batch: int, new_tokens: int, prompts, top: int = 25) -> dict:
+    """One generation of `batch` sequences under torch.profiler (CPU activity with Python stacks,
+    every thread: the engine's forward runs in its own): the torch ops and Python functions with
+    the most self time, calls and self time per generated token. Threads waiting (locks,
+    sockets, polls) are left out: idle, not work. Eager dlinfer_cuda decoded at half the native
+    eager rate at batch 16 and 64 on the H200 (docs/gpu.md): this names where the host time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:  # the engine's own thread too (torch >= 2.8 has the switch)
+        config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        config = None
+    with profile(activities=[ProfilerActivity.CPU], experimental_config=config, with_stack=True) as prof:
+        start = time.perf_counter()
+        run(batch, new_tokens, prompts=prompts)
+        wall = time.perf_counter() - start
+    idle = ("wait", "acquire", "select", "poll", "sleep", "recv", "send")
+    rows = sorted((e for e in prof.key_averages() if not any(w in e.key for w in idle)),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    steps = max(1, new_tokens)
+    return {"batch": batch, "new_tokens": new_tokens, "wall_ms_per_step": 1e3 * wall / steps,
+            "torch": torch.__version__, "top_self_cpu": [{"op": e.key, "calls_per_step": e.count / steps,
+                              "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in rows]}
 
 
 def run_side(name, device_type, vendor, eager, model, batches, args, timeout) -> dict:

@@ -1,17 +1,17 @@
 """The GPU check: every step of issue 31 in one run of at most ~9 minutes, each step in a process
 of its own with a time budget, so one failure or hang costs that step, not the lease.
 
-    python scripts/gpu_check.py --out DIR [--dry-run] [--steps a,b] [--deadline 510]
+    python scripts/gpu_check.py --out DIR [--dry-run] [--steps a,b] [--deadline 510] [--conformance-checks P]
 
 Run it through scripts/gpu_check.sh, which prepares the Python path (the carried wheels and
 LMDeploy's sources on the GPU machine). Steps, in order (name: what, budget on the GPU):
   env          versions, the GPU's name, SMs and memory                                      20 s
   big_cache    fill / decode / prefill over a cache past 2**31 elements (gpu_big_cache.py)    60 s
-  conformance  `python -m dlinfer conformance --vendor triton`, bfloat16, full shapes         120 s
+  conformance  `python -m dlinfer conformance --vendor triton`, bfloat16, full shapes         170 s
   ops          per-op times vs the torch vendor and LMDeploy's kernels (bench_triton_ops.py)   90 s
   attention    paged decode / prefill attention times (bench_triton_attention.py)             50 s
-  engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        240 s
-  conformance_fp16  the same suite in float16 (last: whatever time is left)                  150 s
+  engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        200 s
+  conformance_fp16  the same suite in float16, the ops with fp16 paths of their own (FP16_OPS) 60 s
 A step gets min(its budget, the time left before --deadline, counted from the shell script's
 start); one with under 15 s left is skipped. A step past its budget is killed with its whole
 process group (an engine's workers too). gpu_check.json and gpu_check.md are rewritten after every
@@ -43,24 +43,32 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gpu_timing import run_limited  # noqa: E402
 
 PY = sys.executable
-# the ops a float16 dry run covers (the bfloat16 dry run covers all of them)
+# The ops the float16 conformance covers (bfloat16 covers all of them): those whose kernels take a
+# path of their own in fp16, within the step's budget.
+FP16_OPS = ("rms_norm,silu_and_mul,fill_kv_cache,prefill_attention,paged_decode_attention,linear_w8a8,"
+            "weight_quant_matmul")
 DRY_FP16_OPS = "rms_norm,silu_and_mul,fill_kv_cache,paged_decode_attention,linear_w8a8"
 
 
-def steps(out: Path, work: Path, dry: bool, tokenizer: str | None) -> list:
-    """(name, argv, budget seconds, JSON file the step writes or None)."""
+def steps(out: Path, work: Path, dry: bool, tokenizer: str | None, checks: str | None = None) -> list:
+    """(name, argv, budget seconds, JSON file the step writes or None). checks: check-id patterns
+    for both conformance steps (a targeted rerun)."""
     bench = REPO / "benchmarks"
     dry_flag = ["--dry-run"] if dry else []
     conf = []
-    for dtype, budget in (("bfloat16", 120), ("float16", 150)):
+    for dtype, budget in (("bfloat16", 170), ("float16", 60)):
         argv = [PY, "-m", "dlinfer", "conformance", "--vendor", "triton", "--dtypes", dtype,
                 "--report", str(work / f"conformance-{dtype}.json"), "--markdown", str(out / f"conformance-{dtype}.md")]
         argv += ["--small", "--device", "cpu"] if dry else ["--device", "cuda"]
-        if dry and dtype == "float16":
-            argv += ["--ops", DRY_FP16_OPS]
+        if dtype == "float16":
+            argv += ["--ops", DRY_FP16_OPS if dry else FP16_OPS]
+        if checks:
+            argv += ["--checks", checks]
         conf.append((argv, budget, work / f"conformance-{dtype}.json"))
+    # SmolLM2's shapes on the GPU (the tiny Llama adds nothing there but time); the dry run's
+    # engine takes the tiny one whatever is asked.
     engine = [PY, str(bench / "gpu_engine.py"), "--json", str(work / "engine.json"), "--work", str(work),
-              "--new-tokens", "32", "--side-timeout", "120", "--models", "smollm2,tiny"] + dry_flag
+              "--new-tokens", "32", "--side-timeout", "120", "--models", "smollm2"] + dry_flag
     if tokenizer:
         engine += ["--tokenizer", tokenizer]
     return [
@@ -72,7 +80,7 @@ def steps(out: Path, work: Path, dry: bool, tokenizer: str | None) -> list:
          90, work / "ops.json"),
         ("attention", [PY, str(bench / "bench_triton_attention.py"), "--iters", "20", "--json",
                        str(work / "attention.json")] + dry_flag, 50, work / "attention.json"),
-        ("engine", engine, 240, work / "engine.json"),
+        ("engine", engine, 200, work / "engine.json"),
         ("conformance_fp16", *conf[1]),
     ]
 
@@ -111,15 +119,25 @@ def env_step(path: str) -> int:
 
 
 def run_step(name, argv, budget, log) -> dict:
+    """Runs one step, its output appended to the open log; returns its status, time and argv, and
+    the conformance's failed checks as it printed them (what a step killed at its budget leaves)."""
     t0 = time.perf_counter()
     log.write(f"\n===== {name}: {' '.join(argv)} (budget {budget:.0f} s)\n")
     log.flush()
+    begin = log.tell()
     rc, _, _ = run_limited(argv, budget, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     status = f"timed out after {budget:.0f} s" if rc is None else "ok" if rc == 0 else f"failed (exit {rc})"
     seconds = time.perf_counter() - t0
+    log.flush()
+    with open(log.name, errors="replace") as f:
+        f.seek(begin)
+        failed = [line.strip()[len("FAILED "):] for line in f if line.startswith("  FAILED ")]
     log.write(f"===== {name}: {status} in {seconds:.1f} s\n")
     log.flush()
-    return {"status": status, "seconds": round(seconds, 1), "argv": argv}
+    result = {"status": status, "seconds": round(seconds, 1), "argv": argv}
+    if failed:
+        result["failed_checks"] = failed
+    return result
 
 
 def summary(results: dict, dry: bool) -> str:
@@ -140,6 +158,10 @@ def summary(results: dict, dry: bool) -> str:
                           f"{s['skipped']} skipped, {report.get('seconds', 0):.0f} s)"]
             lines += [f"- {c['id']}: {c['status']} {str(c.get('error', ''))[:240]}"
                       for c in report["cases"] if c["status"] == "failed"][:40]
+        elif (results.get(name) or {}).get("failed_checks"):  # no report (cut off): what the log named
+            failed = results[name]["failed_checks"]
+            lines += ["", f"## {name}: {results[name]['status']}; {len(failed)} checks failed before that", ""]
+            lines += [f"- {line[:300]}" for line in failed[:40]]
     big = (results.get("big_cache") or {}).get("output")
     if big:
         lines += ["", "## big_cache", "", "```", json.dumps(big), "```"]
@@ -215,6 +237,12 @@ def engine_lines(out) -> list:
                                  f"top-2 margin {_f(t.get('top2_margin'), '.4f')}, chosen tokens' gap "
                                  f"{_f(t.get('chosen_gap'), '.4f')}, bf16 ulp {_f(t.get('bf16_ulp_at_top1'), '.4f')}"
                                  + (f" ({t['explain_error']})" if "explain_error" in t else ""))
+        for side in ("dlinfer_cuda", "native"):
+            prof = (m.get(side) or {}).get("host_profile")
+            if prof:
+                lines.append(f"- {side} host time at batch {prof['batch']} ({prof['wall_ms_per_step']:.1f} ms a step): "
+                             + "; ".join(f"{r['op']} {r['self_cpu_ms_per_step']:.2f} ms x{r['calls_per_step']:.0f}"
+                                         for r in prof["top_self_cpu"][:10]))
         a = m.get("dlinfer_cuda", {}).get("decode_tok_s", {})
         for other in ("native", "native_cudagraph"):
             b = m.get(other, {}).get("decode_tok_s", {})
@@ -238,6 +266,9 @@ def main(argv=None) -> int:
                     help="seconds for the whole check, counted from GPU_CHECK_T0 (the shell script's start, in "
                          "epoch seconds) when set, else from now (default 510)")
     ap.add_argument("--tokenizer", help="SmolLM2's tokenizer folder for the engine step")
+    ap.add_argument("--conformance-checks", metavar="PATTERNS",
+                    help="check-id patterns for the conformance steps (comma-separated, '*' any text): a rerun "
+                         "of what failed, e.g. '*mla*,weight_quant*'")
     ap.add_argument("--env", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.env:
@@ -247,7 +278,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
-    plan = steps(out, work, args.dry_run, args.tokenizer)
+    plan = steps(out, work, args.dry_run, args.tokenizer, args.conformance_checks)
     known = [s[0] for s in plan]
     wanted = args.steps.split(",") if args.steps else known
     unknown = set(wanted) - set(known)

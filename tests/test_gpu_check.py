@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,60 @@ def test_unknown_steps_are_refused(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path), "--steps", "engin"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown steps ['engin']" in proc.stderr
+
+
+def test_a_step_cut_off_keeps_the_checks_it_saw_fail(tmp_path):
+    """A conformance step killed at its budget writes no report; the checks it printed as failing
+    (`  FAILED id: why`, at once) still reach gpu_check.json and the summary."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    script = ("import sys, time\n"
+              "print('rms_norm   8 passed   0 failed   0 skipped', flush=True)\n"
+              "print('  FAILED paged_decode_attention[token_major-b2_mla-bfloat16]: OutOfResources: shared',"
+              " flush=True)\n"
+              "time.sleep(60)\n")
+    with open(tmp_path / "gpu_check.log", "w") as log:
+        log.write("what earlier steps wrote\n  FAILED not_this_step[x]: old\n")
+        result = gpu_check.run_step("conformance", [sys.executable, "-c", script], 3, log)
+    assert result["status"] == "timed out after 3 s"
+    assert result["failed_checks"] == ["paged_decode_attention[token_major-b2_mla-bfloat16]: OutOfResources: shared"]
+    summary = gpu_check.summary({"conformance": result}, dry=False)
+    assert "## conformance: timed out after 3 s; 1 checks failed before that" in summary
+    assert "- paged_decode_attention[token_major-b2_mla-bfloat16]: OutOfResources" in summary
+
+
+def test_conformance_checks_reach_both_conformance_steps(tmp_path):
+    steps = runpy.run_path(str(REPO / "scripts" / "gpu_check.py"))["steps"]
+    plan = {name: argv for name, argv, _, _ in steps(tmp_path, tmp_path, False, None, "*mla*,weight_quant*")}
+    for name in ("conformance", "conformance_fp16"):
+        argv = plan[name]
+        assert argv[argv.index("--checks") + 1] == "*mla*,weight_quant*" and argv[argv.index("--device") + 1] == "cuda"
+    assert "--ops" in plan["conformance_fp16"] and "--ops" not in plan["conformance"]
+    assert plan["engine"][plan["engine"].index("--models") + 1] == "smollm2"
+
+
+def test_the_engine_host_profile_names_work_and_leaves_out_waiting():
+    """benchmarks/gpu_engine.py's host profile (eager GPU sides): per-token self time of torch ops
+    and Python functions, idle waits left out."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_engine
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    import time
+
+    import torch
+
+    def run(batch, new_tokens, prompts=None):
+        for _ in range(40 * new_tokens):
+            torch.ones(64) @ torch.ones(64)
+        time.sleep(0.05)
+
+    prof = gpu_engine.host_profile(run, 4, 2, None)
+    ops = {r["op"]: r for r in prof["top_self_cpu"]}
+    assert prof["batch"] == 4 and prof["wall_ms_per_step"] >= 25
+    assert ops["aten::dot"]["calls_per_step"] == 40
+    assert not [op for op in ops if "sleep" in op]
