@@ -164,6 +164,35 @@ def prebuilt():
         raise VendorError(f"the prebuilt kernels for {isa()} do not load: {exc}") from exc
 
 
+def build_directory() -> Path:
+    """Where torch's extension builder builds and caches this module (TORCH_EXTENSIONS_DIR moves it)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(module_name(), verbose=False))
+
+
+@contextlib.contextmanager
+def _builder_lock(folder: Path):
+    """Holds an flock on `folder`/dlinfer.flock while torch's builder runs. torch marks a build in
+    progress with a plain file, `lock`, and every other process waits for it to go away, with no
+    time limit: a build killed half-way (Ctrl-C, a test run stopped) leaves it behind and every
+    later load hangs in silence. The kernel drops an flock when its process dies, so whoever holds
+    this one is the only dlinfer builder alive, and a `lock` it finds is stale: removed, and said."""
+    import fcntl
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "dlinfer.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # another live builder: wait for it, as torch would
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                _log(f"removing {stale}: a build of the cpu vendor's kernels was stopped before it ended")
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _build(prebuilt_why: str = ""):
     compiler, ninja = find_compiler(), _ninja_folder()
     why = f" ({prebuilt_why})" if prebuilt_why else ""
@@ -191,7 +220,7 @@ def _build(prebuilt_why: str = ""):
     timer.daemon = True
     timer.start()
     try:
-        with _environ(**env):
+        with _environ(**env), _builder_lock(build_directory()):
             loaded = load(
                 name=module_name(),
                 sources=[str(CSRC / s) for s in SOURCES],

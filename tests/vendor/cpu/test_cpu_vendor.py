@@ -218,3 +218,39 @@ def test_no_compiler_is_one_line_before_any_build(tmp_path, cxx, looked_for):
     for build_output in ("ninja", "error building", "failed:", "[dlinfer] building", "-c /"):
         assert build_output not in log, log
     assert not extensions.exists() or not any(extensions.iterdir())  # nothing was attempted
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_said(tmp_path, capsys):
+    """torch's builder waits, with no limit, for the `lock` file of a build in progress: one killed
+    half-way (a stopped test run did it here) left every later process hanging in silence."""
+    (tmp_path / "lock").touch()
+    with build._builder_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert "a build of the cpu vendor's kernels was stopped before it ended" in capsys.readouterr().err
+
+
+def test_a_live_builder_is_waited_for_and_its_lock_kept(tmp_path, capsys):
+    """Another process building now holds the flock and torch's `lock`: this one waits for it to
+    end (it removes its own `lock`), and removes nothing."""
+    script = textwrap.dedent(f"""
+        import fcntl, sys, time, pathlib
+        folder = pathlib.Path({str(tmp_path)!r})
+        with open(folder / "dlinfer.flock", "a") as h:
+            fcntl.flock(h, fcntl.LOCK_EX)
+            (folder / "lock").touch()
+            print("holding", flush=True)
+            time.sleep(1.5)
+            (folder / "lock").unlink()
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        import time
+
+        start = time.perf_counter()
+        with build._builder_lock(tmp_path):
+            waited = time.perf_counter() - start
+        assert waited > 0.5, waited
+    finally:
+        holder.wait(timeout=30)
+    assert "stopped before it ended" not in capsys.readouterr().err
