@@ -10,6 +10,7 @@ LMDeploy's sources on the GPU machine). Steps, in order (name: what, budget on t
   conformance  `python -m dlinfer conformance --vendor triton`, bfloat16, full shapes         170 s
   ops          per-op times vs the torch vendor and LMDeploy's kernels (bench_triton_ops.py)   90 s
   attention    paged decode / prefill attention times (bench_triton_attention.py)             50 s
+  tiles        tile alternatives of W4A16, W8A8, prefill attention, fused_moe (gpu_tile_sweep.py) 60 s
   engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        200 s
   conformance_fp16  the same suite in float16, the ops with fp16 paths of their own (FP16_OPS) 60 s
 A step gets min(its budget, the time left before --deadline, counted from the shell script's
@@ -80,6 +81,8 @@ def steps(out: Path, work: Path, dry: bool, tokenizer: str | None, checks: str |
          90, work / "ops.json"),
         ("attention", [PY, str(bench / "bench_triton_attention.py"), "--iters", "20", "--json",
                        str(work / "attention.json")] + dry_flag, 50, work / "attention.json"),
+        ("tiles", [PY, str(bench / "gpu_tile_sweep.py"), "--reps", "10", "--json", str(work / "tiles.json")]
+         + dry_flag, 60, work / "tiles.json"),
         ("engine", engine, 200, work / "engine.json"),
         ("conformance_fp16", *conf[1]),
     ]
@@ -167,6 +170,7 @@ def summary(results: dict, dry: bool) -> str:
         lines += ["", "## big_cache", "", "```", json.dumps(big), "```"]
     lines += ops_table((results.get("ops") or {}).get("output"))
     lines += attention_table((results.get("attention") or {}).get("output"))
+    lines += tiles_table((results.get("tiles") or {}).get("output"))
     lines += engine_lines((results.get("engine") or {}).get("output"))
     return "\n".join(lines) + "\n"
 
@@ -208,6 +212,22 @@ def attention_table(out) -> list:
             lines.append(f"| {r['config']} | {r['impl']} | {_f(r['ms'], '.3f')} | {_f(r['gb_per_s'], '.0f')} | "
                          f"{_f(r.get('bw_share_pct'), '.1f')} | {_f(r.get('tflops'), '.1f')} | "
                          f"{_f(r['max_abs_diff_vs_triton'], '.2e')} |")
+    return lines
+
+
+def tiles_table(out) -> list:
+    if not out or not out.get("rows"):
+        return []
+    lines = ["", f"## tiles ({out.get('dtype')}; median of {out.get('reps')})", "",
+             "| case | tile function | launcher's own us | best alternative | its us | speedup |",
+             "|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | - | ERROR: {r['error'][:150]} | | | |")
+            continue
+        best = r.get("best") or {}
+        lines.append(f"| {r['case']} | `{r['function']}` | {_f(r.get('own_us'), '.1f')} | {best.get('tiles', '-')} | "
+                     f"{_f(best.get('us'), '.1f')} | {_f(r.get('speedup'), '.2f')} |")
     return lines
 
 

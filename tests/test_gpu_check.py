@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["env", "big_cache", "conformance", "ops", "attention", "engine", "conformance_fp16"]
+STEPS = ["env", "big_cache", "conformance", "ops", "attention", "tiles", "engine", "conformance_fp16"]
 
 
 @pytest.mark.slow
@@ -36,11 +36,17 @@ def test_the_dry_run_runs_every_step_and_reports(tmp_path):
     assert {"linear_w8a8", "weight_quant_matmul W4", "fused_moe", "fill_kv_cache"} <= {r["op"] for r in ops}
     assert not [r for r in ops if "error" in r]
     assert all(r["err"] == "exact" for r in ops if r["op"] == "fill_kv_cache")
+    tiles = steps["tiles"]["output"]["rows"]
+    assert {r["function"] for r in tiles} == {"weight_quant._group_tiles", "quant._linear_tiles",
+                                             "attention_prefill._tiles", "moe._tiles"}, tiles
+    # every alternative ran and gave the launcher's own result (the dry run times nothing)
+    assert all("us" in c and c["max_abs_diff"] <= 1e-2 for r in tiles for c in r["configs"]), tiles
     engine = steps["engine"]["output"]["models"]["tiny"]
     assert len(engine["tokens"]) == 8 and all(len(t) == 4 for t in engine["dlinfer_cuda"]["tokens"])
     assert set(engine["dlinfer_cuda"]["decode_tok_s"]) == {"1", "2"}
     summary = (tmp_path / "gpu_check.md").read_text()
-    for heading in ("| env | ok", "## conformance: pass", "## ops", "## attention", "## engine", "greedy tokens equal"):
+    for heading in ("| env | ok", "## conformance: pass", "## ops", "## attention", "## tiles", "## engine",
+                    "greedy tokens equal"):
         assert heading in summary
 
 

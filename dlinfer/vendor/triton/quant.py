@@ -155,18 +155,22 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, o
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    # Decode-sized M streams the weight in narrow tiles; prefill-sized M takes 128 x 128 tiles over
-    # 128-byte K steps (the int8 tensor-core shape), 8 warps. Every launch fits sm_80's shared
-    # memory (scripts/triton_targets.py).
-    if m <= 16:
-        block_m, block_n, block_k, warps = 16, 64, 64, 4
-    elif m <= 64:
-        block_m, block_n, block_k, warps = 64, 64, 64, 4
-    else:
-        block_m, block_n, block_k, warps = 128, 128, 128, 8
+    block_m, block_n, block_k, warps = _linear_tiles(m)
     _linear_w8a8_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         a, b, rms_scale.contiguous(), linear_scale.contiguous(), bias.contiguous() if bias is not None else out, out,
         m, n, k, a.stride(0), b.stride(0), out.stride(0), HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
     )
     return out
+
+
+def _linear_tiles(m: int):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of linear_w8a8 for M rows. Decode-sized M streams the
+    weight in narrow tiles; prefill-sized M takes 128 x 128 tiles over 128-byte K steps (the int8
+    tensor-core shape), 8 warps. Every launch fits sm_80's shared memory (scripts/triton_targets.py)."""
+    if m <= 16:
+        return 16, 64, 64, 4
+    if m <= 64:
+        return 64, 64, 64, 4
+    return 128, 128, 128, 8
+
