@@ -37,7 +37,11 @@ from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import torch
 
-GROUP = 128
+GROUP = 128  # 64 where it does not divide K (SmolLM2's 576: its AWQ checkpoints use 64)
+
+
+def group_for(k: int) -> int:
+    return GROUP if k % GROUP == 0 else 64
 
 
 class Model(NamedTuple):
@@ -57,6 +61,7 @@ class Model(NamedTuple):
 
 
 MODELS = {
+    "smollm2": Model(576, 1536, 9, 3, 64, 30, 49152),  # SmolLM2-135M: small calls, where fixed costs show
     "1b": Model(2048, 8192, 32, 8, 64, 16, 128256),
     "3b": Model(3072, 8192, 24, 8, 128, 28, 128256),
     "8b": Model(4096, 14336, 32, 8, 128, 32, 128256),
@@ -83,9 +88,10 @@ def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator):
         from dlinfer.vendor.cpu import weight_quant as wq
 
         q = L.pack(torch.randint(0, 16, (k, n), generator=g, dtype=torch.int32))
-        zeros = L.pack(torch.randint(0, 16, (k // GROUP, n), generator=g, dtype=torch.int32))
-        scale = (torch.rand(k // GROUP, n, generator=g) * 0.02).half()
-        first = (wq.k_interleaved(q, scale, zeros, GROUP) if kernel == "w4-ki" else wq.column_tiled(q), scale, zeros)
+        group = group_for(k)
+        zeros = L.pack(torch.randint(0, 16, (k // group, n), generator=g, dtype=torch.int32))
+        scale = (torch.rand(k // group, n, generator=g) * 0.02).half()
+        first = (wq.k_interleaved(q, scale, zeros, group) if kernel == "w4-ki" else wq.column_tiled(q), scale, zeros)
     nbytes = sum(t.numel() * t.element_size() for t in (first[:1] if kernel == "w4-ki" else first))
     copies = max(1, -(-target // nbytes))
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)], nbytes
@@ -105,7 +111,7 @@ def make_calls(kernel: str, weights, m: int, k: int, g: torch.Generator) -> List
         x, xs = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8), torch.rand(m, generator=g)
         return [(lambda w=w: fn(x, w[0], xs, w[1], torch.float32, None)) for w in weights]
     fn = selection.resolve("weight_quant_matmul", "cpu")[0]
-    return [(lambda w=w: fn(x32, w[0], w[1], w[2], None, GROUP)) for w in weights]
+    return [(lambda w=w: fn(x32, w[0], w[1], w[2], None, group_for(k))) for w in weights]
 
 
 class Result(NamedTuple):
