@@ -7,16 +7,16 @@ column_tiled ones are gathered per column by address and shift arithmetic (never
 BLOCK_K divides the group size (every real group size: 32, 64, 128, K), a K step lies inside one
 group, so the step's product runs on the tensor cores in x's own dtype, x @ (q - z) with fp32
 accumulation (exact products), and is scaled once per column by the group's scale:
-acc += (x @ (q - z)) * s. The dequantised weight is never rounded: rounding it to bf16 first (as
-a half-precision GEMM on dequantised weights does) fails the conformance suite's extreme-value
-case (one element of 1848 off by 0.018). float32 x (and bf16 under the interpreter, whose bf16
-arithmetic is meaningless) takes the same path in IEEE fp32 (no TF32). A group size with no
-power-of-two divisor of at least 16 (tl.dot's smallest K) falls back to a kernel that dequantises
-each element as float(q - z) * s in fp32 before an IEEE fp32 dot (small tiles: a slow path for odd
-group sizes only). Bias in fp32, one rounding to x's dtype. Column c of word
-j = c // 8 sits at bits 4i..4i+3 with i = (c % 8) // 2 + 4 * (c % 2), the inverse of AWQ's order
-[0, 2, 4, 6, 1, 3, 5, 7] (the zero points always; the weight in the canonical layout;
-column_tiled: bits 4 * ((c % 128) // 16) of word c % 16 of tile c // 128).
+acc += (x @ (q - z)) * s (docs/design.md, "W4A16 on a GPU"). The dequantised weight is never
+rounded: rounding it to bf16 first (as a half-precision GEMM on dequantised weights does) fails
+the conformance suite's extreme-value case (one element of 1848 off by 0.018). float32 x (and
+bf16 under the interpreter, whose bf16 arithmetic is meaningless) takes the same path in IEEE fp32
+(no TF32). A group size with no power-of-two divisor of at least 16 (tl.dot's smallest K) falls
+back to a kernel that dequantises each element as float(q - z) * s in fp32 before an IEEE fp32
+dot (small tiles: a slow path for odd group sizes only). Bias in fp32, one rounding to x's dtype.
+Column c of word j = c // 8 sits at bits 4i..4i+3 with i = (c % 8) // 2 + 4 * (c % 2), the
+inverse of AWQ's order [0, 2, 4, 6, 1, 3, 5, 7] (the zero points always; the weight in the
+canonical layout; column_tiled: bits 4 * ((c % 128) // 16) of word c % 16 of tile c // 128).
 """
 
 from typing import Optional
