@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import device_time, peaks, write_json  # noqa: E402
+from gpu_timing import device_time, peaks, require_interpreter, write_json  # noqa: E402
 
 DECODE = [  # (name, batch, context, Hq, Hkv, D, block size)
     ("decode b64 x 4k", 64, 4096, 32, 8, 128, 64),
@@ -94,8 +94,7 @@ def main(argv=None):
                     help="CPU, TRITON_INTERPRET=1, tiny sizes, one call: checks the script, times nothing")
     args = ap.parse_args(argv)
     if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--dry-run runs the triton kernels on the CPU: set TRITON_INTERPRET=1")
+        require_interpreter()
         device, iters, decode_cfgs, prefill_cfgs = torch.device("cpu"), 1, DRY_DECODE, DRY_PREFILL
     elif not torch.cuda.is_available():
         print("bench_triton_attention: no CUDA GPU available (torch.cuda.is_available() is False); "

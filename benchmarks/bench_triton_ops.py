@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import device_time, peaks, share, write_json  # noqa: E402
+from gpu_timing import device_time, peaks, require_interpreter, share, write_json  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -308,8 +308,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if args.dry_run:
-        if not interpreted:
-            sys.exit("--dry-run runs the triton kernels on the CPU: set TRITON_INTERPRET=1")
+        require_interpreter()
         device, sz, reps, inter = "cpu", TINY, 1, 32
     else:
         if not torch.cuda.is_available() or interpreted:

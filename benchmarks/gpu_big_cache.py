@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import write_json  # noqa: E402
+from gpu_timing import require_interpreter, write_json  # noqa: E402
 
 FULL = dict(batch=64, ctx=4096, hq=32, hkv=8, d=128, bs=64, blocks=36864, new=16)
 TINY = dict(batch=3, ctx=48, hq=4, hkv=2, d=16, bs=16, blocks=24, new=5)
@@ -120,8 +120,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes")
     args = ap.parse_args(argv)
     if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--dry-run runs the triton kernels on the CPU: set TRITON_INTERPRET=1")
+        require_interpreter()
         cfg, device = TINY, "cpu"
     else:
         if not torch.cuda.is_available():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO))
-from gpu_timing import device_time  # noqa: E402
+from gpu_timing import device_time, require_interpreter  # noqa: E402
 
 
 @contextmanager
@@ -162,8 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny shapes, one call each")
     args = ap.parse_args(argv)
     if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--dry-run runs the triton kernels on the CPU: set TRITON_INTERPRET=1")
+        require_interpreter()
         dev, reps = torch.device("cpu"), 1
     elif not torch.cuda.is_available():
         print("gpu_tile_sweep: no CUDA GPU available; nothing to measure.")

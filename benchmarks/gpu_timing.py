@@ -73,6 +73,12 @@ def share(value, peak) -> str:
     return f"{100 * value / peak:.0f}%" if value and peak else "-"
 
 
+def require_interpreter() -> None:
+    """A --dry-run runs the triton kernels on the CPU: exit, saying so, unless TRITON_INTERPRET=1."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--dry-run runs the triton kernels on the CPU: set TRITON_INTERPRET=1")
+
+
 def write_json(path, payload: dict) -> None:
     """Write `payload` (rows and context) as indented JSON; a None path writes nothing."""
     if path:

@@ -179,56 +179,59 @@ def _f(v, fmt):
     return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
 
+def _table(heading: str, columns: list, rows: list, keys, cells, error_word: str = "ERROR") -> list:
+    """A Markdown table of a step's rows: keys(row) are its leading cells, cells(row) the rest; a
+    row holding an "error" gets its keys, then the error in one cell, then empty cells."""
+    lines = ["", heading, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lead = keys(r)
+        if "error" in r:
+            lines.append("| " + " | ".join([*lead, f"{error_word}: {r['error'][:150]}"]) + " |"
+                         + " |" * (len(columns) - len(lead) - 1))
+        else:
+            lines.append("| " + " | ".join([*lead, *cells(r)]) + " |")
+    return lines
+
+
 def ops_table(out) -> list:
     if not out or not out.get("rows"):
         return []
-    lines = ["", f"## ops ({out.get('dtype')}; median of {out.get('reps')}; LMDeploy kernels: "
-                 f"{'yes' if not out.get('lmdeploy_unavailable') else out['lmdeploy_unavailable']})", "",
-             "| op | case | triton us | torch us | LMDeploy us | LMDeploy / triton time | GB/s | % peak BW | TFLOP/s "
-             "| % peak FLOP | triton err vs torch | LMDeploy err vs torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in out["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['op']} | {r['case']} | ERROR: {r['error'][:150]} | | | | | | | | | |")
-            continue
+    heading = (f"## ops ({out.get('dtype')}; median of {out.get('reps')}; LMDeploy kernels: "
+               f"{'yes' if not out.get('lmdeploy_unavailable') else out['lmdeploy_unavailable']})")
+    columns = ["op", "case", "triton us", "torch us", "LMDeploy us", "LMDeploy / triton time", "GB/s", "% peak BW",
+               "TFLOP/s", "% peak FLOP", "triton err vs torch", "LMDeploy err vs torch"]
+
+    def cells(r):
         vs = f"{r['vs_lmdeploy']:.2f}" if r.get("vs_lmdeploy") else r.get("lmdeploy_error", "-")[:80]
-        lines.append(f"| {r['op']} | {r['case']} | {_f(r['triton_us'], '.1f')} | {_f(r['torch_us'], '.1f')} | "
-                     f"{_f(r.get('lmdeploy_us'), '.1f')} | {vs} | {_f(r['gb_per_s'], '.0f')} | {r['bw_share']} | "
-                     f"{_f(r.get('tflops'), '.1f')} | {r.get('flops_share', '-')} | {r['err']} | "
-                     f"{r.get('lmdeploy_err', '-')} |")
-    return lines
+        return [_f(r["triton_us"], ".1f"), _f(r["torch_us"], ".1f"), _f(r.get("lmdeploy_us"), ".1f"), vs,
+                _f(r["gb_per_s"], ".0f"), str(r["bw_share"]), _f(r.get("tflops"), ".1f"),
+                str(r.get("flops_share", "-")), str(r["err"]), str(r.get("lmdeploy_err", "-"))]
+
+    return _table(heading, columns, out["rows"], lambda r: [r["op"], r["case"]], cells)
 
 
 def attention_table(out) -> list:
     if not out or not out.get("rows"):
         return []
-    lines = ["", f"## attention ({out.get('dtype')})", "",
-             "| config | impl | ms | GB/s | % peak BW | TFLOP/s | max abs diff vs triton |",
-             "|---|---|---|---|---|---|---|"]
-    for r in out["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['config']} | {r['impl']} | skipped: {r['error'][:150]} | | | | |")
-        else:
-            lines.append(f"| {r['config']} | {r['impl']} | {_f(r['ms'], '.3f')} | {_f(r['gb_per_s'], '.0f')} | "
-                         f"{_f(r.get('bw_share_pct'), '.1f')} | {_f(r.get('tflops'), '.1f')} | "
-                         f"{_f(r['max_abs_diff_vs_triton'], '.2e')} |")
-    return lines
+    columns = ["config", "impl", "ms", "GB/s", "% peak BW", "TFLOP/s", "max abs diff vs triton"]
+    return _table(f"## attention ({out.get('dtype')})", columns, out["rows"], lambda r: [r["config"], r["impl"]],
+                  lambda r: [_f(r["ms"], ".3f"), _f(r["gb_per_s"], ".0f"), _f(r.get("bw_share_pct"), ".1f"),
+                             _f(r.get("tflops"), ".1f"), _f(r["max_abs_diff_vs_triton"], ".2e")],
+                  error_word="skipped")
 
 
 def tiles_table(out) -> list:
     if not out or not out.get("rows"):
         return []
-    lines = ["", f"## tiles ({out.get('dtype')}; median of {out.get('reps')})", "",
-             "| case | tile function | launcher's own us | best alternative | its us | speedup |",
-             "|---|---|---|---|---|---|"]
-    for r in out["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['case']} | - | ERROR: {r['error'][:150]} | | | |")
-            continue
+    columns = ["case", "tile function", "launcher's own us", "best alternative", "its us", "speedup"]
+
+    def cells(r):
         best = r.get("best") or {}
-        lines.append(f"| {r['case']} | `{r['function']}` | {_f(r.get('own_us'), '.1f')} | {best.get('tiles', '-')} | "
-                     f"{_f(best.get('us'), '.1f')} | {_f(r.get('speedup'), '.2f')} |")
-    return lines
+        return [_f(r.get("own_us"), ".1f"), str(best.get("tiles", "-")), _f(best.get("us"), ".1f"),
+                _f(r.get("speedup"), ".2f")]
+
+    return _table(f"## tiles ({out.get('dtype')}; median of {out.get('reps')})", columns, out["rows"],
+                  lambda r: [r["case"], "-" if "error" in r else f"`{r['function']}`"], cells)
 
 
 def engine_lines(out) -> list:
