@@ -19,6 +19,11 @@ adaptor; each wrapped where its caller looks it up) and prints their mean micros
 step, inclusive of what they call: the engine's part of a step, broken down. The averages include
 the prefill step's share (one in `--tokens`).
 
+`--ops` also times every dlinfer op a compiled graph calls (graph sides: each vendor function the
+`direct` graph compiler binds a node to, wrapped when it binds it) and prints, per op, the calls and
+the mean microseconds per decode step, with the forward's rest (the graph's own Python: views,
+casts, embedding, residual adds) as the forward's mean minus those.
+
 The timing wrappers add a frame above the model's forward, which moves where the forward's frames
 sit on CPython's data stack: costs that depend on that position (docs/graph.md, "The graph's
 frame") can show up in `benchmarks/e2e_cpu.py`'s tokens/s and not here. The end-to-end rate is
@@ -82,17 +87,56 @@ def _timed_functions(totals: dict) -> list:
     return undo
 
 
-def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = False) -> dict:
+def _timed_graph_ops(totals: dict) -> list:
+    """Make the direct graph compiler bind each dlinfer node to a wrapper that adds its wall seconds
+    and one call to totals[op] = [seconds, calls]; returns the undo list."""
+    import functools
+
+    from dlinfer.graph import backend
+
+    selection = backend.selection
+    resolve = selection.resolve
+
+    class TimedSelection:  # what backend.direct_compiler sees as `selection`
+        def __getattr__(self, name):
+            return getattr(selection, name)
+
+        @staticmethod
+        def resolve(op, device_type):
+            fn, vendor = resolve(op, device_type)
+            cell = totals.setdefault(op, [0.0, 0])
+
+            @functools.wraps(fn)
+            def timed(*args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    cell[0] += time.perf_counter() - start
+                    cell[1] += 1
+
+            return timed, vendor
+
+    backend.selection = TimedSelection()
+    return [(backend, "selection", selection)]
+
+
+def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = False, ops: bool = False) -> dict:
     """{part: [ms of every decode step]} over `repeats` generations of `tokens` new tokens; with
-    `functions`, also "functions": {FUNCTIONS name: mean us per decode step}."""
+    `functions`, also "functions": {FUNCTIONS name: mean us per decode step}; with `ops`, also
+    "ops": {op: [mean us per decode step, calls per decode step]} (graph sides)."""
     import lmdeploy.pytorch.engine.model_agent.agent as agent
     from e2e_cpu import chat_prompts
     from e2e_sides import make_side
     from smollm2 import build_smollm2
 
     folder = build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
+    op_totals: dict = {}
+    undo_ops = _timed_graph_ops(op_totals) if ops else []
     run, owner = make_side(side, folder, chat_prompts(folder))
     run(batch, 4)  # warm
+    for cell in op_totals.values():  # what compiling and warming called (the wrappers hold the cells)
+        cell[:] = [0.0, 0]
     events = []
     forward, logits = agent.model_forward, agent.BaseModelAgent.get_logits
 
@@ -126,12 +170,15 @@ def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = 
                 parts["engine"].append((step - (fwd[i][2] - fwd[i][1]) - (head[i][2] - head[i][1])) * 1e3)
     finally:
         agent.model_forward, agent.BaseModelAgent.get_logits = forward, logits
-        for target, attr, original in undo:
+        for target, attr, original in undo + undo_ops:
             setattr(target, attr, original)
         owner.close()
     if functions:
         steps = repeats * tokens
         parts["functions"] = {name: totals.get(name, 0.0) / steps * 1e6 for _, name in FUNCTIONS}
+    if ops:  # per generated token: the prefill's calls are in these sums too (one step in `tokens`)
+        steps = repeats * tokens
+        parts["ops"] = {op: [sec / steps * 1e6, calls / steps] for op, (sec, calls) in op_totals.items()}
     return parts
 
 
@@ -142,30 +189,42 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--functions", action="store_true", help="also time FUNCTIONS (us per decode step)")
+    parser.add_argument("--ops", action="store_true", help="also time each graph op (us per decode step)")
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "BATCH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         side, batch, tokens = args.worker[0], int(args.worker[1]), int(args.worker[2])
-        print(json.dumps(measure(side, batch, tokens, args.repeats, args.functions)), flush=True)
+        print(json.dumps(measure(side, batch, tokens, args.repeats, args.functions, args.ops)), flush=True)
         return 0
     print("| side | batch | " + " | ".join(f"{p}: min / median ms" for p in PARTS) + " |")
     print("|---|---|" + "---|" * len(PARTS))
-    details = []
+    details, op_details = [], []
     for side in args.sides.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             done = subprocess.run([sys.executable, __file__, "--worker", side, str(batch), str(args.tokens),
-                                   "--repeats", str(args.repeats)] + (["--functions"] if args.functions else []),
+                                   "--repeats", str(args.repeats)] + (["--functions"] if args.functions else [])
+                                  + (["--ops"] if args.ops else []),
                                   capture_output=True, text=True, check=True)
             parts = json.loads(done.stdout.strip().splitlines()[-1])
             cells = [f"{min(parts[p]):.2f} / {statistics.median(parts[p]):.2f}" for p in PARTS]
             print(f"| {side} | {batch} | " + " | ".join(cells) + " |", flush=True)
             if args.functions:
                 details.append((f"{side} batch {batch}", parts["functions"]))
+            if args.ops:
+                op_details.append((f"{side} batch {batch}", parts["ops"], statistics.mean(parts["forward"]) * 1e3))
     if details:
         print("\n| host function (inclusive) | " + " | ".join(f"{label}: us/step" for label, _ in details) + " |")
         print("|---|" + "---|" * len(details))
         for _, name in FUNCTIONS:
             print(f"| `{name}` | " + " | ".join(f"{us[name]:.1f}" for _, us in details) + " |")
+    for label, per_op, forward_us in op_details:
+        print(f"\n{label}: dlinfer ops of the graph, per decode step (forward mean {forward_us:.0f} us)")
+        print("| op | calls | us | us a call |")
+        print("|---|---|---|---|")
+        for op, (us, calls) in sorted(per_op.items(), key=lambda kv: -kv[1][0]):
+            print(f"| {op} | {calls:.1f} | {us:.1f} | {us / calls if calls else 0:.2f} |")
+        rest = forward_us - sum(us for us, _ in per_op.values())
+        print(f"| (the forward's rest: the graph's own Python, torch ops) | | {rest:.1f} | |")
     return 0
 
 

@@ -269,6 +269,37 @@ def test_graph_inputs_not_expressible_are_refused():
     assert gather_function(["L['a']", None]) is None  # no source at all
 
 
+def test_graph_inputs_share_their_prefixes_and_are_read_afresh():
+    """Prefixes two sources share are read once a call; every call still reads the current objects."""
+    from dlinfer.framework.lmdeploy_ext.graph_mode.replay import gather_function
+
+    class Reads(dict):
+        count = 0
+
+        def __getitem__(self, key):
+            Reads.count += 1
+            return super().__getitem__(key)
+
+    layers = Reads({"0": {"w": 1, "b": 2}, "1": {"w": 3}})
+    names = ["L['self'].layers['0']['w']", "L['self'].layers['0']['b']", "L['self'].layers['1']['w']",
+             "L['x']", "L['t'].size()[0]"]
+    gather = gather_function(names)
+
+    class Model:
+        pass
+
+    model = Model()
+    model.layers = layers
+    frame = {"self": model, "x": 9, "t": torch.zeros(4)}
+    assert gather(frame) == (1, 2, 3, 9, 4)
+    assert Reads.count == 2  # layers['0'] once, layers['1'] once
+    layers["0"] = {"w": 5, "b": 6}  # a swapped module, a new tensor: seen on the next call
+    model.layers["1"]["w"] = 7
+    assert gather(frame) == (5, 6, 7, 9, 4)
+    model.layers = Reads({"0": {"w": 0, "b": 0}, "1": {"w": 0}})
+    assert gather(frame)[:3] == (0, 0, 0)
+
+
 class CountingDecoder(TinyDecoder):
     """Counts its forwards on itself: a Python side effect Dynamo replays after the graph."""
 
