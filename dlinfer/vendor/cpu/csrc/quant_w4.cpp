@@ -306,20 +306,20 @@ at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight_in, const at
   check_common(scale, offset, K, group_size);
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
               "w4_matmul: scale in x's dtype or float16");
-  // float32 x as it is when dense (Tensor::to goes through the dispatcher even when it returns x)
-  const at::Tensor xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+  std::unique_ptr<float[]> x_own;
+  at::Tensor x_keep;
+  const float* xf = float_rows(x, x_own, x_keep);
   at::Tensor bf;
   if (bias.has_value()) bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  ResultRows y(x, M, N);
   const Packed w = packed_of(qweight, K, N);
   AT_DISPATCH_V2(scale.scalar_type(), "w4_matmul", AT_WRAP([&] {
     using T = scalar_t;
-    Problem<T> p{xf.data_ptr<float>(), w, scale.data_ptr<T>(),
-                 offset.has_value() ? offset->data_ptr<int32_t>() : nullptr,
-                 bias.has_value() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N, group_size};
+    Problem<T> p{xf, w, scale.data_ptr<T>(), offset.has_value() ? offset->data_ptr<int32_t>() : nullptr,
+                 bias.has_value() ? bf.data_ptr<float>() : nullptr, y.data(), M, K, N, group_size};
     if (M > 0) run_rows(p);
   }), at::kFloat, at::kBFloat16, at::kHalf);
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y.result();
 }
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {

@@ -576,25 +576,27 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   TORCH_CHECK(path != w4v::kAmx || (w4v::amx_here() && w4v::amx_chunk(group_size) > 0),
               "w4_matmul_k_interleaved: path 2 (AMX) cannot run here: it needs AMX-INT8 (with the tile state granted) "
               "and a group size g with g % 64 == 0 or g < 64, got g = ", group_size);
-  const at::Tensor xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+  std::unique_ptr<float[]> x_own;
+  at::Tensor x_keep;
+  const float* xf = w4::float_rows(x, x_own, x_keep);
   at::Tensor bf;
   if (bias.has_value()) bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  w4::ResultRows y(x, M, N);
   if (M > 0 && N > 0) {
     const bool amx = w4v::amx_here() && w4v::amx_chunk(group_size) > 0;
     const int64_t best = amx ? w4v::kAmx : w4v::vnni_here() ? w4v::kVnni : w4v::kPortable;
     // best: one row on VNNI (measured faster than a tile instruction's 4-row A at M = 1), more on AMX
     const int64_t use = path != -1 ? path : best == w4v::kAmx && M == 1 ? w4v::kVnni : best;
-    const w4v::Digits digits = w4v::split_activations(xf.data_ptr<float>(), M, K, group_size);
+    const w4v::Digits digits = w4v::split_activations(xf, M, K, group_size);
     const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N, group_size, K / group_size, sb, w4v::param_bytes_of(sb), B};
     const float* bias_ptr = bias.has_value() ? bf.data_ptr<float>() : nullptr;
     if (sb == 2) {
-      w4v::run(w4v::Problem<at::Half>{w, &digits}, M, bias_ptr, y.data_ptr<float>(), use);
+      w4v::run(w4v::Problem<at::Half>{w, &digits}, M, bias_ptr, y.data(), use);
     } else {
-      w4v::run(w4v::Problem<float>{w, &digits}, M, bias_ptr, y.data_ptr<float>(), use);
+      w4v::run(w4v::Problem<float>{w, &digits}, M, bias_ptr, y.data(), use);
     }
   }
-  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  return y.result();
 }
 
 bool w4_vnni_available() { return w4v::vnni_here(); }
