@@ -2,8 +2,9 @@
 //
 // At decode sizes (one to a few tokens) a linear layer is a matrix-vector product bound by the
 // speed at which W streams from memory; BLAS kernels built for large M leave half of that
-// bandwidth unused. Here each thread walks a contiguous band of W's rows front to back, two rows
-// at a time, and every row of W, once loaded, is used for all M rows of x: 2 x M vector
+// bandwidth unused. Here each thread walks a contiguous band of W's rows front to back, one row
+// at a time while x is small (kOneWeightRowXBytes), else two, and every row of W, once loaded, is
+// used for all M rows of x: 2 x M vector
 // accumulators (16 at M = 8, plus 8 vectors of x and 2 of W: the 32 AVX-512 registers), one
 // horizontal sum per output. At M = 8 the FMAs alone take as long as the memory stream, so the
 // two only overlap when the stream is requested well ahead: a software prefetch into L2 runs
@@ -50,18 +51,27 @@ void rows_band(const float* x, int64_t ldx, const float* w, const float* bias, f
       }
     }
   }
-  if (n < n1) rows_band<M, 1>(x, ldx, w, bias, y, n, n1, K, N);  // R > 1: the last rows one by one
+  if constexpr (R > 1) {
+    if (n < n1) rows_band<M, 1>(x, ldx, w, bias, y, n, n1, K, N);  // the last rows one by one
+  }
 }
 
 template <int M>
 void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
-  constexpr int R = 2;
   // One contiguous band of W's rows per thread (grain N / threads), or all of them on the calling
-  // thread when W is smaller than kMinParallelBytes.
+  // thread when W is smaller than kMinParallelBytes; one or two W rows at a time by x's size
+  // (kOneWeightRowXBytes, common.h).
   const int64_t threads = at::get_num_threads();
   const int64_t bytes = N * K * static_cast<int64_t>(sizeof(float));
   const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
-  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) { rows_band<M, R>(x, ldx, w, bias, y, b, e, K, N); });
+  const bool one_row = M * K * static_cast<int64_t>(sizeof(float)) <= kOneWeightRowXBytes;
+  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+    if (one_row) {
+      rows_band<M, 1>(x, ldx, w, bias, y, b, e, K, N);
+    } else {
+      rows_band<M, 2>(x, ldx, w, bias, y, b, e, K, N);
+    }
+  });
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // linear for few rows in bfloat16 / float16: y[M, N] = x[M, K] W[N, K]^T (+ bias), M <= 8.
 //
-// The float32 kernel's loop (linear.cpp: each thread walks a band of W's rows, two at a time,
+// The float32 kernel's loop (linear.cpp: each thread walks a band of W's rows, one or two at a time,
 // every W vector used for all M rows of x, a software prefetch 16 KB ahead), with W and x read
 // as 16-bit values, half of float32's bytes: the weights stream as stored, nothing is widened
 // into memory. Sums are float32; each output is rounded once to the activation dtype (round to
@@ -128,23 +128,33 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void band_dpbf16(const ui
 
 #endif
 
+template <typename T, int M, int R>
+void band(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K, int64_t N,
+          int path) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (path == kAvx512Bf16) {
+      band_dpbf16<M, R>(reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(w), bias, y, n0,
+                        n1, K, N);
+      return;
+    }
+  }
+#endif
+  band_portable<T, M, R>(x, ldx, w, bias, y, n0, n1, K, N);
+}
+
 template <typename T, int M>
 void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, int64_t N, int path) {
-  constexpr int R = 2;
   const int64_t threads = at::get_num_threads();
   const int64_t bytes = N * K * static_cast<int64_t>(sizeof(T));
   const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
+  const bool one_row = M * K * static_cast<int64_t>(sizeof(T)) <= kOneWeightRowXBytes;  // common.h
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-#if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (path == kAvx512Bf16) {
-        band_dpbf16<M, R>(reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(w), bias, y,
-                          b, e, K, N);
-        return;
-      }
+    if (one_row) {
+      band<T, M, 1>(x, ldx, w, bias, y, b, e, K, N, path);
+    } else {
+      band<T, M, 2>(x, ldx, w, bias, y, b, e, K, N, path);
     }
-#endif
-    band_portable<T, M, R>(x, ldx, w, bias, y, b, e, K, N);
   });
 }
 
