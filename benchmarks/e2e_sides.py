@@ -32,6 +32,7 @@ ENV_SUFFIXES = {
     "+int8-head": ("DLINFER_LM_HEAD", "int8", "int8 LM head"),
     "+float-head": ("DLINFER_LM_HEAD", "float", "float LM head"),
     "+4k-pages": ("DLINFER_HUGE_PAGES", "0", "weights on 4 KB pages"),
+    "+ki": ("DLINFER_CPU_W4_LAYOUT", "k_interleaved", "W4 weights k_interleaved"),
 }
 
 

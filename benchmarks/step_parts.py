@@ -121,7 +121,8 @@ def _timed_graph_ops(totals: dict) -> list:
     return [(backend, "selection", selection)]
 
 
-def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = False, ops: bool = False) -> dict:
+def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = False, ops: bool = False,
+            model: str = "") -> dict:
     """{part: [ms of every decode step]} over `repeats` generations of `tokens` new tokens; with
     `functions`, also "functions": {FUNCTIONS name: mean us per decode step}; with `ops`, also
     "ops": {op: [mean us per decode step, calls per decode step]} (graph sides)."""
@@ -130,7 +131,7 @@ def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = 
     from e2e_sides import make_side
     from smollm2 import build_smollm2
 
-    folder = build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
+    folder = Path(model) if model else build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
     op_totals: dict = {}
     undo_ops = _timed_graph_ops(op_totals) if ops else []
     run, owner = make_side(side, folder, chat_prompts(folder))
@@ -189,12 +190,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per generation")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--functions", action="store_true", help="also time FUNCTIONS (us per decode step)")
+    parser.add_argument("--model", default="", help="an HF folder (default: SmolLM2-135M-Instruct, built if missing)")
     parser.add_argument("--ops", action="store_true", help="also time each graph op (us per decode step)")
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "BATCH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         side, batch, tokens = args.worker[0], int(args.worker[1]), int(args.worker[2])
-        print(json.dumps(measure(side, batch, tokens, args.repeats, args.functions, args.ops)), flush=True)
+        print(json.dumps(measure(side, batch, tokens, args.repeats, args.functions, args.ops, args.model)), flush=True)
         return 0
     print("| side | batch | " + " | ".join(f"{p}: min / median ms" for p in PARTS) + " |")
     print("|---|---|" + "---|" * len(PARTS))
@@ -203,7 +205,7 @@ def main(argv=None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             done = subprocess.run([sys.executable, __file__, "--worker", side, str(batch), str(args.tokens),
                                    "--repeats", str(args.repeats)] + (["--functions"] if args.functions else [])
-                                  + (["--ops"] if args.ops else []),
+                                  + (["--ops"] if args.ops else []) + (["--model", args.model] if args.model else []),
                                   capture_output=True, text=True, check=True)
             parts = json.loads(done.stdout.strip().splitlines()[-1])
             cells = [f"{min(parts[p]):.2f} / {statistics.median(parts[p]):.2f}" for p in PARTS]

@@ -196,3 +196,16 @@ def test_no_two_patches_replace_the_same_attribute():
             assert key not in owners, (f"{patch.__name__} and {owners[key]} both replace "
                                        f"{getattr(owner, '__name__', owner)}.{name}")
             owners[key] = patch.__name__
+
+
+def test_every_patch_has_a_row_in_the_docs():
+    """docs/lmdeploy.md's patch table names every module of PATCHES, and its count is right."""
+    from pathlib import Path
+
+    from dlinfer.framework.lmdeploy_ext.patches import PATCHES
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "lmdeploy.md").read_text()
+    missing = [p.__name__.rpartition(".")[2] for p in PATCHES if f"| `{p.__name__.rpartition('.')[2]}` |" not in text]
+    assert not missing, f"docs/lmdeploy.md's patch table lacks {missing}"
+    words = {20: "twenty", 21: "twenty-one", 22: "twenty-two", 23: "twenty-three", 24: "twenty-four"}
+    assert f"patched in {words.get(len(PATCHES), len(PATCHES))} places" in text

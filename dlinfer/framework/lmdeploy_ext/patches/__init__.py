@@ -16,6 +16,7 @@ from dlinfer.framework.lmdeploy_ext.patches import (
     engine_config,
     env_check,
     forward_failures,
+    greedy_sampling,
     huge_pages,
     image_checks,
     lm_head,
@@ -54,6 +55,7 @@ PATCHES = (
     image_checks,      # a request's images checked at the door (400 naming the item); serve reads no local path
     request_checks,    # token ids outside the vocabulary refused per request (400), not by the engine's death
     forward_failures,  # a forward step that raises fails the requests in flight; the engine resets and serves on
+    greedy_sampling,   # greedy sampling's argmax on CPU logits as max(-1).indices (5x faster in bf16, same indices)
 )
 
 
