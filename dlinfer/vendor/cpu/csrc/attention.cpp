@@ -76,8 +76,12 @@ struct ItemScratch {
   }
 };
 
-// K/V bytes below which the whole call runs on the calling thread.
-constexpr int64_t kMinParallelAttentionBytes = 256 * 1024;
+// K/V bytes below which the whole call runs on the calling thread. 32 KB, not 256: inside a decode
+// step the cache comes from memory (the step's weights streamed it out), and there a SmolLM2 layer's
+// call at 100-250 tokens of context (36-96 KB, 3 kv heads over 2 threads) took 9.9-11.2 us in
+// parallel against 15.5-16.6 on one thread; in a loop (cache hot), 160 tokens: 5.2 against 5.6
+// (Zen 5 VM; docs/notes/decode-step-overheads.md).
+constexpr int64_t kMinParallelAttentionBytes = 32 * 1024;
 
 // A finished output row of kv head hkv (sum_p w_p v_p / l): (row - zv) * sv for an int8 cache.
 inline void dequantise_row(const DecodeArgs& a, int64_t hkv, float* row) {
@@ -186,7 +190,7 @@ void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out)
       }
     }
   };
-  // A few hundred keys in all: less work than waking the pool, run on the calling thread.
+  // Under kMinParallelAttentionBytes: less work than waking the pool, run on the calling thread.
   at::parallel_for(0, items, grain_for(items, a.bytes, kMinParallelAttentionBytes), run_items);
   if (S == 1) return;
   at::parallel_for(0, a.T * a.Hq, 1, [&](int64_t begin, int64_t end) {
