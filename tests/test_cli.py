@@ -14,7 +14,7 @@ from dlinfer.vendor.op_table import OP_NAMES
 PATCH_MODULES = ("engine_config", "device_queries", "model_dtype", "awq_linear", "backend_selector", "env_check",
                  "cuda_calls", "model_agent", "window_cache", "mla_bmm", "weight_reads", "lm_head", "huge_pages",
                  "openmp_pool", "mp_engine", "mp_executor", "ray_executor", "vl_preprocess", "image_checks",
-                 "request_checks", "forward_failures")
+                 "request_checks", "forward_failures", "greedy_sampling")
 
 
 def _run(args, env=None, timeout=300) -> subprocess.CompletedProcess:
