@@ -202,56 +202,54 @@ inline void check_common(const at::Tensor& scale, const std::optional<at::Tensor
 
 // The activations and the result in the caller's dtype without a dispatcher call where none is
 // needed: a Tensor::to costs about a microsecond and a half at decode sizes, and a bfloat16 call
-// made two of them, 3 of the 9-11 us of SmolLM2's 576 x 576 W4A16 GEMV (Intel Xeon VM, hot).
+// made two of them, 3 of the 9-11 us of SmolLM2's 576 x 576 W4A16 GEMV (Zen 5 VM, hot).
 //
 // x [M, K] as dense float32 rows: x's own data when float32 and dense; a dense bfloat16 / float16
-// x widened (exactly) into `own`; anything else through Tensor::to into `keep`.
+// x widened (exactly, common.h's to_float) into `own`; anything else through Tensor::to into `keep`.
+inline bool is_16bit(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+
 inline const float* float_rows(const at::Tensor& x, std::unique_ptr<float[]>& own, at::Tensor& keep) {
-  const int64_t n = x.numel();
   if (x.is_contiguous() && x.scalar_type() == at::kFloat) return x.data_ptr<float>();
-  if (x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
-    own.reset(new float[std::max<int64_t>(n, 1)]);
-    float* dst = own.get();
-    if (x.scalar_type() == at::kBFloat16) {
-      const c10::BFloat16* src = x.data_ptr<c10::BFloat16>();
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-    } else {
-      const c10::Half* src = x.data_ptr<c10::Half>();
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-    }
-    return dst;
+  if (!x.is_contiguous() || !is_16bit(x)) {
+    keep = x.to(at::kFloat).contiguous();
+    return keep.data_ptr<float>();
   }
-  keep = x.to(at::kFloat).contiguous();
-  return keep.data_ptr<float>();
+  const int64_t n = x.numel();
+  own.reset(new float[std::max<int64_t>(n, 1)]);
+  if (x.scalar_type() == at::kBFloat16) {
+    to_float(x.data_ptr<c10::BFloat16>(), own.get(), n);
+  } else {
+    to_float(x.data_ptr<c10::Half>(), own.get(), n);
+  }
+  return own.get();
 }
 
 // Where a kernel writes its float32 [M, N] result, and that result in x's dtype: a float32 tensor
 // returned as it is (float32 x), else a buffer rounded once into a new tensor of x's dtype (round
-// to nearest even, ATen's own conversion, as Tensor::to; in parallel from 64K values on).
+// to nearest even, common.h's from_float, as Tensor::to; in parallel from 64K values on).
 class ResultRows {
  public:
   ResultRows(const at::Tensor& x, int64_t M, int64_t N) : M_(M), N_(N), x_(x) {
-    if (x.scalar_type() == at::kFloat || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf)) {
-      y_ = at::empty({M, N}, x.options().dtype(at::kFloat));
-      data_ = y_.data_ptr<float>();
-    } else {
+    if (is_16bit(x)) {
       own_.reset(new float[std::max<int64_t>(M * N, 1)]);
       data_ = own_.get();
+    } else {
+      y_ = at::empty({M, N}, x.options().dtype(at::kFloat));
+      data_ = y_.data_ptr<float>();
     }
   }
   float* data() const { return data_; }
   at::Tensor result() {
     if (!own_) return x_.scalar_type() == at::kFloat ? y_ : y_.to(x_.scalar_type());
     at::Tensor out = at::empty({M_, N_}, x_.options());
-    const float* src = data_;
-    const int64_t n = M_ * N_;
-    if (x_.scalar_type() == at::kBFloat16) {
-      c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
-      at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) { at::vec::convert(src + b, dst + b, e - b); });
-    } else {
-      c10::Half* dst = out.data_ptr<c10::Half>();
-      at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) { at::vec::convert(src + b, dst + b, e - b); });
-    }
+    const bool bf16 = x_.scalar_type() == at::kBFloat16;
+    at::parallel_for(0, M_ * N_, 1 << 16, [&](int64_t b, int64_t e) {
+      if (bf16) {
+        from_float(data_ + b, out.data_ptr<c10::BFloat16>() + b, e - b);
+      } else {
+        from_float(data_ + b, out.data_ptr<c10::Half>() + b, e - b);
+      }
+    });
     return out;
   }
 
