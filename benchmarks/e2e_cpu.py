@@ -79,13 +79,8 @@ def chat_prompts(folder: Path) -> list[str]:
 # ---------------------------------------------------------------- the sides (worker processes)
 
 
-@contextlib.contextmanager
-def _timed(owner, name: str, totals: Counter, calls: Counter, label: str | None = None):
-    """Within the block, `owner.<name>` accumulates its wall time into totals[label]."""
-    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    is_classmethod = isinstance(original, classmethod)
-    fn = original.__func__ if is_classmethod else original
-    label = label or name
+def timed_calls(fn, totals: Counter, calls: Counter, label: str):
+    """`fn` wrapped to add each call's wall seconds to totals[label] and one to calls[label]."""
 
     @functools.wraps(fn)
     def timed(*args, **kwargs):
@@ -96,6 +91,15 @@ def _timed(owner, name: str, totals: Counter, calls: Counter, label: str | None 
             totals[label] += time.perf_counter() - start
             calls[label] += 1
 
+    return timed
+
+
+@contextlib.contextmanager
+def _timed(owner, name: str, totals: Counter, calls: Counter, label: str | None = None):
+    """Within the block, `owner.<name>` accumulates its wall time into totals[label]."""
+    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    is_classmethod = isinstance(original, classmethod)
+    timed = timed_calls(original.__func__ if is_classmethod else original, totals, calls, label or name)
     setattr(owner, name, classmethod(timed) if is_classmethod else timed)
     try:
         yield

@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,35 +63,28 @@ FUNCTIONS = (
 )
 
 
-def _timed_functions(totals: dict) -> list:
+def _timed_functions(totals: Counter) -> list:
     """Wrap every FUNCTIONS entry to add its wall seconds to totals[name]; returns the undo list."""
-    import functools
     import importlib
 
-    undo = []
+    from e2e_cpu import timed_calls
+
+    undo, calls = [], Counter()
     for module_name, path in FUNCTIONS:
         owner = importlib.import_module(module_name)
         *outer, attr = path.split(".")
         for name in outer:
             owner = getattr(owner, name)
         original = getattr(owner, attr)
-
-        def timed(*args, __f=original, __name=path, **kwargs):
-            start = time.perf_counter()
-            try:
-                return __f(*args, **kwargs)
-            finally:
-                totals[__name] = totals.get(__name, 0.0) + time.perf_counter() - start
-
-        setattr(owner, attr, functools.wraps(original)(timed))
+        setattr(owner, attr, timed_calls(original, totals, calls, path))
         undo.append((owner, attr, original))
     return undo
 
 
-def _timed_graph_ops(totals: dict) -> list:
+def _timed_graph_ops(totals: Counter, calls: Counter) -> list:
     """Make the direct graph compiler bind each dlinfer node to a wrapper that adds its wall seconds
-    and one call to totals[op] = [seconds, calls]; returns the undo list."""
-    import functools
+    to totals[op] and one to calls[op]; returns the undo list."""
+    from e2e_cpu import timed_calls
 
     from dlinfer.graph import backend
 
@@ -104,18 +98,7 @@ def _timed_graph_ops(totals: dict) -> list:
         @staticmethod
         def resolve(op, device_type):
             fn, vendor = resolve(op, device_type)
-            cell = totals.setdefault(op, [0.0, 0])
-
-            @functools.wraps(fn)
-            def timed(*args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    cell[0] += time.perf_counter() - start
-                    cell[1] += 1
-
-            return timed, vendor
+            return timed_calls(fn, totals, calls, op), vendor
 
     backend.selection = TimedSelection()
     return [(backend, "selection", selection)]
@@ -132,12 +115,12 @@ def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = 
     from smollm2 import build_smollm2
 
     folder = Path(model) if model else build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
-    op_totals: dict = {}
-    undo_ops = _timed_graph_ops(op_totals) if ops else []
+    op_totals, op_calls = Counter(), Counter()
+    undo_ops = _timed_graph_ops(op_totals, op_calls) if ops else []
     run, owner = make_side(side, folder, chat_prompts(folder))
     run(batch, 4)  # warm
-    for cell in op_totals.values():  # what compiling and warming called (the wrappers hold the cells)
-        cell[:] = [0.0, 0]
+    op_totals.clear()  # what compiling and warming called
+    op_calls.clear()
     events = []
     forward, logits = agent.model_forward, agent.BaseModelAgent.get_logits
 
@@ -155,7 +138,7 @@ def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = 
 
     agent.model_forward, agent.BaseModelAgent.get_logits = timed_forward, timed_logits
     parts = {p: [] for p in PARTS}
-    totals: dict = {}
+    totals: Counter = Counter()
     undo = _timed_functions(totals) if functions else []
     try:
         for _ in range(repeats):
@@ -179,7 +162,7 @@ def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = 
         parts["functions"] = {name: totals.get(name, 0.0) / steps * 1e6 for _, name in FUNCTIONS}
     if ops:  # per generated token: the prefill's calls are in these sums too (one step in `tokens`)
         steps = repeats * tokens
-        parts["ops"] = {op: [sec / steps * 1e6, calls / steps] for op, (sec, calls) in op_totals.items()}
+        parts["ops"] = {op: [sec / steps * 1e6, op_calls[op] / steps] for op, sec in op_totals.items()}
     return parts
 
 
