@@ -42,6 +42,9 @@ constexpr int64_t kMinParallelBytes = 64 * 1024;
 // K = 2048 0.85 / 0.75, M = 2 K = 8192 0.71 / 0.57, M = 4 K = 8192 0.37 / 0.44; level at 32 KB
 // otherwise (docs/notes/cpu-ops.md, "One weight row at a time"). The sums are the same either way.
 constexpr int64_t kOneWeightRowXBytes = 32 * 1024;
+inline bool one_weight_row(int64_t M, int64_t K, int64_t element_bytes) {
+  return M * K * element_bytes <= kOneWeightRowXBytes;
+}
 
 inline int64_t grain_for(int64_t n, int64_t bytes, int64_t min_bytes = kMinParallelBytes) {
   return bytes < min_bytes ? std::max<int64_t>(n, 1) : 1;

@@ -64,7 +64,7 @@ void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, fl
   const int64_t threads = at::get_num_threads();
   const int64_t bytes = N * K * static_cast<int64_t>(sizeof(float));
   const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
-  const bool one_row = M * K * static_cast<int64_t>(sizeof(float)) <= kOneWeightRowXBytes;
+  const bool one_row = one_weight_row(M, K, sizeof(float));  // common.h
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
     if (one_row) {
       rows_band<M, 1>(x, ldx, w, bias, y, b, e, K, N);

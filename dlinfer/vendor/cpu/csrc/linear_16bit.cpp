@@ -148,7 +148,7 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
   const int64_t threads = at::get_num_threads();
   const int64_t bytes = N * K * static_cast<int64_t>(sizeof(T));
   const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
-  const bool one_row = M * K * static_cast<int64_t>(sizeof(T)) <= kOneWeightRowXBytes;  // common.h
+  const bool one_row = one_weight_row(M, K, sizeof(T));  // common.h
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
     if (one_row) {
       band<T, M, 1>(x, ldx, w, bias, y, b, e, K, N, path);
