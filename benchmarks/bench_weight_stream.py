@@ -16,7 +16,8 @@ Kernels (the cpu vendor's functions, as the engine calls them):
 - f32 / bf16: `linear` (the few-row weight-streaming kernels, float32 and bf16 weights);
 - w8a8: `linear_w8a8` (int8 weights, per-row scales, int8 activations; also the int8 LM head);
 - w4-ct / w4-ki: `weight_quant_matmul` on column_tiled / k_interleaved weights (group 128,
-  float32 activations; k_interleaved only where the CPU has AVX-512 VNNI).
+  bfloat16 activations as a bf16 checkpoint's model runs them, `--w4-activations float32` for a
+  float32 model's; k_interleaved only where the CPU has AVX-512 VNNI).
 GB/s counts every byte a call must read (weights, scales, zero points).
 
 Each round times the probe (`ReadProbe.measure`, its best configuration explored once at the
@@ -97,8 +98,10 @@ def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator):
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)], nbytes
 
 
-def make_calls(kernel: str, weights, m: int, k: int, g: torch.Generator) -> List[Callable]:
-    """One call per weight copy: the cpu vendor's function for `kernel` on m rows of activations."""
+def make_calls(kernel: str, weights, m: int, k: int, g: torch.Generator,
+               w4_activations: torch.dtype = torch.bfloat16) -> List[Callable]:
+    """One call per weight copy: the cpu vendor's function for `kernel` on m rows of activations
+    (w4_activations: the W4A16 sides' activation dtype)."""
     from dlinfer.vendor import selection
 
     x32 = torch.randn(m, k, generator=g)
@@ -111,7 +114,8 @@ def make_calls(kernel: str, weights, m: int, k: int, g: torch.Generator) -> List
         x, xs = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8), torch.rand(m, generator=g)
         return [(lambda w=w: fn(x, w[0], xs, w[1], torch.float32, None)) for w in weights]
     fn = selection.resolve("weight_quant_matmul", "cpu")[0]
-    return [(lambda w=w: fn(x32, w[0], w[1], w[2], None, group_for(k))) for w in weights]
+    x = x32.to(w4_activations)
+    return [(lambda w=w: fn(x, w[0], w[1], w[2], None, group_for(k))) for w in weights]
 
 
 class Result(NamedTuple):
@@ -158,6 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,4", help="comma-separated M (tokens per call)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bytes", type=float, default=None, help="GB read per pass of a side (default: see above)")
+    parser.add_argument("--w4-activations", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the W4A16 sides' activation dtype (default: bfloat16, as a bf16 checkpoint runs)")
     parser.add_argument("--4k-pages", dest="small_pages", action="store_true",
                         help="leave the weights on the allocator's pages (default: moved onto 2 MB pages)")
     args = parser.parse_args(argv)
@@ -192,7 +198,8 @@ def main(argv=None) -> int:
                     if not args.small_pages:
                         move_to_huge_pages([t for w in weights for t in w])
                     for m in rows:
-                        res = measure(make_calls(kernel, weights, m, k, g), nbytes, probe, args.rounds)
+                        calls = make_calls(kernel, weights, m, k, g, getattr(torch, args.w4_activations))
+                        res = measure(calls, nbytes, probe, args.rounds)
                         results[(mname, kernel, lname, m)] = (res, nbytes)
                         print(f"{mname} {kernel} {lname} [{k} -> {n}] M={m}: {res.rate / 1e9:.1f} GB/s, "
                               f"{res.share:.2f} of the probe", file=sys.stderr, flush=True)

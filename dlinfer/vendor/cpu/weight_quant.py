@@ -5,7 +5,9 @@ weight once per call and never storing it as floats:
 - k_interleaved (`w4_matmul_k_interleaved`, csrc/quant_w4_int.cpp): exact integer dot products
   of the 4-bit weight with each group's activations as 31-bit fixed point, one row on AVX-512 VNNI
   (vpdpbusd), more rows on AMX (tdpbssd), the same bits on every path and at every M
-  (docs/design.md, "W4A16 as integer dot products"). `repack_weight_quant` gives this layout on
+  (docs/design.md, "W4A16 as integer dot products"); bfloat16 activations on a CPU with
+  AVX512-BF16 and no AMX: the 4-bit weight as bfloat16 integers against x with vdpbf16ps (float32
+  sums; its own bits, the same at every M). `repack_weight_quant` gives this layout on
   CPUs with VNNI and AMX-INT8 (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
   a decode step's 120 GEMVs 1.19x faster than column_tiled's at one row, 0.96-1.8x per call from 2
   to 512 rows, and closer to the exact result.
@@ -38,6 +40,7 @@ _k_interleaved = _kernels.w4_k_interleaved
 _w4_matmul_k_interleaved = _kernels.w4_matmul_k_interleaved
 VNNI = _kernels.w4_vnni_available()  # this CPU runs the k_interleaved kernel's VNNI path
 AMX = _kernels.w4_amx_available()  # ... and its AMX path (AMX-INT8, tile state granted by Linux)
+BF16_DOT = _kernels.w4_bf16_dot_available()  # ... and its bfloat16 path (AVX512-BF16, bfloat16 activations)
 KI_MAX_GROUP = 1024  # the k_interleaved kernel's largest group (its int32 sums stay exact)
 LAYOUT_ENV = "DLINFER_CPU_W4_LAYOUT"
 GEMV_MAX_ROWS = torch.ops.dlinfer_cpu.w4_max_rows()  # w4_matmul up to this M (the measured switch: see above)
@@ -116,13 +119,16 @@ def amx_fits(group_size: int) -> bool:
     return group_size % 64 == 0 or group_size < 64
 
 
-def layout_for(k: int, group_size: int) -> str:
-    """The layout the hook gives a weight of K rows at group size g. $DLINFER_CPU_W4_LAYOUT: auto
-    (unset), column_tiled or k_interleaved. k_interleaved needs a CPU with AVX-512 VNNI, K % 8 == 0,
-    g % 8 == 0 and g <= KI_MAX_GROUP (else column_tiled); auto picks it where the CPU also has
-    AMX-INT8 and g fits its tiles (`amx_fits`): there the integer kernel is faster at one row (VNNI)
-    and level or faster from two rows on (AMX); with VNNI alone it is slower from two rows on
-    (docs/benchmarks.md, "W4A16 as integer dot products")."""
+def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> str:
+    """The layout the hook gives a weight of K rows at group size g whose model runs in `dtype`
+    (LMDeploy loads the scales in the model's dtype: the hook passes theirs).
+    $DLINFER_CPU_W4_LAYOUT: auto (unset), column_tiled or k_interleaved. k_interleaved needs a CPU
+    with AVX-512 VNNI, K % 8 == 0, g % 8 == 0 and g <= KI_MAX_GROUP (else column_tiled). auto picks
+    it where the CPU also has AMX-INT8 and g fits its tiles (`amx_fits`): the integer kernel is
+    faster there at one row (VNNI) and level or faster from two rows on (AMX); or, without AMX, for a
+    bfloat16 model on a CPU with AVX512-BF16 (`BF16_DOT`): the kernel's bfloat16 path is faster than
+    column_tiled at every M measured, 1.1-1.7x (docs/benchmarks.md). Elsewhere column_tiled: with
+    VNNI alone, float32 or float16 activations take the digit path, slower from two rows on."""
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
@@ -130,6 +136,8 @@ def layout_for(k: int, group_size: int) -> str:
     if choice == "column_tiled" or not fits:
         return "column_tiled"
     if choice == "k_interleaved" or (AMX and amx_fits(group_size)):
+        return "k_interleaved"
+    if not AMX and BF16_DOT and dtype == torch.bfloat16:
         return "k_interleaved"
     return "column_tiled"
 
@@ -142,7 +150,8 @@ def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor]
     integer kernel 1.19x faster again over a decode step's GEMVs on the Intel Xeon VM; float16
     scales cut a decode step's W4 bytes by 6% at group 64, 11% at group 32 (docs/benchmarks.md)."""
     q = qweight.contiguous()
+    model_dtype = scale.dtype
     scale = half_scales(scale.contiguous())
-    if layout_for(q.shape[0], group_size) == "k_interleaved":
+    if layout_for(q.shape[0], group_size, model_dtype) == "k_interleaved":
         return k_interleaved(q, scale, offset, group_size), scale, offset
     return column_tiled(q), scale, offset

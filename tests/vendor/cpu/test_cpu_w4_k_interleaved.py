@@ -25,13 +25,14 @@ def _cpu():
     return cpu_w4
 
 
-PORTABLE, VNNI, AMX = 0, 1, 2  # the kernel's paths (csrc/quant_w4_int.cpp)
-PATHS = [PORTABLE, VNNI, AMX]
+PORTABLE, VNNI, AMX, BF16 = 0, 1, 2, 3  # the kernel's paths (csrc/quant_w4_int.cpp)
+PATHS = [PORTABLE, VNNI, AMX]  # the digit paths: the same bits
 
 
 def _runs_here(path, group=64):
     cpu = _cpu()
-    return path == PORTABLE or (path == VNNI and cpu.VNNI) or (path == AMX and cpu.AMX and cpu.amx_fits(group))
+    return (path == PORTABLE or (path == VNNI and cpu.VNNI) or (path == AMX and cpu.AMX and cpu.amx_fits(group))
+            or (path == BF16 and cpu.BF16_DOT))
 
 
 def _kernel(x, qweight, scale, offset, group, path, bias=None):
@@ -121,6 +122,10 @@ def test_hook_picks_the_layout_the_cpu_runs_best_and_obeys_the_variable(monkeypa
             assert torch.equal(packed, k_interleave(qweight, scale, offset, 32))
         else:
             assert packed.dtype == torch.int32 and packed.dim() == 3
+        # ... and, without AMX, for a bfloat16 model (its scales' dtype) where AVX512-BF16 runs
+        packed = ops.repack_weight_quant(qweight, scale.bfloat16(), offset, 32)[0]
+        ki = cpu.VNNI and (cpu.AMX or cpu.BF16_DOT)
+        assert packed.dtype == (torch.uint8 if ki else torch.int32)
         monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "column_tiled")
         assert ops.repack_weight_quant(qweight, scale, offset, 32)[0].dtype == torch.int32
         monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "k_interleaved")  # asked: wherever VNNI runs
@@ -265,3 +270,80 @@ def test_huge_activations_do_not_overflow_before_the_result(path):
     exact, _ = _exact(x, qweight, scale, offset, 64)
     assert torch.isfinite(out).all()
     assert torch.allclose(out.double(), exact, rtol=1e-6, atol=0)
+
+
+# ---- path 3: bfloat16 activations on AVX512-BF16 (vdpbf16ps, float32 sums)
+
+PATH3_SHAPES = [(2, 64, 200, 8), (3, 96, 136, 32), (4, 2048, 256, 128), (5, 128, 8, 16), (6, 96, 64, 48),
+                (8, 1536, 576, 128), (17, 192, 584, 64)]
+
+
+@pytest.mark.parametrize("m,k,n,group", PATH3_SHAPES)
+def test_path3_rows_do_not_depend_on_the_batch(m, k, n, group):
+    """A row's bits are the same alone and in any block of rows (blocks of 4, 3, 2, 1 differ in
+    how many rows share a decode, not in any row's arithmetic), and -1 picks path 3 for bfloat16 x
+    without AMX."""
+    g = torch.Generator().manual_seed(m * k + n)
+    qweight, scale, offset, bias = weights(W4Case("p3 batch", (m,), k, n, group, True, True), torch.bfloat16, g)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=g)]).bfloat16()
+    packed = k_interleave(qweight, scale, offset, group)
+    whole = _kernel(x, packed, scale, offset, group, BF16, bias)
+    alone = torch.cat([_kernel(x[i:i + 1], packed, scale, offset, group, BF16, bias) for i in range(m)])
+    assert torch.equal(whole.view(torch.int16), alone.view(torch.int16))
+    if not _cpu().AMX:
+        best = torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(x, packed, scale, offset, bias, group, -1)
+        assert torch.equal(best.view(torch.int16), whole.view(torch.int16))
+
+
+@pytest.mark.parametrize("m,k,n,group", PATH3_SHAPES)
+def test_path3_error_within_its_bound(m, k, n, group):
+    """Every product (q - z) * x is exact in float32; a group's sum rounds at most g times, the
+    scale once, the sum over groups G times: |y32 - exact| <= (g + G + 2) eps * sum_k |x_k w_kc|,
+    and the bfloat16 output adds half an ulp (2^-8 relative). Activations over 4 decades; and most
+    outputs equal the digit paths' (the exact result rounded once), so the float32 sums are
+    accurate, not merely inside the bound."""
+    g = torch.Generator().manual_seed(m + k * n)
+    qweight, scale, offset, _ = weights(W4Case("p3 bound", (m,), k, n, group, True), torch.bfloat16, g)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)[torch.randperm(k, generator=g)]).bfloat16()
+    packed = k_interleave(qweight, scale, offset, group)
+    out = _kernel(x, packed, scale, offset, group, BF16).double()
+    exact, wabs = _exact(x, qweight, scale, offset, group)
+    sums = (group + k // group + 2) * 2.0**-24 * (x.abs().double() @ wabs.reshape(k, n))
+    bound = 2.0**-8 * (exact.abs() + sums) + sums
+    assert ((out - exact).abs() <= bound).all(), f"worst {((out - exact).abs() / bound).max():.2f} of the bound"
+    digits = _kernel(x, packed, scale, offset, group, PORTABLE).double()
+    assert (out == digits).double().mean() >= 0.9
+
+
+def test_path3_zero_weights_give_exact_zeros_and_the_bias():
+    """q == z everywhere: every product is an exact zero (the zero point is subtracted in bytes,
+    before any float), so the output is the bias exactly, whatever x."""
+    k, n, group = 128, 72, 32
+    q = torch.randint(0, 16, (k // group, n), generator=torch.Generator().manual_seed(3))
+    qweight, offset = awq_pack(q.repeat_interleave(group, 0)), awq_pack(q)
+    scale = torch.rand(k // group, n).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    x = (torch.randn(3, k) * 1e4).bfloat16()
+    out = _kernel(x, k_interleave(qweight, scale, offset, group), scale, offset, group, BF16, bias)
+    assert torch.equal(out, bias.expand(3, n))
+
+
+def test_path3_non_finite_activations_give_nan_rows():
+    """As the digit paths: an inf or NaN in a row makes that row's outputs NaN; other rows are
+    untouched."""
+    g = torch.Generator().manual_seed(5)
+    qweight, scale, offset, _ = weights(W4Case("p3 nan", (3,), 64, 48, 32), torch.bfloat16, g)
+    packed = k_interleave(qweight, scale, offset, 32)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    clean = _kernel(x, packed, scale, offset, 32, BF16)
+    x[0, 3], x[1, 40] = float("-inf"), float("nan")
+    out = _kernel(x, packed, scale, offset, 32, BF16)
+    assert out[:2].isnan().all() and torch.equal(out[2], clean[2])
+
+
+def test_path3_refuses_activations_other_than_bfloat16():
+    g = torch.Generator().manual_seed(6)
+    qweight, scale, offset, _ = weights(W4Case("p3 dtype", (1,), 64, 64, 32), torch.float32, g)
+    with pytest.raises(RuntimeError, match=r"path 3 needs bfloat16 x \(got Float\)"):
+        torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(torch.randn(2, 64), k_interleave(qweight, scale, offset, 32),
+                                                       scale, offset, None, 32, 3)

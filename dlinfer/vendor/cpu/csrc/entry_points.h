@@ -91,6 +91,7 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
                                    int64_t group_size, int64_t path);
 bool w4_vnni_available();
 bool w4_amx_available();
+bool w4_bf16_dot_available();
 
 // read_probe.cpp: reads buffer (uint8 [n]) once on `threads` threads, `streams` streams each; the
 // checksum of its bytes.
@@ -123,6 +124,7 @@ int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, i
   X(w4_matmul_k_interleaved) \
   X(w4_vnni_available) \
   X(w4_amx_available) \
+  X(w4_bf16_dot_available) \
   X(read_probe)
 
 }  // namespace dlinfer_cpu

@@ -39,7 +39,9 @@
 #include <unistd.h>
 #endif
 
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -245,8 +247,8 @@ void tile_row_portable(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, in
 #define kVnniTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma")))
 
 // Vector v's 16 scales of a group as float32 (zero past N, as the block holds them).
-template <typename S>
-kVnniTarget inline __m512 scales_vec(const Problem<S>& p, int64_t t, int64_t gi, int v) {
+template <typename P>
+kVnniTarget inline __m512 scales_vec(const P& p, int64_t t, int64_t gi, int v) {
   return w4::scales16(p.scales(t, gi), 16 * v, static_cast<int>(kCols));
 }
 
@@ -436,9 +438,135 @@ kAmxTarget void tile_rows_amx(const Problem<S>& p, int64_t t, int64_t M, int64_t
   }
   _tile_release();  // lanes past N are left unwritten: nothing reads them
 }
+
+// ---- bfloat16 activations on AVX512-BF16 (vdpbf16ps): no digits. Each line's nibbles become the
+// signed words q - z (the zero point subtracted in bytes, then a 32-entry table from the low 5
+// bits to bfloat16: small integers are exact), and vdpbf16ps multiplies them by x's own bfloat16
+// values: every product exact in float32, summed in float32 (vdpbf16ps: round to nearest even,
+// subnormal inputs and results flushed to zero). One decode of 13 instructions serves up to 4
+// rows, and a 64-byte line costs a row 4 vdpbf16ps (32 products each) where the digit paths spend
+// 8 vpdpbusd: without AMX those are what bind from two rows on (docs/notes/w4a16-kernels.md).
+// Per row, group and 16-column vector the sums go into 4 accumulators (one per 32-word slice of a
+// line's two nibble planes, the same at every M), are added in a fixed order at the group's end
+// and y = fma(sum, s, y), groups in order: a row's bits depend neither on M nor on which rows
+// share its block. They are not the digit paths' bits: the float32 sums round (bound:
+// docs/design.md, "W4A16 as integer dot products"; tests/vendor/cpu/test_cpu_w4_k_interleaved.py).
+#define kBf16Target __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,avx512bf16,fma")))
+
+bool bf16_dot_here() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return yes;
+}
+
+// word i: the bfloat16 of i read as a signed 5-bit number (i - 32 from 16 on): q - z in [-15, 15].
+inline const uint16_t* bf16_of_nibble_differences() {
+  alignas(64) static const std::array<uint16_t, 32> table = [] {
+    std::array<uint16_t, 32> t{};
+    for (int i = 0; i < 32; ++i) {
+      const float f = static_cast<float>(i < 16 ? i : i - 32);
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof(bits));
+      t[i] = static_cast<uint16_t>(bits >> 16);  // exact: at most 5 significant bits
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+template <typename S>
+struct Bf16Problem {
+  Layout w;
+  const uint16_t* x;  // [M, K] bfloat16 bits, rows K apart
+  inline const S* scales(int64_t t, int64_t gi) const { return reinterpret_cast<const S*>(w.block(t, gi)); }
+};
+
+// Rows m0..m0+MR-1 of tile t in group gi, vectors v0..v0+VB-1 (MR x VB x 4 accumulators: 16),
+// into out(m) + 16 v (y += the group's part; the first group stores it). Lanes past N are left
+// unwritten.
+template <int MR, int VB, typename S, typename Out>
+kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int64_t m0, int v0, int64_t gi, bool first,
+                                        Out out) {
+  const int64_t g = p.w.g, per = g / kBlockK, K = p.w.K;
+  const __m512i low = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+  const __m512i table = _mm512_load_si512(bf16_of_nibble_differences());
+  const uint8_t* const end = p.w.end() - kLineBytes;
+  const uint8_t* const lines = p.w.block(t, gi) + p.w.param_bytes;
+  __m512i zb[VB];  // each lane's zero point in its 4 bytes
+  for (int u = 0; u < VB; ++u) zb[u] = _mm512_mullo_epi32(zero_vec(p.w, t, gi, v0 + u), _mm512_set1_epi32(0x01010101));
+  __m512 acc[MR][VB][2];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < VB; ++u)
+      for (int a = 0; a < 2; ++a) acc[r][u][a] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < per; ++b) {
+    const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
+    if (v0 == 0 && m0 == 0)  // the whole stream kPrefetchBytes on, as tile_row_vnni (past the tensor's end: its last line)
+      for (int u = 0; u < kVecs; ++u)
+        _mm_prefetch(reinterpret_cast<const char*>(std::min(row_of_lines + kPrefetchBytes + u * kLineBytes, end)),
+                     _MM_HINT_T1);
+    const uint16_t* const xk = p.x + m0 * K + kBlockK * (gi * per + b);
+    for (int u = 0; u < VB; ++u) {
+      const __m512i bytes = _mm512_loadu_si512(row_of_lines + (v0 + u) * kLineBytes);
+      const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(bytes, low), zb[u]);                        // rows k..k+3
+      const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), low), zb[u]);  // k+4..k+7
+      // per 128-bit lane L (columns 4L..4L+3): unpacklo gives columns 4L, 4L+1 (4 rows each), unpackhi 4L+2, 4L+3
+      const __m512bh w[4] = {(__m512bh)_mm512_permutexvar_epi16(_mm512_unpacklo_epi8(lo, zero), table),
+                             (__m512bh)_mm512_permutexvar_epi16(_mm512_unpackhi_epi8(lo, zero), table),
+                             (__m512bh)_mm512_permutexvar_epi16(_mm512_unpacklo_epi8(hi, zero), table),
+                             (__m512bh)_mm512_permutexvar_epi16(_mm512_unpackhi_epi8(hi, zero), table)};
+      for (int r = 0; r < MR; ++r) {  // x[m, k..k+3] and x[m, k+4..k+7] in every 64-bit lane (broadcast loads)
+        int64_t x03, x47;
+        std::memcpy(&x03, xk + r * K, sizeof(x03));
+        std::memcpy(&x47, xk + r * K + 4, sizeof(x47));
+        const __m512bh a03 = (__m512bh)_mm512_set1_epi64(x03), a47 = (__m512bh)_mm512_set1_epi64(x47);
+        acc[r][u][0] = _mm512_dpbf16_ps(acc[r][u][0], w[0], a03);
+        acc[r][u][1] = _mm512_dpbf16_ps(acc[r][u][1], w[1], a03);
+        acc[r][u][0] = _mm512_dpbf16_ps(acc[r][u][0], w[2], a47);
+        acc[r][u][1] = _mm512_dpbf16_ps(acc[r][u][1], w[3], a47);
+      }
+    }
+  }
+  const int vecs = static_cast<int>(std::min<int64_t>(kVecs, (p.w.N - kCols * t + 15) / 16));  // vectors inside N
+  for (int u = 0; u < VB; ++u) {
+    const int v = v0 + u;
+    if (v >= vecs) break;
+    const __m512 s = scales_vec(p, t, gi, v);
+    for (int r = 0; r < MR; ++r) {
+      // lane pairs: (column, rows k, k+1) and (column, rows k+2, k+3); columns 4L, 4L+1 | 4L+2, 4L+3
+      const __m512 a = acc[r][u][0], c = acc[r][u][1];
+      const __m512 sum = _mm512_add_ps(_mm512_shuffle_ps(a, c, 0x88), _mm512_shuffle_ps(a, c, 0xDD));
+      float* y = out(m0 + r) + 16 * v;
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(sum, s, first ? _mm512_setzero_ps() : _mm512_loadu_ps(y)));
+    }
+  }
+}
+
+// Rows 0..M-1 of tile t over groups g0..g1, group by group (the group's lines stay in L1 while
+// every row block reads them): blocks of 4 rows (one 16-column vector at a time), then 3, then 2
+// (two vectors at a time) or 1 (all four): 16 accumulators each way.
+template <typename S, typename Out>
+kBf16Target void tile_bf16(const Bf16Problem<S>& p, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+  for (int64_t gi = g0; gi < g1; ++gi)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4:
+          for (int v = 0; v < kVecs; v += 2) group_rows_bf16<4, 2>(p, t, m0, v, gi, gi == g0, out);
+          break;
+        case 3:
+          for (int v = 0; v < kVecs; v += 2) group_rows_bf16<3, 2>(p, t, m0, v, gi, gi == g0, out);
+          break;
+        case 2:
+          group_rows_bf16<2, 4>(p, t, m0, 0, gi, gi == g0, out);
+          break;
+        default:
+          group_rows_bf16<1, 4>(p, t, m0, 0, gi, gi == g0, out);
+      }
+    }
+}
+
 #else
 bool vnni_here() { return false; }
 bool amx_here() { return false; }
+bool bf16_dot_here() { return false; }
 inline int64_t amx_chunk(int64_t) { return 0; }
 #endif
 
@@ -452,16 +580,17 @@ void tile_row(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, int64_t g1,
 
 constexpr int64_t kSplitBelowTiles = 16;  // 64-column tiles: as quant_w4.cpp's 8 tiles of 128
 
-// The paths, best last; each gives the same bits.
-enum Path : int64_t { kPortable = 0, kVnni = 1, kAmx = 2 };
+// The paths: 0-2 give the same bits (the digit paths); 3 (bfloat16 x only) its own.
+enum Path : int64_t { kPortable = 0, kVnni = 1, kAmx = 2, kBf16 = 3 };
 
-template <typename S>
-void run(const Problem<S>& p, int64_t M, const float* bias, float* y, int64_t path) {
-  const int64_t N = p.w.N, tiles = num_tiles(N), G = p.a->G;
+// tile(t, g0, g1, row): tile t's 64 columns over groups g0..g1 for every row m into row(m)[0..64).
+template <typename Tile>
+void run(const Layout& w, int64_t M, const float* bias, float* y, Tile tile) {
+  const int64_t N = w.N, tiles = num_tiles(N), G = w.G;
   const int64_t halves = tiles < kSplitBelowTiles && G >= 2 ? 2 : 1;
   const int64_t items = tiles * halves;
   const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max(grain_for(items, p.w.K * N / 2), (items + threads - 1) / threads);
+  const int64_t grain = std::max(grain_for(items, w.K * N / 2), (items + threads - 1) / threads);
   const int64_t width = tiles * kCols;
   // halves == 1: each thread stores its tiles' outputs (+ bias) into y as soon as they are done,
   // from its own cache, rather than the calling thread reading every row back after the region
@@ -472,14 +601,7 @@ void run(const Problem<S>& p, int64_t M, const float* bias, float* y, int64_t pa
       const int64_t t = it / halves, h = it % halves;
       const int64_t g0 = h == 0 ? 0 : G / 2, g1 = halves == 1 || h == 1 ? G : G / 2;
       float* const lanes = part.get() + h * M * width + t * kCols;
-#if defined(CPU_CAPABILITY_AVX512)
-      if (path == kAmx) {
-        tile_rows_amx(p, t, M, g0, g1, [&](int64_t m) { return lanes + m * width; });
-      } else
-#endif
-      {
-        for (int64_t m = 0; m < M; ++m) tile_row(p, t, m, g0, g1, lanes + m * width, path == kVnni);
-      }
+      tile(t, g0, g1, [&](int64_t m) { return lanes + m * width; });
       if (halves == 1) {
         const int64_t c0 = t * kCols, c1 = std::min(N, c0 + kCols);
         for (int64_t m = 0; m < M; ++m)
@@ -497,6 +619,37 @@ void run(const Problem<S>& p, int64_t M, const float* bias, float* y, int64_t pa
       yr[c] = bias ? sum + bias[c] : sum;
     }
   }
+}
+
+// The digit paths (0-2) over x as float32 rows.
+template <typename S>
+void run_digits(const Layout& w, const Digits& digits, int64_t M, const float* bias, float* y, int64_t path) {
+  const Problem<S> p{w, &digits};
+  run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if (path == kAmx) return tile_rows_amx(p, t, M, g0, g1, row);
+#endif
+    for (int64_t m = 0; m < M; ++m) tile_row(p, t, m, g0, g1, row(m), path == kVnni);
+  });
+}
+
+// Path 3 over x's bfloat16 bits.
+template <typename S>
+void run_bf16(const Layout& w, const uint16_t* x, int64_t M, const float* bias, float* y) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const Bf16Problem<S> p{w, x};
+  run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) { tile_bf16(p, t, M, g0, g1, row); });
+#else
+  (void)w, (void)x, (void)M, (void)bias, (void)y;
+  TORCH_CHECK(false, "w4_matmul_k_interleaved: path 3 needs AVX-512");
+#endif
+}
+
+// Whether bfloat16 row m (K values) holds an infinity or a NaN (exponent bits all ones).
+inline bool non_finite_bf16(const uint16_t* row, int64_t K) {
+  bool bad = false;
+  for (int64_t k = 0; k < K; ++k) bad |= (row[k] & 0x7f80) == 0x7f80;
+  return bad;
 }
 
 }  // namespace w4v
@@ -549,8 +702,17 @@ at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale_i
 // x [M, K], qweight k_interleaved [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16),
 // offset?, bias? -> [M, N] in x's dtype. The kernel reads the scales and zero points the blocks
 // hold (the hook made them from these scale and offset, which are checked for shape only). path: -1
-// the best this CPU runs (AMX where the group fits a tile, else VNNI, else portable), or 0 portable,
-// 1 VNNI, 2 AMX (an error where it cannot run): the same bits.
+// the best this CPU runs (`best_path`), or 0 portable, 1 VNNI, 2 AMX (the same bits), 3 bfloat16
+// x on AVX512-BF16 (its own bits); an error where the path cannot run.
+int64_t best_path(bool bf16_x, int64_t M, int64_t group_size) {
+  const bool amx = w4v::amx_here() && w4v::amx_chunk(group_size) > 0;
+  // bfloat16 x without AMX: path 3 at every M (docs/benchmarks.md); with AMX: one row on VNNI
+  // (measured faster than a tile instruction's 4-row A at M = 1), more on AMX
+  if (bf16_x && !amx && w4v::bf16_dot_here()) return w4v::kBf16;
+  if (amx) return M == 1 ? w4v::kVnni : w4v::kAmx;
+  return w4v::vnni_here() ? w4v::kVnni : w4v::kPortable;
+}
+
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_in,
                                    const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path) {
@@ -571,29 +733,42 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
               "w4_matmul_k_interleaved: scale in x's dtype or float16");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "w4_matmul_k_interleaved: bias [N]");
-  TORCH_CHECK(path >= -1 && path <= w4v::kAmx, "w4_matmul_k_interleaved: path -1 (best), 0, 1 or 2, got ", path);
+  TORCH_CHECK(path >= -1 && path <= w4v::kBf16, "w4_matmul_k_interleaved: path -1 (best), 0, 1, 2 or 3, got ", path);
   TORCH_CHECK(path != w4v::kVnni || w4v::vnni_here(), "w4_matmul_k_interleaved: path 1 (VNNI): this CPU has no AVX-512 VNNI");
   TORCH_CHECK(path != w4v::kAmx || (w4v::amx_here() && w4v::amx_chunk(group_size) > 0),
               "w4_matmul_k_interleaved: path 2 (AMX) cannot run here: it needs AMX-INT8 (with the tile state granted) "
               "and a group size g with g % 64 == 0 or g < 64, got g = ", group_size);
-  std::unique_ptr<float[]> x_own;
-  at::Tensor x_keep;
-  const float* xf = w4::float_rows(x, x_own, x_keep);
+  const bool bf16_x = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(path != w4v::kBf16 || (bf16_x && w4v::bf16_dot_here()),
+              "w4_matmul_k_interleaved: path 3 needs bfloat16 x (got ", x.scalar_type(), ") and a CPU with AVX512-BF16");
   at::Tensor bf;
   if (bias.has_value()) bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
   w4::ResultRows y(x, M, N);
   if (M > 0 && N > 0) {
-    const bool amx = w4v::amx_here() && w4v::amx_chunk(group_size) > 0;
-    const int64_t best = amx ? w4v::kAmx : w4v::vnni_here() ? w4v::kVnni : w4v::kPortable;
-    // best: one row on VNNI (measured faster than a tile instruction's 4-row A at M = 1), more on AMX
-    const int64_t use = path != -1 ? path : best == w4v::kAmx && M == 1 ? w4v::kVnni : best;
-    const w4v::Digits digits = w4v::split_activations(xf, M, K, group_size);
+    const int64_t use = path != -1 ? path : best_path(bf16_x, M, group_size);
     const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N, group_size, K / group_size, sb, w4v::param_bytes_of(sb), B};
     const float* bias_ptr = bias.has_value() ? bf.data_ptr<float>() : nullptr;
-    if (sb == 2) {
-      w4v::run(w4v::Problem<at::Half>{w, &digits}, M, bias_ptr, y.data(), use);
+    if (use == w4v::kBf16) {
+      const at::Tensor xc = x.contiguous();
+      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+      if (sb == 2) {
+        w4v::run_bf16<at::Half>(w, xb, M, bias_ptr, y.data());
+      } else {
+        w4v::run_bf16<float>(w, xb, M, bias_ptr, y.data());
+      }
+      // as the digit paths: a row with an infinity or a NaN gives NaN everywhere
+      for (int64_t m = 0; m < M; ++m)
+        if (w4v::non_finite_bf16(xb + m * K, K)) std::fill(y.data() + m * N, y.data() + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
     } else {
-      w4v::run(w4v::Problem<float>{w, &digits}, M, bias_ptr, y.data(), use);
+      std::unique_ptr<float[]> x_own;
+      at::Tensor x_keep;
+      const float* xf = w4::float_rows(x, x_own, x_keep);
+      const w4v::Digits digits = w4v::split_activations(xf, M, K, group_size);
+      if (sb == 2) {
+        w4v::run_digits<at::Half>(w, digits, M, bias_ptr, y.data(), use);
+      } else {
+        w4v::run_digits<float>(w, digits, M, bias_ptr, y.data(), use);
+      }
     }
   }
   return y.result();
@@ -601,6 +776,7 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
 
 bool w4_vnni_available() { return w4v::vnni_here(); }
 bool w4_amx_available() { return w4v::amx_here(); }
+bool w4_bf16_dot_available() { return w4v::bf16_dot_here(); }
 
 TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.def("w4_k_interleaved(Tensor qweight, Tensor scale, Tensor? offset, int group_size) -> Tensor");
@@ -610,6 +786,7 @@ TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.impl("w4_matmul_k_interleaved", c10::DispatchKey::CPU, &w4_matmul_k_interleaved);
   m.def("w4_vnni_available() -> bool", &w4_vnni_available);
   m.def("w4_amx_available() -> bool", &w4_amx_available);
+  m.def("w4_bf16_dot_available() -> bool", &w4_bf16_dot_available);
 }
 
 }  // namespace dlinfer_cpu
