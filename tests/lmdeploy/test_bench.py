@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -91,6 +92,14 @@ def test_the_command_prints_one_row_per_engine_with_the_probe(model_dir):
     assert gb[1] < 0.6 * gb[0]  # bfloat16 weights: about half of float32's bytes a step
 
 
+def test_a_refusal_as_a_command_is_one_line_and_status_2():
+    """The whole command (a process: nothing else reaches stderr); the other refusals in-process."""
+    run = _command("/nonexistent/model")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, (run.returncode, lines)
+    assert re.match(r"python -m dlinfer bench: error: ", lines[0]) and "does not exist" in lines[0], lines
+
+
 @pytest.mark.parametrize("args,message", [
     (("{model}", "--mode", "fast"), "--mode 'fast'"),
     (("{model}", "--batch", "0,8"), "--batch '0,8'"),
@@ -98,7 +107,12 @@ def test_the_command_prints_one_row_per_engine_with_the_probe(model_dir):
     (("/nonexistent/model",), "does not exist"),
 ])
 def test_refusals_are_one_line_and_status_2(model_dir, args, message):
-    run = _command(*[a.format(model=model_dir("llama")) for a in args])
-    lines = run.stderr.strip().splitlines()
-    assert run.returncode == 2 and len(lines) == 1, (run.returncode, lines)
-    assert re.match(r"python -m dlinfer bench: error: ", lines[0]) and message in lines[0], lines
+    from dlinfer.__main__ import _build_parser
+    from dlinfer.framework.lmdeploy_ext import bench
+
+    parsed = _build_parser().parse_args(["bench", *[a.format(model=model_dir("llama")) for a in args]])
+    out, err = io.StringIO(), io.StringIO()
+    assert bench.main(parsed, out=out, err=err) == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and re.match(r"python -m dlinfer bench: error: ", lines[0]) and message in lines[0], lines
+    assert out.getvalue() == ""

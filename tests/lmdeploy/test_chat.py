@@ -95,15 +95,30 @@ def test_piped_turns_commands_and_exit(model_dir):
     assert ">>>" not in run.stderr  # no prompt when stdin is not a terminal
 
 
-@pytest.mark.parametrize("args,message", [
+REFUSALS = [
     (("/nonexistent/model",), "does not exist"),
     (("{model}", "--device", "tpu"), "--device 'tpu'"),
     (("{model}", "--dtype", "int4"), "int4"),
-])
-def test_refusals_are_one_line_and_status_2(model_dir, args, message):
-    args = [a.format(model=model_dir("llama")) for a in args]
-    run = _command(*args, stdin=f"{PROMPT}\n")
+]
+
+
+def test_a_refusal_as_a_command_is_one_line_and_status_2():
+    """The whole command (a process: nothing else reaches stderr); the other refusals in-process."""
+    run = _command("/nonexistent/model", stdin=f"{PROMPT}\n")
     assert run.returncode == 2, (run.returncode, run.stderr)
     lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("python -m dlinfer chat: error:") and message in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("python -m dlinfer chat: error:"), lines
+    assert "does not exist" in lines[0], lines
     assert run.stdout == ""
+
+
+@pytest.mark.parametrize("args,message", REFUSALS)
+def test_refusals_are_one_line_and_status_2(model_dir, args, message):
+    from dlinfer.__main__ import _build_parser
+
+    parsed = _build_parser().parse_args(["chat", *[a.format(model=model_dir("llama")) for a in args]])
+    out, err = io.StringIO(), io.StringIO()
+    assert chat.main(parsed, stdin=io.StringIO(f"{PROMPT}\n"), out=out, err=err) == 2, err.getvalue()
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m dlinfer chat: error:") and message in lines[0], lines
+    assert out.getvalue() == ""
