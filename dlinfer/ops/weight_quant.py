@@ -128,7 +128,8 @@ def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor]
     offset: int32 [K/g, N/8] or None.  group_size: g (0: one group of K).  All on one device.
     Returns (qweight', scale', offset'): the vendor's `repack_weight_quant` hook's result (the cpu
     vendor: qweight k_interleaved uint8 [ceil(N/64), K/g, B] on a CPU with AVX-512 VNNI and
-    AMX-INT8, else column_tiled int32 [ceil(N/128), K, 16], and float32 scales as float16 when every one of them
+    AMX-INT8, or VNNI and AVX512-BF16 for bfloat16 scales (a bfloat16 model), else column_tiled
+    int32 [ceil(N/128), K, 16], and float32 scales as float16 when every one of them
     is a float16 value, so the same numbers in half the bytes), or the arguments
     themselves when the vendor has none or qweight is repacked already. A hook may change the
     scales' dtype only to float16, and only without changing a value (checked here).

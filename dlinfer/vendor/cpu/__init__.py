@@ -9,7 +9,8 @@ and `silu_and_mul`, each one call instead of several torch ops, the W8A8 family 
 `linear_w8a8` with an AVX-512 VNNI int8 kernel, the fused norm + quantisation ops,
 `fused_moe_w8a8`), W4A16 `weight_quant_matmul` (on the layout its load-time `repack_weight_quant`
 hook makes: k_interleaved, exact integer dot products on AVX-512 VNNI and AMX, where the CPU has
-both; column_tiled, 4-bit weights decoded to float32 in registers, elsewhere), flash-style
+both, or for a bfloat16 model on VNNI and AVX512-BF16 the nibbles as bfloat16 integers against x
+with vdpbf16ps; column_tiled, 4-bit weights decoded to float32 in registers, elsewhere), flash-style
 `prefill_attention` and `paged_prefill_attention` (the paged cache read in place) and the int8 KV
 cache (read in the decode and paged prefill kernels). The float MoE ops, `linear_w8a8_static` and
 `apply_rotary_pos_emb_interleaved` are the torch vendor's implementations, named as such in the
@@ -54,6 +55,8 @@ NOTES = {
     "weight_quant_matmul": "C++, two kernels by the load-time layout: k_interleaved (CPUs with VNNI and AMX): "
                            "exact int32 dot products of the nibbles with each group's activations as 31-bit "
                            "fixed point, VNNI at one row, AMX tiles beyond, one fp32 epilogue per group; "
+                           "(bfloat16 models on VNNI + AVX512-BF16 without AMX): exact products q - z times x "
+                           "by vdpbf16ps, fp32 sums, one decode per 4 rows; "
                            "column_tiled: dequantised in registers per 128-column tile, 8 rows per decode, fp32 "
                            "accumulation per group (beyond 4096 rows: float32 blocks dequantised in C++, then BLAS)",
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "

@@ -126,9 +126,10 @@ def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> 
     with AVX-512 VNNI, K % 8 == 0, g % 8 == 0 and g <= KI_MAX_GROUP (else column_tiled). auto picks
     it where the CPU also has AMX-INT8 and g fits its tiles (`amx_fits`): the integer kernel is
     faster there at one row (VNNI) and level or faster from two rows on (AMX); or, without AMX, for a
-    bfloat16 model on a CPU with AVX512-BF16 (`BF16_DOT`): the kernel's bfloat16 path is faster than
-    column_tiled at every M measured, 1.1-1.7x (docs/benchmarks.md). Elsewhere column_tiled: with
-    VNNI alone, float32 or float16 activations take the digit path, slower from two rows on."""
+    bfloat16 model on a CPU with AVX512-BF16 (`BF16_DOT`): the kernel's bfloat16 path is level
+    with column_tiled at one row, ~1.6x faster at four and eight, 1.4-1.6x at prefill sizes
+    (docs/benchmarks.md). Elsewhere column_tiled: with VNNI alone, float32 or float16 activations
+    take the digit path, slower from two rows on."""
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")

@@ -275,7 +275,7 @@ def test_huge_activations_do_not_overflow_before_the_result(path):
 # ---- path 3: bfloat16 activations on AVX512-BF16 (vdpbf16ps, float32 sums)
 
 PATH3_SHAPES = [(2, 64, 200, 8), (3, 96, 136, 32), (4, 2048, 256, 128), (5, 128, 8, 16), (6, 96, 64, 48),
-                (8, 1536, 576, 128), (17, 192, 584, 64)]
+                (8, 1536, 576, 128), (17, 192, 584, 64), (3, 256, 200, 256)]
 
 
 @pytest.mark.parametrize("m,k,n,group", PATH3_SHAPES)
@@ -313,6 +313,38 @@ def test_path3_error_within_its_bound(m, k, n, group):
     assert ((out - exact).abs() <= bound).all(), f"worst {((out - exact).abs() / bound).max():.2f} of the bound"
     digits = _kernel(x, packed, scale, offset, group, PORTABLE).double()
     assert (out == digits).double().mean() >= 0.9
+
+
+def test_path3_float32_block_scales():
+    """Scales no float16 holds (below its normal range) stay float32 in the blocks: the same
+    bound, through the kernel's float32-scale instance."""
+    m, k, n, group = 4, 256, 136, 64
+    g = torch.Generator().manual_seed(8)
+    qweight, scale, offset, _ = weights(W4Case("p3 f32 scales", (m,), k, n, group, True), torch.bfloat16, g)
+    scale = scale * 1e-6
+    packed = k_interleave(qweight, scale, offset, group)
+    assert w4_layouts.ki_block_format(packed.shape[2]) == (group, 4)  # float32 scales in the blocks
+    x = torch.randn(m, k, generator=g).bfloat16()
+    out = _kernel(x, packed, scale, offset, group, BF16).double()
+    exact, wabs = _exact(x, qweight, scale, offset, group)
+    sums = (group + k // group + 2) * 2.0**-24 * (x.abs().double() @ wabs.reshape(k, n))
+    assert ((out - exact).abs() <= 2.0**-8 * (exact.abs() + sums) + sums).all()
+
+
+def test_path3_flushes_subnormal_activations_and_overflows_past_float32():
+    """The documented limits of its float32 sums (vdpbf16ps): subnormal x counts as zero, so such
+    a row gives the bias exactly; x so large that a group's sum passes float32's range gives a
+    non-finite row, never a wrong finite one (the digit paths give the finite result there)."""
+    k = n = 64
+    qweight, offset = awq_pack(torch.full((k, n), 15)), awq_pack(torch.zeros(1, n, dtype=torch.int64))
+    scale = torch.full((1, n), 1e-3).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    packed = k_interleave(qweight, scale, offset, 64)
+    x = torch.full((2, k), 1e-39).bfloat16()  # subnormal in bfloat16 as in float32
+    x[1] = 3e37
+    out = _kernel(x, packed, scale, offset, 64, BF16, bias)
+    assert torch.equal(out[0], bias)
+    assert not torch.isfinite(out[1]).any()
 
 
 def test_path3_zero_weights_give_exact_zeros_and_the_bias():

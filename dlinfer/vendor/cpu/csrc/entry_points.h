@@ -82,8 +82,9 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight, const at::Tensor& scal
                                const std::optional<at::Tensor>& offset, int64_t group_size, int64_t t0, int64_t t1);
 at::Tensor w4_column_tiled(const at::Tensor& qweight);
 
-// quant_w4_int.cpp: W4A16 as integer dot products on the k_interleaved layout (path: -1 the best
-// this CPU runs, 0 portable, 1 VNNI, 2 AMX; the same bits on every path).
+// quant_w4_int.cpp: W4A16 on the k_interleaved layout (path: -1 the best this CPU runs; the digit
+// paths 0 portable, 1 VNNI, 2 AMX, exact integer dot products with the same bits; 3 bfloat16 x on
+// AVX512-BF16, float32 sums).
 at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
                             int64_t group_size);
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,

@@ -1,6 +1,7 @@
 // W4A16 (weight_quant_matmul) as exact integer dot products: the k_interleaved layout and its
 // kernel, the cpu vendor's path on CPUs with AVX-512 VNNI (vpdpbusd, one row) and AMX-INT8
-// (tdpbssd, more rows), with a portable loop elsewhere. Layout: dlinfer/vendor/w4_layouts.py;
+// (tdpbssd, more rows), with a portable loop elsewhere, and for bfloat16 x on CPUs with
+// AVX512-BF16 and no AMX a path of float32 sums (path 3, below the AMX one). Layout: dlinfer/vendor/w4_layouts.py;
 // contract: docs/ops.md (the table's weight_quant_matmul row); design: docs/design.md, "W4A16 as integer dot
 // products".
 //
@@ -8,7 +9,8 @@
 // instructions per 16 weights. Here, at one row, 128 weights take 3 decode instructions and 8
 // vpdpbusd; from two rows on, AMX takes 4 rows x 4 digit planes a tile instruction (vpdpbusd
 // alone would be slower there than the float32 kernel, which shares each decode among 8 rows; so
-// the cpu vendor makes this layout by default only with AMX: weight_quant.py, docs/benchmarks.md).
+// without AMX the cpu vendor makes this layout by default only for bfloat16 models, which take
+// path 3: weight_quant.py, docs/benchmarks.md).
 //
 // Arithmetic, per row m and group G of g rows of k (g % 8 == 0):
 //   e = the exponent of max_{k in G} |x[m, k]| (frexp: max < 2^e); every x[m, k] of the group is
@@ -23,8 +25,9 @@
 //   float(D23)) (at most three roundings), then y = fma(f, 2^(e - 30) * s, y) (the product with a
 //   power of two is exact barring underflow below 2^-126, so one rounding), groups in order. f
 //   stays below 2^45, and the fma rounds once, so nothing overflows before y itself would.
-// Every path (portable, VNNI, AMX) computes the same exact integers and then exactly this epilogue,
-// so they give the same bits; a row's bits do not depend on M or on which path ran, and the split
+// The digit paths (portable, VNNI, AMX) compute the same exact integers and then exactly this
+// epilogue, so they give the same bits; a row's bits do not depend on M or on which of them ran
+// (path 3 has its own bits, also independent of M), and the split
 // of a tile's groups into two halves depends on N, K and g only (as in quant_w4.cpp).
 // Non-finite x: the group's factor is NaN, so the row's outputs are NaN (an inf in x gives NaN,
 // where a float32 sum gives +-inf or NaN).
@@ -39,7 +42,6 @@
 #include <unistd.h>
 #endif
 
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -60,6 +62,11 @@ constexpr int64_t kMaxGroup = 1024; // D01 stays inside int32 (see above)
 // parameters inside the stream, 4 KB stayed best at the 1B shapes (2 KB: step 0.74 of the probe,
 // 1 KB: 0.64, 4 KB: 0.80).
 constexpr int64_t kPrefetchBytes = 4096;
+
+// The line `bytes` past p, or `last` where that would pass it (the prefetches' target).
+inline const char* ahead(const uint8_t* p, int64_t bytes, const uint8_t* last) {
+  return reinterpret_cast<const char*>(last - p > bytes ? p + bytes : last);
+}
 
 inline int64_t num_tiles(int64_t n) { return (n + kCols - 1) / kCols; }
 
@@ -293,7 +300,7 @@ kVnniTarget void tile_row_vnni(const Problem<S>& p, int64_t t, int64_t m, int64_
       const uint8_t* line = lines + b * kVecs * kLineBytes;
       const int64_t kb = gi * per + b;
       for (int v = 0; v < kVecs; ++v)  // the stream kPrefetchBytes on (past the tensor's end: its last line)
-        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + v * kLineBytes, end)), _MM_HINT_T1);
+        _mm_prefetch(ahead(line, kPrefetchBytes + v * kLineBytes, end), _MM_HINT_T1);
       __m512i lo[kVecs], hi[kVecs];
       for (int v = 0; v < kVecs; ++v) {
         const __m512i bytes = _mm512_loadu_si512(line + v * kLineBytes);
@@ -378,7 +385,7 @@ kAmxTarget inline void amx_unpack(const Layout& w, int64_t t, int64_t k0, int64_
     const uint8_t* line = first + (kb - k0 / kBlockK) * kVecs * kLineBytes;
     if (v == 0)
       for (int u = 0; u < kVecs; ++u)
-        _mm_prefetch(reinterpret_cast<const char*>(std::min(line + kPrefetchBytes + u * kLineBytes, end)), _MM_HINT_T1);
+        _mm_prefetch(ahead(line, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
     const __m512i bytes = _mm512_loadu_si512(line);
     uint8_t* row = b + (kb - k0 / kBlockK) * 2 * kLineBytes;
     _mm512_store_si512(row, _mm512_sub_epi8(_mm512_and_si512(bytes, low), zb));
@@ -446,32 +453,30 @@ kAmxTarget void tile_rows_amx(const Problem<S>& p, int64_t t, int64_t M, int64_t
 // subnormal inputs and results flushed to zero). One decode of 13 instructions serves up to 4
 // rows, and a 64-byte line costs a row 4 vdpbf16ps (32 products each) where the digit paths spend
 // 8 vpdpbusd: without AMX those are what bind from two rows on (docs/notes/w4a16-kernels.md).
-// Per row, group and 16-column vector the sums go into 4 accumulators (one per 32-word slice of a
-// line's two nibble planes, the same at every M), are added in a fixed order at the group's end
-// and y = fma(sum, s, y), groups in order: a row's bits depend neither on M nor on which rows
-// share its block. They are not the digit paths' bits: the float32 sums round (bound:
-// docs/design.md, "W4A16 as integer dot products"; tests/vendor/cpu/test_cpu_w4_k_interleaved.py).
+// Per row, group and 16-column vector the sums go into 2 accumulators (columns 4L, 4L + 1 and
+// 4L + 2, 4L + 3 of each 128-bit lane L, both nibble planes in turn: the same sequence at every
+// M), whose lane pairs are added at the group's end, then y = fma(sum, s, y), groups in order: a
+// row's bits depend neither on M nor on which rows share its block. They are not the digit paths'
+// bits: the float32 sums round, subnormal x and partial results are flushed to zero, and partial
+// sums past float32's range give inf or NaN where the digit paths may still be finite (|x| above
+// ~2^128 / (15 g)) (bound: docs/design.md, "W4A16 as integer dot products";
+// tests/vendor/cpu/test_cpu_w4_k_interleaved.py).
 #define kBf16Target __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,avx512bf16,fma")))
 
 bool bf16_dot_here() {
-  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  static const bool yes = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512dq");
   return yes;
 }
 
-// word i: the bfloat16 of i read as a signed 5-bit number (i - 32 from 16 on): q - z in [-15, 15].
-inline const uint16_t* bf16_of_nibble_differences() {
-  alignas(64) static const std::array<uint16_t, 32> table = [] {
-    std::array<uint16_t, 32> t{};
-    for (int i = 0; i < 32; ++i) {
-      const float f = static_cast<float>(i < 16 ? i : i - 32);
-      uint32_t bits;
-      std::memcpy(&bits, &f, sizeof(bits));
-      t[i] = static_cast<uint16_t>(bits >> 16);  // exact: at most 5 significant bits
-    }
-    return t;
-  }();
-  return table.data();
-}
+// word i: the bfloat16 bits of i read as a signed 5-bit number (i - 32 from 16 on), for q - z in
+// [-15, 15] (exact: at most 4 significant bits); the path-3 tests' random weights use every entry
+// but -16's.
+alignas(64) constexpr uint16_t kBf16OfNibbleDifference[32] = {
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,   // 0 .. 7
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,   // 8 .. 15
+    0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,   // -16 .. -9
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};  // -8 .. -1
 
 template <typename S>
 struct Bf16Problem {
@@ -480,7 +485,7 @@ struct Bf16Problem {
   inline const S* scales(int64_t t, int64_t gi) const { return reinterpret_cast<const S*>(w.block(t, gi)); }
 };
 
-// Rows m0..m0+MR-1 of tile t in group gi, vectors v0..v0+VB-1 (MR x VB x 4 accumulators: 16),
+// Rows m0..m0+MR-1 of tile t in group gi, vectors v0..v0+VB-1 (MR x VB x 2 accumulators, at most 16),
 // into out(m) + 16 v (y += the group's part; the first group stores it). Lanes past N are left
 // unwritten.
 template <int MR, int VB, typename S, typename Out>
@@ -488,7 +493,7 @@ kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int6
                                         Out out) {
   const int64_t g = p.w.g, per = g / kBlockK, K = p.w.K;
   const __m512i low = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
-  const __m512i table = _mm512_load_si512(bf16_of_nibble_differences());
+  const __m512i table = _mm512_load_si512(kBf16OfNibbleDifference);
   const uint8_t* const end = p.w.end() - kLineBytes;
   const uint8_t* const lines = p.w.block(t, gi) + p.w.param_bytes;
   __m512i zb[VB];  // each lane's zero point in its 4 bytes
@@ -501,8 +506,7 @@ kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int6
     const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
     if (v0 == 0 && m0 == 0)  // the whole stream kPrefetchBytes on, as tile_row_vnni (past the tensor's end: its last line)
       for (int u = 0; u < kVecs; ++u)
-        _mm_prefetch(reinterpret_cast<const char*>(std::min(row_of_lines + kPrefetchBytes + u * kLineBytes, end)),
-                     _MM_HINT_T1);
+        _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
     const uint16_t* const xk = p.x + m0 * K + kBlockK * (gi * per + b);
     for (int u = 0; u < VB; ++u) {
       const __m512i bytes = _mm512_loadu_si512(row_of_lines + (v0 + u) * kLineBytes);
@@ -542,7 +546,7 @@ kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int6
 
 // Rows 0..M-1 of tile t over groups g0..g1, group by group (the group's lines stay in L1 while
 // every row block reads them): blocks of 4 rows (one 16-column vector at a time), then 3, then 2
-// (two vectors at a time) or 1 (all four): 16 accumulators each way.
+// (two vectors at a time) or 1 (all four): 16, 12, 16 or 8 accumulators.
 template <typename S, typename Out>
 kBf16Target void tile_bf16(const Bf16Problem<S>& p, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
   for (int64_t gi = g0; gi < g1; ++gi)
@@ -699,20 +703,22 @@ at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale_i
   return out;
 }
 
+namespace {
+int64_t best_path(bool bf16_x, int64_t M, int64_t group_size) {
+  // bfloat16 x on a CPU without AMX: path 3 at every M (docs/benchmarks.md; weight_quant.py's
+  // layout_for makes the layout by the same rule); with AMX: one row on VNNI (measured faster than
+  // a tile instruction's 4-row A at M = 1), more on AMX where the group fits its tiles
+  if (bf16_x && !w4v::amx_here() && w4v::bf16_dot_here()) return w4v::kBf16;
+  if (w4v::amx_here() && w4v::amx_chunk(group_size) > 0) return M == 1 ? w4v::kVnni : w4v::kAmx;
+  return w4v::vnni_here() ? w4v::kVnni : w4v::kPortable;
+}
+}  // namespace
+
 // x [M, K], qweight k_interleaved [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16),
 // offset?, bias? -> [M, N] in x's dtype. The kernel reads the scales and zero points the blocks
 // hold (the hook made them from these scale and offset, which are checked for shape only). path: -1
 // the best this CPU runs (`best_path`), or 0 portable, 1 VNNI, 2 AMX (the same bits), 3 bfloat16
 // x on AVX512-BF16 (its own bits); an error where the path cannot run.
-int64_t best_path(bool bf16_x, int64_t M, int64_t group_size) {
-  const bool amx = w4v::amx_here() && w4v::amx_chunk(group_size) > 0;
-  // bfloat16 x without AMX: path 3 at every M (docs/benchmarks.md); with AMX: one row on VNNI
-  // (measured faster than a tile instruction's 4-row A at M = 1), more on AMX
-  if (bf16_x && !amx && w4v::bf16_dot_here()) return w4v::kBf16;
-  if (amx) return M == 1 ? w4v::kVnni : w4v::kAmx;
-  return w4v::vnni_here() ? w4v::kVnni : w4v::kPortable;
-}
-
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_in,
                                    const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path) {
