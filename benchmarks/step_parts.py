@@ -40,6 +40,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -105,10 +106,11 @@ def _timed_graph_ops(totals: Counter, calls: Counter) -> list:
 
 
 def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = False, ops: bool = False,
-            model: str = "") -> dict:
+            model: str = "", quant: Optional[dict] = None) -> dict:
     """{part: [ms of every decode step]} over `repeats` generations of `tokens` new tokens; with
     `functions`, also "functions": {FUNCTIONS name: mean us per decode step}; with `ops`, also
-    "ops": {op: [mean us per decode step, calls per decode step]} (graph sides)."""
+    "ops": {op: [mean us per decode step, calls per decode step]} (graph sides). quant: the W4A16
+    sides' {"group_size", "w4_method"} (e2e_sides.make_side's defaults without it)."""
     import lmdeploy.pytorch.engine.model_agent.agent as agent
     from e2e_cpu import chat_prompts
     from e2e_sides import make_side
@@ -117,7 +119,7 @@ def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = 
     folder = Path(model) if model else build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
     op_totals, op_calls = Counter(), Counter()
     undo_ops = _timed_graph_ops(op_totals, op_calls) if ops else []
-    run, owner = make_side(side, folder, chat_prompts(folder))
+    run, owner = make_side(side, folder, chat_prompts(folder), quant or {})
     run(batch, 4)  # warm
     op_totals.clear()  # what compiling and warming called
     op_calls.clear()
@@ -175,11 +177,16 @@ def main(argv=None) -> int:
     parser.add_argument("--functions", action="store_true", help="also time FUNCTIONS (us per decode step)")
     parser.add_argument("--model", default="", help="an HF folder (default: SmolLM2-135M-Instruct, built if missing)")
     parser.add_argument("--ops", action="store_true", help="also time each graph op (us per decode step)")
+    parser.add_argument("--w4-method", default="awq", choices=("awq", "rtn"),
+                        help="how the W4A16 sides' checkpoint is made (as e2e_cpu.py; awq: minutes, once)")
+    parser.add_argument("--group-size", type=int, default=64, help="the W4A16 group size (default 64)")
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "BATCH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         side, batch, tokens = args.worker[0], int(args.worker[1]), int(args.worker[2])
-        print(json.dumps(measure(side, batch, tokens, args.repeats, args.functions, args.ops, args.model)), flush=True)
+        quant = {"group_size": args.group_size, "w4_method": args.w4_method}
+        print(json.dumps(measure(side, batch, tokens, args.repeats, args.functions, args.ops, args.model, quant)),
+              flush=True)
         return 0
     print("| side | batch | " + " | ".join(f"{p}: min / median ms" for p in PARTS) + " |")
     print("|---|---|" + "---|" * len(PARTS))
@@ -188,8 +195,9 @@ def main(argv=None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             done = subprocess.run([sys.executable, __file__, "--worker", side, str(batch), str(args.tokens),
                                    "--repeats", str(args.repeats)] + (["--functions"] if args.functions else [])
-                                  + (["--ops"] if args.ops else []) + (["--model", args.model] if args.model else []),
-                                  capture_output=True, text=True, check=True)
+                                  + (["--ops"] if args.ops else []) + (["--model", args.model] if args.model else [])
+                                  + ["--w4-method", args.w4_method, "--group-size", str(args.group_size)],
+                                  stdout=subprocess.PIPE, text=True, check=True)  # stderr: the worker's progress
             parts = json.loads(done.stdout.strip().splitlines()[-1])
             cells = [f"{min(parts[p]):.2f} / {statistics.median(parts[p]):.2f}" for p in PARTS]
             print(f"| {side} | {batch} | " + " | ".join(cells) + " |", flush=True)
