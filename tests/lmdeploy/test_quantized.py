@@ -99,3 +99,29 @@ def test_awq_at_tp2_matches_fake_quant_hf():
     with cpu_pipeline(folder, tp=2, enable_prefix_caching=False) as pipe:
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     assert_matches_hf(results, _reference(folder), NEW_TOKENS)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graph"])
+def test_a_bfloat16_w4a16_engine_gives_the_float32_kernels_tokens(eager, monkeypatch):
+    """A W4A16 engine in bfloat16: the hook's layout (on a CPU with AVX512-BF16 and no AMX,
+    k_interleaved, whose kernel takes the bfloat16 path: float32 sums of exact products) gives the
+    same greedy tokens as the same engine on column_tiled (the float32 kernel), eager and compiled;
+    weight_quant_matmul saw bfloat16 activations on the weights the hook chose."""
+    from dlinfer.vendor.cpu import weight_quant as cpu_w4
+
+    folder = _quantized("llama", "rtn")
+    seen = []
+    op = dlinfer.ops.weight_quant_matmul
+    monkeypatch.setattr(dlinfer.ops, "weight_quant_matmul",
+                        lambda *a, **k: seen.append((a[0].dtype, a[1].dtype)) or op(*a, **k))
+    tokens = {}
+    for layout in ("auto", "column_tiled"):
+        monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", layout)
+        seen.clear()
+        with cpu_pipeline(folder, dtype="bfloat16", eager_mode=eager, max_batch_size=4,
+                          enable_prefix_caching=False) as pipe:
+            tokens[layout] = [r.token_ids for r in greedy_generate(pipe, PROMPTS, NEW_TOKENS)]
+        ki = layout == "auto" and cpu_w4.VNNI and (cpu_w4.AMX or cpu_w4.BF16_DOT)
+        if eager:  # a compiled step calls the vendor through the graph, not dlinfer.ops
+            assert set(seen) == {(torch.bfloat16, torch.uint8 if ki else torch.int32)}, set(seen)
+    assert tokens["auto"] == tokens["column_tiled"]
