@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 from smollm2 import build_smollm2  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-from e2e_sides import SIDES, make_side  # noqa: E402
+from e2e_sides import SIDES, add_w4_arguments, make_side  # noqa: E402
 
 from dlinfer.tools import decode_timing  # noqa: E402  (the method, shared with python -m dlinfer bench)
 
@@ -519,9 +519,7 @@ def main(argv=None) -> int:
                              "benchmarks/llama_bench.py)")
     parser.add_argument("--llama-cpp-dir", default=None, help="the llama.cpp tree for --llama-bench "
                                                               "(default $LLAMA_CPP_DIR)")
-    parser.add_argument("--w4-method", default="awq", choices=("awq", "rtn"),
-                        help="how the W4A16 sides' checkpoint is quantised (default awq; rtn is quicker on big models)")
-    parser.add_argument("--group-size", type=int, default=64, help="the W4A16 group size (default 64)")
+    add_w4_arguments(parser)
     parser.add_argument("--max-wait-idle", type=float, default=600,
                         help="seconds to wait for other processes to leave the CPUs before measuring")
     parser.add_argument("--ttft", action="store_true",

@@ -56,6 +56,15 @@ def all_sides() -> dict[str, str]:
 SIDES = all_sides()
 
 
+def add_w4_arguments(parser) -> None:
+    """--w4-method and --group-size: how the W4A16 sides' checkpoint is made (`quantized_folder`),
+    for every script that runs these sides."""
+    parser.add_argument("--w4-method", default="awq", choices=("awq", "rtn"),
+                        help="how the W4A16 sides' checkpoint is quantised (default awq, minutes the first time; "
+                             "rtn is quicker on big models)")
+    parser.add_argument("--group-size", type=int, default=64, help="the W4A16 group size (default 64)")
+
+
 def quantized_folder(folder: Path, method: str, log=print, group_size: int = 64, w4_method: str = "awq") -> Path:
     """The `python -m dlinfer quantize` checkpoint of `folder` (method smooth_quant, or the W4A16
     one: `w4_method` awq or rtn at `group_size`), made once and cached beside it. SmolLM2's default

@@ -169,6 +169,8 @@ def measure(side: str, batch: int, tokens: int, repeats: int, functions: bool = 
 
 
 def main(argv=None) -> int:
+    from e2e_sides import add_w4_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sides", default="eager,graph", help="sides of benchmarks/e2e_sides.py (LMDeploy ones)")
     parser.add_argument("--batches", default="1,8")
@@ -177,9 +179,7 @@ def main(argv=None) -> int:
     parser.add_argument("--functions", action="store_true", help="also time FUNCTIONS (us per decode step)")
     parser.add_argument("--model", default="", help="an HF folder (default: SmolLM2-135M-Instruct, built if missing)")
     parser.add_argument("--ops", action="store_true", help="also time each graph op (us per decode step)")
-    parser.add_argument("--w4-method", default="awq", choices=("awq", "rtn"),
-                        help="how the W4A16 sides' checkpoint is made (as e2e_cpu.py; awq: minutes, once)")
-    parser.add_argument("--group-size", type=int, default=64, help="the W4A16 group size (default 64)")
+    add_w4_arguments(parser)
     parser.add_argument("--worker", nargs=3, metavar=("SIDE", "BATCH", "TOKENS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -8,7 +8,8 @@ weight once per call and never storing it as floats:
   (docs/design.md, "W4A16 as integer dot products"); bfloat16 activations on a CPU with
   AVX512-BF16 and no AMX: the 4-bit weight as bfloat16 integers against x with vdpbf16ps (float32
   sums; its own bits, the same at every M). `repack_weight_quant` gives this layout on
-  CPUs with VNNI and AMX-INT8 (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
+  CPUs with VNNI and AMX-INT8, and for bfloat16 models on CPUs with VNNI and AVX512-BF16
+  (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
   a decode step's 120 GEMVs 1.19x faster than column_tiled's at one row, 0.96-1.8x per call from 2
   to 512 rows, and closer to the exact result.
 - canonical and column_tiled (`w4_matmul`, csrc/quant_w4.cpp): float32 FMAs on the weight

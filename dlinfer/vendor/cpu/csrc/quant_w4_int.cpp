@@ -82,6 +82,11 @@ struct Layout {
   int64_t block_bytes;
   inline const uint8_t* block(int64_t t, int64_t gi) const { return q + (t * G + gi) * block_bytes; }
   inline const uint8_t* zeros(int64_t t, int64_t gi) const { return block(t, gi) + kCols * scale_bytes; }
+  // S: the scales' type inside the blocks (at::Half or float)
+  template <typename S>
+  inline const S* scales(int64_t t, int64_t gi) const { return reinterpret_cast<const S*>(block(t, gi)); }
+  // tile t's 16-column vectors with a column inside N
+  inline int vectors(int64_t t) const { return static_cast<int>(std::min<int64_t>(kVecs, (N - kCols * t + 15) / 16)); }
   // line v of rows 8 kb .. 8 kb + 7 (kb counted over the whole K)
   inline const uint8_t* line(int64_t t, int64_t kb, int v) const {
     const int64_t per = g / kBlockK, gi = kb / per;
@@ -210,7 +215,6 @@ template <typename S>
 struct Problem {
   Layout w;
   const Digits* a;
-  inline const S* scales(int64_t t, int64_t gi) const { return reinterpret_cast<const S*>(w.block(t, gi)); }
 };
 
 // The group epilogue of one 16-column vector (portable and vector paths alike, lane by lane):
@@ -240,7 +244,7 @@ void tile_row_portable(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, in
           }
       }
       const uint8_t* z = p.w.zeros(t, gi) + 16 * v;
-      const S* s = p.scales(t, gi) + 16 * v;
+      const S* s = p.w.template scales<S>(t, gi) + 16 * v;
       const GroupSplit& gs = p.a->group(m, gi);
       for (int l = 0; l < 16; ++l)
         y[l] = epilogue_lane(acc[0][l], acc[1][l], acc[2][l], acc[3][l], z[l], gs.s01, gs.s23, gs.factor,
@@ -254,14 +258,19 @@ void tile_row_portable(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, in
 #define kVnniTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma")))
 
 // Vector v's 16 scales of a group as float32 (zero past N, as the block holds them).
-template <typename P>
-kVnniTarget inline __m512 scales_vec(const P& p, int64_t t, int64_t gi, int v) {
-  return w4::scales16(p.scales(t, gi), 16 * v, static_cast<int>(kCols));
+template <typename S>
+kVnniTarget inline __m512 scales_vec(const Layout& w, int64_t t, int64_t gi, int v) {
+  return w4::scales16(w.scales<S>(t, gi), 16 * v, static_cast<int>(kCols));
 }
 
 // Vector v's 16 zero points of a group, int32 (0 past N, as the block holds them).
 kVnniTarget inline __m512i zero_vec(const Layout& w, int64_t t, int64_t gi, int v) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + 16 * v)));
+}
+
+// The same, each lane's zero point in all 4 of its bytes (subtracted from the weight bytes).
+kVnniTarget inline __m512i zero_bytes(const Layout& w, int64_t t, int64_t gi, int v) {
+  return _mm512_mullo_epi32(zero_vec(w, t, gi, v), _mm512_set1_epi32(0x01010101));
 }
 
 // Four digit bytes as one 32-bit lane (vpdpbusd's activation operand).
@@ -318,11 +327,11 @@ kVnniTarget void tile_row_vnni(const Problem<S>& p, int64_t t, int64_t m, int64_
     }
     const GroupSplit& gs = p.a->group(m, gi);
     for (int v = 0; v < kVecs; ++v) {
-      if (kCols * t + 16 * v >= p.w.N) break;
+      if (v >= p.w.vectors(t)) break;
       const __m512i z = zero_vec(p.w, t, gi, v);  // the zero point, subtracted in int32
       const __m512i a1 = _mm512_sub_epi32(acc[1][v], _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s01)));
       const __m512i a3 = _mm512_sub_epi32(acc[3][v], _mm512_mullo_epi32(z, _mm512_set1_epi32(gs.s23)));
-      y[v] = epilogue_vec(scales_vec(p, t, gi, v), gs.factor, acc[0][v], a1, acc[2][v], a3, y[v]);
+      y[v] = epilogue_vec(scales_vec<S>(p.w, t, gi, v), gs.factor, acc[0][v], a1, acc[2][v], a3, y[v]);
     }
   }
   for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(lanes + 16 * v, y[v]);
@@ -402,14 +411,13 @@ kAmxTarget void tile_rows_amx(const Problem<S>& p, int64_t t, int64_t M, int64_t
   alignas(64) int32_t c[kVecs][16][16];
   const uint8_t* const end = p.w.end() - kLineBytes;
   amx_configure(static_cast<int>(std::min<int64_t>(4, M)), kc);  // 4 rows a block (the digits are padded)
-  const int vecs = static_cast<int>(std::min<int64_t>(kVecs, (p.w.N - kCols * t + 15) / 16));  // vectors inside N
+  const int vecs = p.w.vectors(t);
   for (int64_t gi = g0; gi < g1; ++gi) {
     __m512 sc[kVecs];  // the group's scales, shared by the rows
     for (int v = 0; v < kVecs; ++v) {
-      const __m512i z = zero_vec(p.w, t, gi, v);  // 0 past N, as the weight's zero padding there
-      const __m512i zb = _mm512_mullo_epi32(z, _mm512_set1_epi32(0x01010101));
+      const __m512i zb = zero_bytes(p.w, t, gi, v);  // 0 past N, as the weight's zero padding there
       for (int64_t ch = 0; ch < chunks; ++ch) amx_unpack(p.w, t, gi * g + ch * kc, kc, v, zb, b[ch][v], end);
-      if (v < vecs) sc[v] = scales_vec(p, t, gi, v);
+      if (v < vecs) sc[v] = scales_vec<S>(p.w, t, gi, v);
     }
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));  // rows of the block to keep
@@ -478,18 +486,16 @@ alignas(64) constexpr uint16_t kBf16OfNibbleDifference[32] = {
     0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,   // -16 .. -9
     0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};  // -8 .. -1
 
-template <typename S>
 struct Bf16Problem {
   Layout w;
   const uint16_t* x;  // [M, K] bfloat16 bits, rows K apart
-  inline const S* scales(int64_t t, int64_t gi) const { return reinterpret_cast<const S*>(w.block(t, gi)); }
 };
 
 // Rows m0..m0+MR-1 of tile t in group gi, vectors v0..v0+VB-1 (MR x VB x 2 accumulators, at most 16),
 // into out(m) + 16 v (y += the group's part; the first group stores it). Lanes past N are left
 // unwritten.
 template <int MR, int VB, typename S, typename Out>
-kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int64_t m0, int v0, int64_t gi, bool first,
+kBf16Target inline void group_rows_bf16(const Bf16Problem& p, int64_t t, int64_t m0, int v0, int64_t gi, bool first,
                                         Out out) {
   const int64_t g = p.w.g, per = g / kBlockK, K = p.w.K;
   const __m512i low = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
@@ -497,7 +503,7 @@ kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int6
   const uint8_t* const end = p.w.end() - kLineBytes;
   const uint8_t* const lines = p.w.block(t, gi) + p.w.param_bytes;
   __m512i zb[VB];  // each lane's zero point in its 4 bytes
-  for (int u = 0; u < VB; ++u) zb[u] = _mm512_mullo_epi32(zero_vec(p.w, t, gi, v0 + u), _mm512_set1_epi32(0x01010101));
+  for (int u = 0; u < VB; ++u) zb[u] = zero_bytes(p.w, t, gi, v0 + u);
   __m512 acc[MR][VB][2];
   for (int r = 0; r < MR; ++r)
     for (int u = 0; u < VB; ++u)
@@ -529,11 +535,10 @@ kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int6
       }
     }
   }
-  const int vecs = static_cast<int>(std::min<int64_t>(kVecs, (p.w.N - kCols * t + 15) / 16));  // vectors inside N
   for (int u = 0; u < VB; ++u) {
     const int v = v0 + u;
-    if (v >= vecs) break;
-    const __m512 s = scales_vec(p, t, gi, v);
+    if (v >= p.w.vectors(t)) break;
+    const __m512 s = scales_vec<S>(p.w, t, gi, v);
     for (int r = 0; r < MR; ++r) {
       // lane pairs: (column, rows k, k+1) and (column, rows k+2, k+3); columns 4L, 4L+1 | 4L+2, 4L+3
       const __m512 a = acc[r][u][0], c = acc[r][u][1];
@@ -548,21 +553,21 @@ kBf16Target inline void group_rows_bf16(const Bf16Problem<S>& p, int64_t t, int6
 // every row block reads them): blocks of 4 rows (one 16-column vector at a time), then 3, then 2
 // (two vectors at a time) or 1 (all four): 16, 12, 16 or 8 accumulators.
 template <typename S, typename Out>
-kBf16Target void tile_bf16(const Bf16Problem<S>& p, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+kBf16Target void tile_bf16(const Bf16Problem& p, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
   for (int64_t gi = g0; gi < g1; ++gi)
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       switch (std::min<int64_t>(4, M - m0)) {
         case 4:
-          for (int v = 0; v < kVecs; v += 2) group_rows_bf16<4, 2>(p, t, m0, v, gi, gi == g0, out);
+          for (int v = 0; v < kVecs; v += 2) group_rows_bf16<4, 2, S>(p, t, m0, v, gi, gi == g0, out);
           break;
         case 3:
-          for (int v = 0; v < kVecs; v += 2) group_rows_bf16<3, 2>(p, t, m0, v, gi, gi == g0, out);
+          for (int v = 0; v < kVecs; v += 2) group_rows_bf16<3, 2, S>(p, t, m0, v, gi, gi == g0, out);
           break;
         case 2:
-          group_rows_bf16<2, 4>(p, t, m0, 0, gi, gi == g0, out);
+          group_rows_bf16<2, 4, S>(p, t, m0, 0, gi, gi == g0, out);
           break;
         default:
-          group_rows_bf16<1, 4>(p, t, m0, 0, gi, gi == g0, out);
+          group_rows_bf16<1, 4, S>(p, t, m0, 0, gi, gi == g0, out);
       }
     }
 }
@@ -641,8 +646,8 @@ void run_digits(const Layout& w, const Digits& digits, int64_t M, const float* b
 template <typename S>
 void run_bf16(const Layout& w, const uint16_t* x, int64_t M, const float* bias, float* y) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const Bf16Problem<S> p{w, x};
-  run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) { tile_bf16(p, t, M, g0, g1, row); });
+  const Bf16Problem p{w, x};
+  run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) { tile_bf16<S>(p, t, M, g0, g1, row); });
 #else
   (void)w, (void)x, (void)M, (void)bias, (void)y;
   TORCH_CHECK(false, "w4_matmul_k_interleaved: path 3 needs AVX-512");
@@ -754,27 +759,27 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
     const int64_t use = path != -1 ? path : best_path(bf16_x, M, group_size);
     const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N, group_size, K / group_size, sb, w4v::param_bytes_of(sb), B};
     const float* bias_ptr = bias.has_value() ? bf.data_ptr<float>() : nullptr;
-    if (use == w4v::kBf16) {
-      const at::Tensor xc = x.contiguous();
-      const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-      if (sb == 2) {
-        w4v::run_bf16<at::Half>(w, xb, M, bias_ptr, y.data());
+    const auto run_path = [&](auto scale_type) {  // S: the scales' type inside the blocks
+      using S = decltype(scale_type);
+      if (use == w4v::kBf16) {
+        const at::Tensor xc = x.contiguous();
+        const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+        w4v::run_bf16<S>(w, xb, M, bias_ptr, y.data());
+        // as the digit paths: a row with an infinity or a NaN gives NaN everywhere
+        for (int64_t m = 0; m < M; ++m)
+          if (w4v::non_finite_bf16(xb + m * K, K))
+            std::fill(y.data() + m * N, y.data() + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
       } else {
-        w4v::run_bf16<float>(w, xb, M, bias_ptr, y.data());
+        std::unique_ptr<float[]> x_own;
+        at::Tensor x_keep;
+        const float* xf = w4::float_rows(x, x_own, x_keep);
+        w4v::run_digits<S>(w, w4v::split_activations(xf, M, K, group_size), M, bias_ptr, y.data(), use);
       }
-      // as the digit paths: a row with an infinity or a NaN gives NaN everywhere
-      for (int64_t m = 0; m < M; ++m)
-        if (w4v::non_finite_bf16(xb + m * K, K)) std::fill(y.data() + m * N, y.data() + (m + 1) * N, std::numeric_limits<float>::quiet_NaN());
+    };
+    if (sb == 2) {
+      run_path(at::Half{});
     } else {
-      std::unique_ptr<float[]> x_own;
-      at::Tensor x_keep;
-      const float* xf = w4::float_rows(x, x_own, x_keep);
-      const w4v::Digits digits = w4v::split_activations(xf, M, K, group_size);
-      if (sb == 2) {
-        w4v::run_digits<at::Half>(w, digits, M, bias_ptr, y.data(), use);
-      } else {
-        w4v::run_digits<float>(w, digits, M, bias_ptr, y.data(), use);
-      }
+      run_path(float{});
     }
   }
   return y.result();
