@@ -36,6 +36,7 @@ ENV_SUFFIXES = {
     "+4k-pages": ("DLINFER_HUGE_PAGES", "0", "weights on 4 KB pages"),
     "+ki": ("DLINFER_CPU_W4_LAYOUT", "k_interleaved", "W4 weights k_interleaved"),
     "+ct": ("DLINFER_CPU_W4_LAYOUT", "column_tiled", "W4 weights column_tiled"),
+    "+unbound": ("DLINFER_GRAPH_BIND", "0", "graph call sites on the op functions"),
 }
 
 

@@ -46,6 +46,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("DLINFER_GRAPH_COMPILER", "the vendor's compiler, else direct",
             "the compiler after the passes: direct, auto, inductor, eager", "graph/backend.py and "
             "framework/lmdeploy_ext/graph_mode/runner.py, at each compile"),
+    Setting("DLINFER_GRAPH_BIND", "1", "0: the direct compiler calls each op's vendor function instead of the "
+            "kernel the vendor's graph_bindings choose once per call site", "graph/backend.py, at each compile"),
     Setting("DLINFER_GRAPH_GUARDS", "warm", "warm: evaluate only the guards that tell buckets apart once warm; "
             "full: every guard, every step (and no replay)",
             "framework/lmdeploy_ext/graph_mode/runner.py, when a graph runner is built"),

@@ -44,6 +44,7 @@ log = logging.getLogger("dlinfer.graph")
 stats: collections.Counter = collections.Counter()
 
 _OPTION_KEYS = {"passes", "compiler", "inductor"}
+BIND_ENV = "DLINFER_GRAPH_BIND"  # "0": the direct compiler leaves every node on its op function
 
 
 def _device_type(example_inputs: Sequence[Any]) -> str:
@@ -70,16 +71,83 @@ def direct_compiler(gm: fx.GraphModule, example_inputs):
 
     No codegen and no dispatcher: a dlinfer node calls the function `dlinfer.vendor.resolve`
     gives for its op and device *now* (a later vendor switch does not reach this graph), with the
-    canonical arguments the node already holds. What remains per call is the graph's own Python
-    (views, casts) around the kernels: no model code, no argument checks, no torch.ops dispatch.
+    canonical arguments the node already holds, or what the vendor's `graph_bindings` make of that
+    function for the node's traced arguments (the kernel itself, chosen once: `_bound`). What
+    remains per call is the graph's own Python (views, casts) around the kernels: no model code, no
+    argument checks, no torch.ops dispatch.
     """
+    bind = envs.get(BIND_ENV) or "1"
+    if bind not in ("0", "1"):
+        raise ValueError(f"{BIND_ENV}={bind!r}: expected '1' (the default) or '0'")
     for node in match.dlinfer_nodes(gm.graph):
         op = match.dlinfer_op_name(node)
         tensors = [match.tval(a) for a in node.all_input_nodes]
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
-        node.target = selection.resolve(op, device.type)[0]
+        fn, vendor = selection.resolve(op, device.type)
+        node.target = (_bound(node, op, fn, vendor) if bind == "1" else None) or fn
+        if node.target is not fn:
+            stats[f"bound:{op}"] += 1
     gm.recompile()
     return forward_with_own_stack_chunk(gm)
+
+
+def _static(value) -> bool:
+    """Whether a traced value is the same on every call of the graph: a constant, or a tensor
+    whose sizes and strides are plain integers (no symbolic dimension)."""
+    if isinstance(value, torch.Tensor):
+        return all(isinstance(d, int) for d in (*value.shape, *value.stride()))
+    return not isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _bound(node: fx.Node, op: str, fn: Callable, vendor) -> Optional[Callable]:
+    """The vendor's call-site binding of `op` for this node (Vendor.graph_bindings), or None:
+    when the vendor has none, when `fn` is not the vendor's own function (an op tool's wrapper
+    sees every call), or when a tensor argument's sizes or strides are symbolic. Symbolic
+    integer arguments (a dynamic max_kv_seq_len) stay arguments, passed as they are."""
+    bind = vendor.graph_bindings.get(op)
+    if bind is None or fn is not vendor.ops.get(op):
+        return None
+    missing = object()
+
+    def example(a):
+        if isinstance(a, fx.Node):
+            v = match.val(a)
+            return missing if v is None else v
+        if isinstance(a, (list, tuple)):
+            return type(a)(example(x) for x in a)
+        return a
+
+    positional = _positional(node)
+    if positional is None:
+        return None
+    args = [example(a) for a in positional]
+    tensors = [v for v in args if isinstance(v, torch.Tensor)]
+    if any(v is missing for v in args) or not all(_static(t) for t in tensors):
+        return None
+    bound = bind(*args)
+    if bound is not None:
+        node.args, node.kwargs = tuple(positional), {}  # a bound kernel may take positional arguments only
+    return bound
+
+
+def _positional(node: fx.Node) -> Optional[list]:
+    """Every argument of the op call `node` in its schema's order, keyword arguments and defaults
+    filled in; None when the call does not fit the schema."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None if node.kwargs else list(node.args)
+    names = [a.name for a in schema.arguments]
+    if len(node.args) > len(names) or set(node.kwargs) - set(names[len(node.args):]):
+        return None
+    args = list(node.args)
+    for a in schema.arguments[len(args):]:
+        if a.name in node.kwargs:
+            args.append(node.kwargs[a.name])
+        elif a.has_default_value():
+            args.append(a.default_value)
+        else:
+            return None
+    return args
 
 
 # CPython (3.11 to 3.13) keeps frames on a per-thread data stack of 16 KB chunks; a frame that does

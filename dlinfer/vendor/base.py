@@ -65,6 +65,14 @@ class Vendor:
         fastest, in a layout the op accepts (dlinfer/vendor/w4_layouts.py). `dlinfer.ops.
         repack_weight_quant` calls it once per layer when the framework loads the weights; without
         it the canonical tensors are used as they are.
+    graph_bindings: optional op name -> `bind(*example_args, **example_kwargs) -> callable | None`,
+        for graph compilers that bind each call site once (the `direct` compiler). The examples are
+        the call site's arguments as traced (FakeTensors carrying the dtype, shape and strides the
+        graph's every call will have, constants as they are). `bind` returns a function with the
+        op's canonical signature that may skip the checks and choices those properties settle (a
+        dtype test, a contiguity copy, which kernel), or None to keep `ops[op]`. What it skips must
+        still be refused by the kernel it calls (a raise, never a misread): a replayed graph runs
+        without Dynamo's guards (docs/graph.md, "Call sites bound once").
     """
 
     name: str
@@ -74,6 +82,7 @@ class Vendor:
     capabilities: Capabilities = Capabilities()
     graph_compiler: Optional[Callable] = None
     repack_weight_quant: Optional[Callable] = None
+    graph_bindings: Mapping[str, Callable] = field(default_factory=dict)
 
     def __post_init__(self):
         bad = [layout for layout in self.kv_layouts if layout not in KV_LAYOUTS]
@@ -82,6 +91,9 @@ class Vendor:
         unknown = sorted(set(self.ops) - set(OP_NAMES))
         if unknown:
             raise ValueError(f"vendor {self.name!r}: unknown ops {unknown}; known: {OP_NAMES}")
+        unbound = sorted(set(self.graph_bindings) - set(self.ops))
+        if unbound:
+            raise ValueError(f"vendor {self.name!r}: graph_bindings for ops it does not implement: {unbound}")
 
     def supports(self, feature: str) -> bool:
         return feature in self.capabilities.features

@@ -172,5 +172,14 @@ def decode_inputs(kv_lens, hidden=64, head_dim=16, kv_heads=2, layers=2, block_s
     return x, cos, sin, caches, meta
 
 
+def swap_caches(t, old, new):
+    """The graph input `t`, with a cache of `old` (by identity) replaced by the one of `new`."""
+    for pair_old, pair_new in zip(old, new):
+        for a, b in zip(pair_old, pair_new):
+            if t is a:
+                return b
+    return t
+
+
 def clone_caches(caches):
     return [tuple(t.clone() for t in pair) for pair in caches]

@@ -12,7 +12,7 @@ import dlinfer.graph.backend as backend_mod
 from dlinfer.graph import dlinfer_backend, match
 from dlinfer.vendor import TOKEN_MAJOR, Vendor, registry, selection
 
-from .helpers import DlinferLlamaStack, assert_same, capture, clone_caches, decode_inputs, dl_counts
+from .helpers import DlinferLlamaStack, assert_same, capture, clone_caches, decode_inputs, dl_counts, swap_caches
 
 
 def test_registered_as_dynamo_backend():
@@ -77,11 +77,13 @@ def test_inductor_keeps_dlinfer_ops_opaque(stack):
     assert "clone" not in code.split("def call(")[1]  # caches mutated in place, never copied
 
 
-def test_direct_compiler_binds_vendor_kernels(stack):
-    """compiler="direct": no torch.ops.dlinfer call left, each node calls its vendor kernel."""
+def test_direct_compiler_binds_vendor_kernels(stack, monkeypatch):
+    """compiler="direct" (call-site bindings off: tests/graph/test_graph_bindings.py has them): no
+    torch.ops.dlinfer call left, each node calls its vendor kernel."""
     from dlinfer.graph.backend import direct_compiler
     from dlinfer.vendor import resolve
 
+    monkeypatch.setenv("DLINFER_GRAPH_BIND", "0")
     x, cos, sin, caches, meta = decode_inputs([3, 5])
     captured_caches = clone_caches(caches)
     gm, inputs = capture(stack, x, cos, sin, captured_caches, meta)
@@ -94,18 +96,9 @@ def test_direct_compiler_binds_vendor_kernels(stack):
     eager_caches, graph_caches = clone_caches(caches), clone_caches(caches)
     with torch.inference_mode():
         expected = stack(x, cos, sin, eager_caches, meta)
-        got = forward(*[_swap_caches(t, captured_caches, graph_caches) for t in inputs])
+        got = forward(*[swap_caches(t, captured_caches, graph_caches) for t in inputs])
     assert_same(got, expected, atol=1e-6, rtol=1e-6)
     assert all(torch.equal(a, b) for pg, pe in zip(graph_caches, eager_caches) for a, b in zip(pg, pe))
-
-
-def _swap_caches(t, old, new):
-    """The graph input `t`, with a cache of `old` (by identity) replaced by the one of `new`."""
-    for pair_old, pair_new in zip(old, new):
-        for a, b in zip(pair_old, pair_new):
-            if t is a:
-                return b
-    return t
 
 
 def _hf_layer():

@@ -77,7 +77,7 @@ def load() -> Vendor:
 
     build.build()  # raises when the kernels cannot be built: the registry records why
 
-    from dlinfer.vendor.cpu import kernels, weight_quant
+    from dlinfer.vendor.cpu import graph_bindings, kernels, weight_quant
     from dlinfer.vendor.torch import moe as torch_moe
     from dlinfer.vendor.torch import quant as torch_quant
     from dlinfer.vendor.torch import rotary as torch_rotary
@@ -112,4 +112,5 @@ def load() -> Vendor:
                                                      FEATURE_SOFTCAP}),
                                   notes=dict(NOTES)),
         repack_weight_quant=weight_quant.repack_weight_quant,
+        graph_bindings=graph_bindings.BINDINGS,
     )
