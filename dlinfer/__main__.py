@@ -241,13 +241,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve.main(args.argv)
 
 
+def _refused(command: str, check, args: argparse.Namespace) -> bool:
+    """Whether `check(args)` (lmdeploy_options: no LMDeploy needed) refuses the options, said in one
+    line on stderr: before the command's module imports the LMDeploy adaptor (seconds)."""
+    try:
+        check(args)
+    except ValueError as exc:
+        print(f"python -m dlinfer {command}: error: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
+    from dlinfer.framework import lmdeploy_options
+
+    if _refused("chat", lmdeploy_options.check_chat_options, args):
+        return 2
     from dlinfer.framework.lmdeploy_ext import chat
 
     return chat.main(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    from dlinfer.framework import lmdeploy_options
+
+    if _refused("bench", lmdeploy_options.check_bench_options, args):
+        return 2
     from dlinfer.framework.lmdeploy_ext import bench
 
     return bench.main(args)

@@ -151,3 +151,23 @@ def test_env_without_a_compiler(tmp_path):
 def test_unknown_command_fails():
     proc = _run(["-m", "dlinfer", "nope"], timeout=120)
     assert proc.returncode != 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "/nonexistent/model"], "does not exist"),
+    (["bench", ".", "--mode", "fast"], "--mode 'fast'"),
+    (["chat", ".", "--device", "tpu"], "--device 'tpu': expected one of cpu, dlinfer_cuda"),
+])
+def test_chat_and_bench_refuse_a_typo_before_importing_lmdeploy(argv, message):
+    """The option checks that need no LMDeploy (dlinfer/framework/lmdeploy_options.py) run before the
+    command's module imports the adaptor, which patches LMDeploy and takes seconds."""
+    code = textwrap.dedent(f"""
+        import sys
+        from dlinfer.__main__ import main
+        code = main({argv!r})
+        print(code, sorted(m for m in ("lmdeploy", "dlinfer.framework.lmdeploy_ext") if m in sys.modules))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["2", "[]"], run.stdout + run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"python -m dlinfer {argv[0]}: error: ") and message in lines[0]

@@ -130,6 +130,14 @@ def test_global_torch_cuda_is_untouched():
             agent.torch.cuda.get_device_name(0)
 
 
+def test_the_commands_know_the_adaptors_device_types():
+    """lmdeploy_options.DEVICE_TYPES (the commands' check before the adaptor loads) is the adaptor's list."""
+    from dlinfer.framework.lmdeploy_ext.devices import DEVICES
+    from dlinfer.framework.lmdeploy_options import DEVICE_TYPES
+
+    assert tuple(DEVICES) == DEVICE_TYPES
+
+
 def test_lmdeploy_device_types_keep_lmdeploy_behaviour():
     import lmdeploy.utils as utils
     from lmdeploy import PytorchEngineConfig

@@ -21,21 +21,11 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict
 
-from dlinfer.tools import decode_timing as timing
+from dlinfer.framework.lmdeploy_options import check_bench_options
 
 PROG = "python -m dlinfer bench"  # its options: dlinfer/__main__.py (parsing them patches nothing)
-
-
-def _ints(text: str, what: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} {text!r}: expected comma-separated integers >= 1")
-    return values
 
 
 class Probe:
@@ -66,6 +56,8 @@ class Probe:
 
 def measure(pipe, args, probe: Probe, log, label: str) -> Dict:
     """One engine's row: {batch: tok/s}, {prompt length: ttft s}, step bytes, probe at batch 1."""
+    from dlinfer.tools import decode_timing as timing  # torch: imported once the options are checked
+
     tokenizer = pipe.async_engine.tokenizer.model.model
     prompts = timing.chat_prompts(tokenizer, max(args.batch))
     run = timing.generator(pipe)
@@ -125,33 +117,21 @@ def render(rows: Dict[str, Dict], args, probe: Probe, model: str) -> str:
 def main(args: argparse.Namespace, out=None, err=None) -> int:
     """Measure, print the table: 0; 2 (one line on stderr) for a MODEL the engine cannot load, an
     unknown device, bad option values or a setting the device refuses."""
-    import os
-
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds dlinfer's device types to LMDeploy)
-    from dlinfer.framework.lmdeploy_ext import devices
-    from dlinfer.framework.lmdeploy_ext.serve import check_model_here
-    from dlinfer.utils.model_folder import check_model_folder
-
     out, err = out or sys.stdout, err or sys.stderr
 
     def log(msg: str) -> None:
         err.write(msg + "\n")
         err.flush()
 
-    args.model = os.path.expanduser(args.model)
     try:
-        if args.device not in devices.DEVICES:
-            raise ValueError(f"--device {args.device!r}: expected one of {', '.join(devices.DEVICES)}")
-        modes = [m for m in args.mode.split(",") if m]
-        if not modes or any(m not in ("eager", "graph") for m in modes):
-            raise ValueError(f"--mode {args.mode!r}: expected eager, graph or eager,graph")
-        dtypes = [d for d in args.dtype.split(",") if d]
-        args.batch = _ints(args.batch, "--batch") if isinstance(args.batch, str) else args.batch
-        args.prompt_lengths = (_ints(args.prompt_lengths, "--prompt-lengths") if isinstance(args.prompt_lengths, str)
-                               else args.prompt_lengths)
-        if args.new_tokens < 2 or args.repeats < 1:
-            raise ValueError(f"--new-tokens >= 2 and --repeats >= 1, got {args.new_tokens} and {args.repeats}")
-        check_model_folder(args.model)
+        modes, dtypes = check_bench_options(args)
+    except ValueError as exc:
+        log(f"{PROG}: error: {exc}")
+        return 2
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds dlinfer's device types to LMDeploy)
+    from dlinfer.framework.lmdeploy_ext.serve import check_model_here
+
+    try:
         check_model_here(argparse.Namespace(model_path=args.model, device=args.device))
         configs = {f"{mode}, {dtype}": _engine_config(args, mode, dtype) for mode in modes for dtype in dtypes}
     except ValueError as exc:

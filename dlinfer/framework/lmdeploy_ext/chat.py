@@ -151,20 +151,18 @@ def converse(chat: Chat, stdin: TextIO, out: TextIO, err: TextIO, interactive: b
 def main(args: argparse.Namespace, stdin: TextIO = None, out: TextIO = None, err: TextIO = None) -> int:
     """Run the chat: 0 at its end, 2 (one line on stderr) for a MODEL the engine cannot load or a
     setting the device cannot run."""
-    import os
-
-    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds dlinfer's device types to LMDeploy)
-    from dlinfer.framework.lmdeploy_ext import devices
-    from dlinfer.framework.lmdeploy_ext.serve import check_model_here
-    from dlinfer.utils.model_folder import check_model_folder
+    from dlinfer.framework.lmdeploy_options import check_chat_options
 
     stdin, out, err = stdin or sys.stdin, out or sys.stdout, err or sys.stderr
-    args.model = os.path.expanduser(args.model)
-    if args.device not in devices.DEVICES:
-        err.write(f"{PROG}: error: --device {args.device!r}: expected one of {', '.join(devices.DEVICES)}\n")
+    try:  # what needs no LMDeploy first: a typo is refused before the adaptor's import (seconds)
+        check_chat_options(args)
+    except ValueError as exc:
+        err.write(f"{PROG}: error: {exc}\n")
         return 2
+    import dlinfer.framework.lmdeploy_ext  # noqa: F401  (adds dlinfer's device types to LMDeploy)
+    from dlinfer.framework.lmdeploy_ext.serve import check_model_here
+
     try:
-        check_model_folder(args.model)
         check_model_here(argparse.Namespace(model_path=args.model, device=args.device))
         config = engine_config(args)
         gen_config = generation_config(args)
