@@ -133,7 +133,10 @@ def _bound(node: fx.Node, op: str, fn: Callable, vendor) -> Optional[Callable]:
 def _positional(node: fx.Node) -> Optional[list]:
     """Every argument of the op call `node` in its schema's order, keyword arguments and defaults
     filled in; None when the call does not fit the schema."""
-    schema = getattr(node.target, "_schema", None)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):  # what Dynamo records for torch.ops.dlinfer.<op>(...)
+        target = getattr(target, "default", None)
+    schema = getattr(target, "_schema", None)
     if schema is None:
         return None if node.kwargs else list(node.args)
     names = [a.name for a in schema.arguments]

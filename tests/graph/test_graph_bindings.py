@@ -93,6 +93,33 @@ def test_symbolic_shapes_and_op_tools_keep_the_op_functions(stack, monkeypatch):
     assert seen.count("linear") == 8 and seen.count("paged_decode_attention") == 2
 
 
+def test_keyword_arguments_reach_a_bound_kernel_in_schema_order():
+    """A node calling an op with keywords (the attention ops get sliding_window / logit_softcapping
+    so, when set) is bound with every argument in the schema's order, defaults filled in."""
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    names = ["query", "key_cache", "value_cache", "block_table", "cu_seqlens_q", "kv_seq_len"]
+    inputs = [graph.placeholder(n) for n in names]
+    node = graph.call_function(torch.ops.dlinfer.paged_decode_attention,
+                               (*inputs, 9, 0.25, None, inputs[0], TOKEN_MAJOR), {"sliding_window": 4})
+    positional = backend_mod._positional(node)
+    assert positional == [*inputs, 9, 0.25, None, inputs[0], TOKEN_MAJOR, None, None, None, None, 4, 0.0]
+    node.kwargs = {"not_an_argument": 1}
+    assert backend_mod._positional(node) is None
+
+    decode, _ = _paged(torch.float32, TOKEN_MAJOR)
+    vendor = _cpu()
+    bound = vendor.graph_bindings["paged_decode_attention"](*decode, None, None, None, None, 4, 0.0)
+    _same(bound, lambda *a: vendor.ops["paged_decode_attention"](*a[:15], sliding_window=a[15]),
+          (*decode, None, None, None, None, 4, 0.0), written=(9,))
+    full = decode[9].clone()
+    vendor.ops["paged_decode_attention"](*decode[:9], full, *decode[10:])
+    windowed = decode[9].clone()
+    bound(*decode[:9], windowed, *decode[10:], None, None, None, None, 4, 0.0)
+    assert not torch.equal(full, windowed)  # the window reached the kernel
+
+
 def test_a_bad_switch_value_is_refused_naming_it(stack, monkeypatch):
     x, cos, sin, caches, meta = decode_inputs([2])
     gm, inputs = capture(stack, x, cos, sin, caches, meta)
