@@ -14,7 +14,9 @@ arguments differ from the traced ones (a weight swapped for one of another dtype
 instead of being misread. Results are the op functions' own: the same kernels, the same arguments.
 
 A SmolLM2-135M decode step makes ~300 such calls; a bound one costs 0.3-0.7 us less Python (the
-checks, the wrapper frame): see docs/graph.md, "Call sites bound once".
+checks, the wrapper frame): see docs/graph.md, "Call sites bound once". The direct compiler asks
+only for nodes whose tensors have concrete sizes and strides: in LMDeploy's decode graphs the
+decode attention is not asked (its block table's width is dynamic there).
 """
 
 from __future__ import annotations
