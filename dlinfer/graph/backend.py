@@ -76,15 +76,15 @@ def direct_compiler(gm: fx.GraphModule, example_inputs):
     remains per call is the graph's own Python (views, casts) around the kernels: no model code, no
     argument checks, no torch.ops dispatch.
     """
-    bind = envs.get(BIND_ENV) or "1"
-    if bind not in ("0", "1"):
-        raise ValueError(f"{BIND_ENV}={bind!r}: expected '1' (the default) or '0'")
+    switch = envs.get(BIND_ENV) or "1"
+    if switch not in ("0", "1"):
+        raise ValueError(f"{BIND_ENV}={switch!r}: expected '1' (the default) or '0'")
     for node in match.dlinfer_nodes(gm.graph):
         op = match.dlinfer_op_name(node)
         tensors = [match.tval(a) for a in node.all_input_nodes]
         device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
         fn, vendor = selection.resolve(op, device.type)
-        node.target = (_bound(node, op, fn, vendor) if bind == "1" else None) or fn
+        node.target = (_bound(node, op, fn, vendor) if switch == "1" else None) or fn
         if node.target is not fn:
             stats[f"bound:{op}"] += 1
     gm.recompile()

@@ -65,12 +65,13 @@ class Vendor:
         fastest, in a layout the op accepts (dlinfer/vendor/w4_layouts.py). `dlinfer.ops.
         repack_weight_quant` calls it once per layer when the framework loads the weights; without
         it the canonical tensors are used as they are.
-    graph_bindings: optional op name -> `bind(*example_args, **example_kwargs) -> callable | None`,
-        for graph compilers that bind each call site once (the `direct` compiler). The examples are
-        the call site's arguments as traced (FakeTensors carrying the dtype, shape and strides the
-        graph's every call will have, constants as they are). `bind` returns a function with the
-        op's canonical signature that may skip the checks and choices those properties settle (a
-        dtype test, a contiguity copy, which kernel), or None to keep `ops[op]`. What it skips must
+    graph_bindings: optional op name -> `bind(*traced_args) -> callable | None`, for graph
+        compilers that bind each call site once (the `direct` compiler). The arguments are the call
+        site's, every one positional in the op's schema order (keywords and defaults filled in), as
+        traced: FakeTensors carrying the dtype, shape and strides the graph's every call will have,
+        constants as they are. `bind` returns a callable that the call site then calls with its
+        arguments the same way, and that may skip the checks and choices those properties settle
+        (a dtype test, a contiguity copy, which kernel), or None to keep `ops[op]`. What it skips must
         still be refused by the kernel it calls (a raise, never a misread): a replayed graph runs
         without Dynamo's guards (docs/graph.md, "Call sites bound once").
     """

@@ -34,8 +34,9 @@ _k = kernels._kernels
 
 
 def _read_as_is(t: Tensor, dtype: torch.dtype) -> bool:
-    """Whether kernels._as_read(t, dtype) is t itself (float32 or `dtype`, dense)."""
-    return t.dtype in (torch.float32, dtype) and t.is_contiguous()
+    """Whether the op function's `kernels._as_read(t, dtype)` hands the kernel t itself (no
+    conversion, no copy): asked of the op function's own rule, on the traced FakeTensor."""
+    return kernels._as_read(t, dtype) is t
 
 
 def _dense(*tensors: Optional[Tensor]) -> bool:
@@ -46,12 +47,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[Callab
     if not kernels.uses_few_rows(x, weight, bias):
         return None  # BLAS, the torch vendor's path, chosen per call by kernels.linear
     if x.dtype == torch.float32:
-        few_rows = _k.linear_few_rows
-
-        def linear_few_rows(x, weight, bias):
-            return few_rows(x, weight, bias)
-
-        return linear_few_rows
+        return _k.linear_few_rows
     few_rows_16bit = _k.linear_few_rows_16bit
 
     def linear_few_rows_16bit(x, weight, bias):
