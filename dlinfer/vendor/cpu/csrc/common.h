@@ -34,18 +34,6 @@ constexpr int64_t kMinParallelBytes = 64 * 1024;
 // Grain size for at::parallel_for(0, n, grain, fn) over `bytes` of work in all: n below min_bytes
 // (parallel_for then calls fn(0, n) on the calling thread, as it does for any range no longer than
 // its grain), else 1 (every thread of the pool gets an equal share of the n items).
-// The few-row linears (linear.cpp, linear_16bit.cpp) walk one weight row at a time while x's M
-// rows fit in this many bytes, else two rows at a time (each x vector then loaded once for two
-// weight rows). Measured on the Zen 5 VM (1B shapes from memory, share of the read-bandwidth
-// probe, one row / two rows at a time): float32 M = 1 K = 2048 0.97 / 0.82, K = 8192 0.92 / 0.80,
-// M = 2 K = 8192 0.63 / 0.66, M = 4 K = 8192 0.39 / 0.54; bfloat16 M = 1 0.98 / 0.81, M = 4
-// K = 2048 0.85 / 0.75, M = 2 K = 8192 0.71 / 0.57, M = 4 K = 8192 0.37 / 0.44; level at 32 KB
-// otherwise (docs/notes/cpu-ops.md, "One weight row at a time"). The sums are the same either way.
-constexpr int64_t kOneWeightRowXBytes = 32 * 1024;
-inline bool one_weight_row(int64_t M, int64_t K, int64_t element_bytes) {
-  return M * K * element_bytes <= kOneWeightRowXBytes;
-}
-
 inline int64_t grain_for(int64_t n, int64_t bytes, int64_t min_bytes = kMinParallelBytes) {
   return bytes < min_bytes ? std::max<int64_t>(n, 1) : 1;
 }

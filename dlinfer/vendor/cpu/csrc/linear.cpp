@@ -2,16 +2,15 @@
 //
 // At decode sizes (one to a few tokens) a linear layer is a matrix-vector product bound by the
 // speed at which W streams from memory; BLAS kernels built for large M leave half of that
-// bandwidth unused. Here each thread walks a contiguous band of W's rows front to back, one row
-// at a time while x is small (kOneWeightRowXBytes), else two, and every row of W, once loaded, is
-// used for all M rows of x: 2 x M vector
-// accumulators (16 at M = 8, plus 8 vectors of x and 2 of W: the 32 AVX-512 registers), one
-// horizontal sum per output. At M = 8 the FMAs alone take as long as the memory stream, so the
-// two only overlap when the stream is requested well ahead: a software prefetch into L2 runs
-// 16 KB ahead of the loads (measured on Zen 5: M = 8 from 13 to 28 GB/s, M = 1 unchanged at
-// ~28 GB/s, the machine's read bandwidth). Bigger M is compute-bound: the caller uses BLAS.
+// bandwidth unused. Here each thread walks a contiguous band of W's rows in the order
+// few_rows_walk.h gives (one row at a time while x is small, else two, in K chunks from M = 3
+// on), and every vector of W, once loaded, is used for all M rows of x; one horizontal sum per
+// output. A software prefetch into L2 runs 16 KB ahead of the loads in that order (at M = 8 the
+// FMAs take about as long as the memory stream, and the two only overlap when the stream is
+// requested well ahead). Bigger M is compute-bound: the caller uses BLAS.
 #include "common.h"
 #include "entry_points.h"
+#include "few_rows_walk.h"
 
 namespace dlinfer_cpu {
 namespace {
@@ -20,57 +19,55 @@ constexpr int kMaxRows = 8;
 constexpr int64_t kPrefetchFloats = 4096;  // 16 KB ahead in the weight stream
 
 template <int M, int R>
-void rows_band(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
-               int64_t K, int64_t N) {
+void walk_band(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
+               int64_t K, int64_t N, int64_t kc) {
   const int64_t kv = K - K % kLanes;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    Vec acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
-    const float* wr = w + n * K;
-    for (int64_t k = 0; k < kv; k += kLanes) {
-      Vec wv[R];
-      for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(wr + r * K + k + kPrefetchFloats, 0, 1);  // prefetcht2
-        wv[r] = Vec::loadu(wr + r * K + k);
-      }
-      for (int m = 0; m < M; ++m) {
-        const Vec xv = Vec::loadu(x + m * ldx + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = at::vec::fmadd(wv[r], xv, acc[r][m]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int m = 0; m < M; ++m) {
-        if (kv < K) {  // K tail: a partial vector (the missing lanes load as zero)
-          acc[r][m] = at::vec::fmadd(Vec::loadu(wr + r * K + kv, K - kv), Vec::loadu(x + m * ldx + kv, K - kv),
-                                     acc[r][m]);
+  const int64_t nr = n0 + (n1 - n0) / R * R;
+  walk_rows<M, R, Vec>(
+      w, K, kv, kc, kPrefetchFloats, n0, nr,
+      [](Vec* acc) {
+        for (int j = 0; j < R * M; ++j) acc[j] = Vec(0.f);
+      },
+      [&](Vec* acc, const float* wr, int64_t k0, int64_t k1, const float* pf) {
+        for (int64_t k = k0; k < k1; k += kLanes) {
+          Vec wv[R];
+          for (int r = 0; r < R; ++r) {
+            __builtin_prefetch(pf + r * K + k, 0, 1);  // prefetcht2
+            wv[r] = Vec::loadu(wr + r * K + k);
+          }
+          for (int m = 0; m < M; ++m) {
+            const Vec xv = Vec::loadu(x + m * ldx + k);
+            for (int r = 0; r < R; ++r) acc[r * M + m] = at::vec::fmadd(wv[r], xv, acc[r * M + m]);
+          }
         }
-        float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][m]);
-        y[m * N + n + r] = bias ? s + bias[n + r] : s;
-      }
-    }
-  }
+      },
+      [&](Vec* acc, int64_t n) {
+        for (int r = 0; r < R; ++r) {
+          const float* wr = w + (n + r) * K;
+          for (int m = 0; m < M; ++m) {
+            Vec& a = acc[r * M + m];
+            if (kv < K) a = at::vec::fmadd(Vec::loadu(wr + kv, K - kv), Vec::loadu(x + m * ldx + kv, K - kv), a);
+            const float s = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
+            y[m * N + n + r] = bias ? s + bias[n + r] : s;
+          }
+        }
+      });
   if constexpr (R > 1) {
-    if (n < n1) rows_band<M, 1>(x, ldx, w, bias, y, n, n1, K, N);  // the last rows one by one
+    if (nr < n1) walk_band<M, 1>(x, ldx, w, bias, y, nr, n1, K, N, kc);
   }
 }
 
 template <int M>
 void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
-  // One contiguous band of W's rows per thread (grain N / threads), or all of them on the calling
-  // thread when W is smaller than kMinParallelBytes; one or two W rows at a time by x's size
-  // (kOneWeightRowXBytes, common.h).
   const int64_t threads = at::get_num_threads();
   const int64_t bytes = N * K * static_cast<int64_t>(sizeof(float));
   const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
-  const bool one_row = one_weight_row(M, K, sizeof(float));  // common.h
+  const int64_t kv = K - K % kLanes;
+  const int64_t kc = walk_chunk(M, K, kv, sizeof(float), kLanes);  // few_rows_walk.h
+  const bool r2 = two_weight_rows(M, K, sizeof(float));
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-    if (one_row) {
-      rows_band<M, 1>(x, ldx, w, bias, y, b, e, K, N);
-    } else {
-      rows_band<M, 2>(x, ldx, w, bias, y, b, e, K, N);
-    }
+    if (r2) walk_band<M, 2>(x, ldx, w, bias, y, b, e, K, N, kc);
+    else walk_band<M, 1>(x, ldx, w, bias, y, b, e, K, N, kc);
   });
 }
 

@@ -1,7 +1,7 @@
 // linear for few rows in bfloat16 / float16: y[M, N] = x[M, K] W[N, K]^T (+ bias), M <= 8.
 //
-// The float32 kernel's loop (linear.cpp: each thread walks a band of W's rows, one or two at a time,
-// every W vector used for all M rows of x, a software prefetch 16 KB ahead), with W and x read
+// The float32 kernel's loop (linear.cpp: each thread walks a band of W's rows in few_rows_walk.h's
+// order, every W vector used for all M rows of x, a software prefetch 16 KB ahead), with W and x read
 // as 16-bit values, half of float32's bytes: the weights stream as stored, nothing is widened
 // into memory. Sums are float32; each output is rounded once to the activation dtype (round to
 // nearest even), after the bias is added in float32. Two paths, chosen at run time:
@@ -14,6 +14,7 @@
 //    then fmadd, as in the float32 kernel.
 #include "common.h"
 #include "entry_points.h"
+#include "few_rows_walk.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -47,114 +48,124 @@ struct Bias {
 };
 
 template <typename T, int M, int R>
-void band_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K,
-                   int64_t N) {
-  constexpr int64_t ahead = kPrefetchBytes / sizeof(T);
+void walk_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K,
+                   int64_t N, int64_t kc) {
   const int64_t kv = K - K % kLanes;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    Vec acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = Vec(0.f);
-    const T* wr = w + n * K;
-    for (int64_t k = 0; k < kv; k += kLanes) {
-      Vec wv[R];
-      for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(wr + r * K + k + ahead, 0, 1);
-        wv[r] = load_vec(wr + r * K + k);
-      }
-      for (int m = 0; m < M; ++m) {
-        const Vec xv = load_vec(x + m * ldx + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = at::vec::fmadd(wv[r], xv, acc[r][m]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const Vec wt = kv < K ? load_part(wr + r * K + kv, K - kv) : Vec(0.f);
-      for (int m = 0; m < M; ++m) {
-        if (kv < K) acc[r][m] = at::vec::fmadd(wt, load_part(x + m * ldx + kv, K - kv), acc[r][m]);
-        const float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][m]);
-        y[m * N + n + r] = static_cast<T>(bias.add<T>(s, n + r));
-      }
-    }
-  }
+  const int64_t nr = n0 + (n1 - n0) / R * R;
+  walk_rows<M, R, Vec>(
+      w, K, kv, kc, kPrefetchBytes / static_cast<int64_t>(sizeof(T)), n0, nr,
+      [](Vec* acc) {
+        for (int j = 0; j < R * M; ++j) acc[j] = Vec(0.f);
+      },
+      [&](Vec* acc, const T* wr, int64_t k0, int64_t k1, const T* pf) {
+        for (int64_t k = k0; k < k1; k += kLanes) {
+          Vec wv[R];
+          for (int r = 0; r < R; ++r) {
+            __builtin_prefetch(pf + r * K + k, 0, 1);
+            wv[r] = load_vec(wr + r * K + k);
+          }
+          for (int m = 0; m < M; ++m) {
+            const Vec xv = load_vec(x + m * ldx + k);
+            for (int r = 0; r < R; ++r) acc[r * M + m] = at::vec::fmadd(wv[r], xv, acc[r * M + m]);
+          }
+        }
+      },
+      [&](Vec* acc, int64_t n) {
+        for (int r = 0; r < R; ++r) {
+          const Vec wt = kv < K ? load_part(w + (n + r) * K + kv, K - kv) : Vec(0.f);
+          for (int m = 0; m < M; ++m) {
+            Vec& a = acc[r * M + m];
+            if (kv < K) a = at::vec::fmadd(wt, load_part(x + m * ldx + kv, K - kv), a);
+            const float s = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
+            y[m * N + n + r] = static_cast<T>(bias.add<T>(s, n + r));
+          }
+        }
+      });
   if constexpr (R > 1) {
-    if (n < n1) band_portable<T, M, 1>(x, ldx, w, bias, y, n, n1, K, N);
+    if (nr < n1) walk_portable<T, M, 1>(x, ldx, w, bias, y, nr, n1, K, N, kc);
   }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-// x and W as raw bf16 bits; 32 elements of K per vdpbf16ps, the K tail by masked (zeroing) loads.
 template <int M, int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void band_dpbf16(const uint16_t* x, int64_t ldx,
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const uint16_t* x, int64_t ldx,
                                                                         const uint16_t* w, Bias bias,
                                                                         c10::BFloat16* y, int64_t n0, int64_t n1,
-                                                                        int64_t K, int64_t N) {
-  constexpr int64_t ahead = kPrefetchBytes / 2;
+                                                                        int64_t K, int64_t N, int64_t kc) {
   const int64_t kv = K - K % 32;
   const __mmask32 tail = K > kv ? static_cast<__mmask32>((1ULL << (K - kv)) - 1) : 0;
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    __m512 acc[R][M];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-    const uint16_t* wr = w + n * K;
-    for (int64_t k = 0; k < kv; k += 32) {
-      __m512bh wv[R];
-      for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(wr + r * K + k + ahead, 0, 1);
-        wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
-      }
-      for (int m = 0; m < M; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-      }
-    }
-    if (tail) {
-      for (int r = 0; r < R; ++r) {
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + r * K + kv);
-        for (int m = 0; m < M; ++m)
-          acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kv));
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m)
-        y[m * N + n + r] = static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r][m]), n + r));
-  }
+  const int64_t nr = n0 + (n1 - n0) / R * R;
+  walk_rows<M, R, __m512>(
+      w, K, kv, kc, kPrefetchBytes / 2, n0, nr,
+      [](__m512* acc) __attribute__((target("avx512f"))) {
+        for (int j = 0; j < R * M; ++j) acc[j] = _mm512_setzero_ps();
+      },
+      [&](__m512* acc, const uint16_t* wr, int64_t k0, int64_t k1, const uint16_t* pf)
+          __attribute__((target("avx512f,avx512bw,avx512bf16"))) {
+            // A lambda with its own target is not inlined into walk_rows: the sums are carried in
+            // locals (registers) through the loop, not through acc's memory.
+            __m512 a[R * M];
+            for (int j = 0; j < R * M; ++j) a[j] = acc[j];
+            for (int64_t k = k0; k < k1; k += 32) {
+              __m512bh wv[R];
+              for (int r = 0; r < R; ++r) {
+                __builtin_prefetch(pf + r * K + k, 0, 1);
+                wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
+              }
+              for (int m = 0; m < M; ++m) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
+                for (int r = 0; r < R; ++r) a[r * M + m] = _mm512_dpbf16_ps(a[r * M + m], wv[r], xv);
+              }
+            }
+            for (int j = 0; j < R * M; ++j) acc[j] = a[j];
+          },
+      [&](__m512* acc, int64_t n) __attribute__((target("avx512f,avx512bw,avx512bf16"))) {
+        for (int r = 0; r < R; ++r) {
+          if (tail) {
+            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + (n + r) * K + kv);
+            for (int m = 0; m < M; ++m)
+              acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv,
+                                                (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kv));
+          }
+          for (int m = 0; m < M; ++m)
+            y[m * N + n + r] =
+                static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r * M + m]), n + r));
+        }
+      });
   if constexpr (R > 1) {
-    if (n < n1) band_dpbf16<M, 1>(x, ldx, w, bias, y, n, n1, K, N);
+    if (nr < n1) walk_dpbf16<M, 1>(x, ldx, w, bias, y, nr, n1, K, N, kc);
   }
 }
 
 #endif
-
-template <typename T, int M, int R>
-void band(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K, int64_t N,
-          int path) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (path == kAvx512Bf16) {
-      band_dpbf16<M, R>(reinterpret_cast<const uint16_t*>(x), ldx, reinterpret_cast<const uint16_t*>(w), bias, y, n0,
-                        n1, K, N);
-      return;
-    }
-  }
-#endif
-  band_portable<T, M, R>(x, ldx, w, bias, y, n0, n1, K, N);
-}
 
 template <typename T, int M>
 void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, int64_t N, int path) {
   const int64_t threads = at::get_num_threads();
   const int64_t bytes = N * K * static_cast<int64_t>(sizeof(T));
   const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
-  const bool one_row = one_weight_row(M, K, sizeof(T));  // common.h
-  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-    if (one_row) {
-      band<T, M, 1>(x, ldx, w, bias, y, b, e, K, N, path);
-    } else {
-      band<T, M, 2>(x, ldx, w, bias, y, b, e, K, N, path);
+  const bool r2 = two_weight_rows(M, K, sizeof(T));  // few_rows_walk.h
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (path == kAvx512Bf16) {
+      const int64_t kv = K - K % 32;
+      const int64_t kc = walk_chunk(M, K, kv, sizeof(T), 32);
+      at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+        const auto xb = reinterpret_cast<const uint16_t*>(x);
+        const auto wb = reinterpret_cast<const uint16_t*>(w);
+        if (r2) walk_dpbf16<M, 2>(xb, ldx, wb, bias, y, b, e, K, N, kc);
+        else walk_dpbf16<M, 1>(xb, ldx, wb, bias, y, b, e, K, N, kc);
+      });
+      return;
     }
+  }
+#endif
+  const int64_t kv = K - K % kLanes;
+  const int64_t kc = walk_chunk(M, K, kv, sizeof(T), kLanes);
+  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+    if (r2) walk_portable<T, M, 2>(x, ldx, w, bias, y, b, e, K, N, kc);
+    else walk_portable<T, M, 1>(x, ldx, w, bias, y, b, e, K, N, kc);
   });
 }
 

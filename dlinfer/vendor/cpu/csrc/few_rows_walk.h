@@ -1,0 +1,103 @@
+// The order in which the few-row linears (linear.cpp, linear_16bit.cpp) read a thread's band of
+// weight rows, shared by their float32, 16-bit and vdpbf16ps loops.
+//
+// Every weight vector is used for all M rows of x, so x's M rows are read once per weight vector.
+//  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight
+//    row at a time, front to back: one stream a thread, what this CPU reads fastest.
+//  - Past that, two weight rows at a time (each x vector then loaded once for two of them), and
+//    from three rows of x on, K is also cut into chunks of kSegmentBytes of each weight row and the
+//    band into blocks of kBlockRows rows: for each block, chunk by chunk, every row pair's segment
+//    is walked with its accumulators in registers, parked in a small buffer between chunks. x's
+//    chunk (M x 2 KB at most) stays in L1 instead of being reloaded from L2 for every weight vector.
+// Each output's float32 lanes add their products in the same order over k in every walk, so the
+// sums are bit-identical whichever is taken. The software prefetch runs `ahead` elements ahead in
+// the walking order: along the row in the unchunked walks (and on into the next rows), a few
+// segments later in the chunked walk (the same offset in a later row pair, the next chunk or the
+// next block). Measured on the Zen 5 VM (docs/notes/cpu-ops.md, "x in L1: K in chunks"): at M = 8
+// the chunked walk read 1.2-2x what two rows at a time did (float32 0.64-0.81 of the read probe
+// against 0.32-0.69); at M = 4 the two are level at ~50 GB/s and the chunked walk 1.2-1.6x faster
+// at ~80; at M <= 2 chunks lose (0.73 against 0.86 at K = 8192), so they are not taken there.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace dlinfer_cpu {
+
+constexpr int64_t kOneRowXBytes = 32 * 1024;  // x's M rows at most this: the one-row walk
+constexpr int64_t kSegmentBytes = 2 * 1024;   // a chunk: this many bytes of each weight row
+constexpr int kBlockRows = 32;                // rows whose accumulators are parked between chunks
+
+// Two weight rows at a time once x's M rows no longer fit in kOneRowXBytes.
+inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
+  return M * K * element_bytes > kOneRowXBytes;
+}
+
+// Elements of K a chunk holds: all of them (kv, the full-step part of K) while x fits in
+// kOneRowXBytes or M <= 2, else kSegmentBytes of a weight row (whole steps, at least one).
+// `step`: the elements one vector step of the kernel's loop takes.
+inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_bytes, int64_t step) {
+  if (M <= 2 || M * K * element_bytes <= kOneRowXBytes) return std::max<int64_t>(kv, 1);
+  return std::max<int64_t>(step, kSegmentBytes / element_bytes / step * step);
+}
+
+// Walks rows [n0, n1) of w ([N, K] dense, element type T) for M rows of x, R weight rows at a
+// time ((n1 - n0) a multiple of R); acc holds R x M accumulators, acc[r * M + m].
+//   zero(acc):                    the accumulators set to the start of a sum;
+//   segment(acc, wr, k0, k1, pf): acc advanced over elements [k0, k1) of weight rows wr, wr + K,
+//                                 ... (R of them; k1 - k0 a whole number of steps), prefetching
+//                                 pf + r * K + k for each row r and step k;
+//   finish(acc, n):               the K tail (elements kv..K) added, output rows n..n+R-1 written.
+template <int M, int R, typename Acc, typename T, typename Zero, typename Segment, typename Finish>
+inline void walk_rows(const T* w, int64_t K, int64_t kv, int64_t kc, int64_t ahead, int64_t n0, int64_t n1,
+                      Zero&& zero, Segment&& segment, Finish&& finish) {
+  if (kc >= kv) {  // one chunk: row after row, the prefetch running on into the next rows
+    for (int64_t n = n0; n < n1; n += R) {
+      Acc acc[R * M];
+      zero(acc);
+      const T* wr = w + n * K;
+      segment(acc, wr, 0, kv, wr + ahead);
+      finish(acc, n);
+    }
+    return;
+  }
+  constexpr int64_t kGroups = kBlockRows / R;
+  const int64_t chunks = (kv + kc - 1) / kc;
+  const int64_t later = std::max<int64_t>(1, (ahead + R * kc - 1) / (R * kc));  // segments ahead
+  Acc parked[kGroups][R * M];
+  for (int64_t b = n0; b < n1; b += kBlockRows) {
+    const int64_t groups = std::min<int64_t>(kBlockRows, n1 - b) / R;
+    const int64_t next_groups = std::min<int64_t>(kBlockRows, std::max<int64_t>(n1 - b - groups * R, 0)) / R;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t k0 = c * kc, k1 = std::min(k0 + kc, kv);
+      for (int64_t i = 0; i < groups; ++i) {
+        // the segment `later` steps on in the walking order: (chunk, group) in this block, else the
+        // next block's first chunk; the prefetch address is that segment's start minus k0
+        int64_t s = c * groups + i + later, pn, pc;
+        if (s < chunks * groups) {
+          pn = b + (s % groups) * R, pc = s / groups;
+        } else if (next_groups > 0) {
+          s -= chunks * groups;
+          pn = b + groups * R + (s % next_groups) * R, pc = std::min<int64_t>(s / next_groups, chunks - 1);
+        } else {
+          pn = b + i * R, pc = c;  // the band's last segments: nothing left to fetch ahead
+        }
+        const T* wr = w + (b + i * R) * K;
+        Acc acc[R * M];
+        if (c == 0) {
+          zero(acc);
+        } else {
+          for (int j = 0; j < R * M; ++j) acc[j] = parked[i][j];
+        }
+        segment(acc, wr, k0, k1, w + pn * K + pc * kc - k0);
+        if (k1 == kv) {
+          finish(acc, b + i * R);
+        } else {
+          for (int j = 0; j < R * M; ++j) parked[i][j] = acc[j];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace dlinfer_cpu

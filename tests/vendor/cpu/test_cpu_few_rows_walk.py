@@ -1,0 +1,80 @@
+"""The few-row linears' walks over the weights (csrc/few_rows_walk.h), float32 and 16-bit: one
+weight row at a time while x's rows fit in 32 KB, else two, and from three rows of x on K in chunks
+of 2 KB of each weight row with the sums parked between chunks. The shapes here take every walk:
+K long enough for the chunks, K tails (not a whole vector), N not a multiple of the row pair or of
+the 32-row block, bands split across the threads.
+
+- parity against a float64 product within the tolerance table's bound for `linear`;
+- a row's bits are the same in any call: alone (M = 1: the one-row or the two-row walk) and among
+  M rows (the chunked walk from M = 3), since every walk adds each output's products in the same
+  order. This is what keeps a request's tokens the same whatever the batch it decodes in.
+"""
+
+import pytest
+import torch
+
+import dlinfer.vendor
+from dlinfer.conformance.tolerances import tolerance
+
+pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="cpu vendor cannot load here")
+
+SHAPES = [(1031, 67), (4100, 35), (8227, 66)]  # (K, N): K tails of 7, 4 and 3 elements
+
+
+def _ops():
+    dlinfer.vendor.load("cpu")
+    return torch.ops.dlinfer_cpu
+
+
+def _kernels():
+    """(name, dtype, fn(x, w, b)) for every few-row kernel and path this machine runs."""
+    ops = _ops()
+    out = [("float32", torch.float32, ops.linear_few_rows)]
+    for path in range(ops.linear_16bit_best_path() + 1):  # 0 portable, 1 vdpbf16ps where the CPU has it
+        out.append((f"bfloat16 path {path}", torch.bfloat16,
+                    lambda x, w, b, p=path: ops.linear_few_rows_16bit(x, w, b, p)))
+    out.append(("float16", torch.float16, lambda x, w, b: ops.linear_few_rows_16bit(x, w, b, 0)))
+    return out
+
+
+def _inputs(m, k, n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = (torch.randn(n, generator=g) * 0.5).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_parity_with_a_float64_product(m, k, n):
+    for name, dtype, fn in _kernels():
+        x, w, b = _inputs(m, k, n, dtype, seed=m * 131 + k)
+        for bias in (None, b):
+            out = fn(x, w, bias)
+            expected = torch.einsum("mk,nk->mn", x.double(), w.double())
+            if bias is not None:
+                expected = expected + bias.double()
+            atol, rtol = tolerance("linear", dtype)
+            err, bound = (out.double() - expected).abs(), atol + rtol * expected.abs()
+            assert out.dtype == dtype and bool((err <= bound).all()), \
+                f"{name} M={m} K={k} N={n}: max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8])
+def test_a_rows_bits_are_the_same_alone_and_among_m_rows(m, k, n):
+    for name, dtype, fn in _kernels():
+        x, w, b = _inputs(m, k, n, dtype, seed=m * 7 + k)
+        whole = fn(x, w, b)
+        alone = torch.cat([fn(x[i:i + 1], w, b) for i in range(m)])
+        assert torch.equal(whole, alone), f"{name} M={m} K={k} N={n}"
+
+
+def test_strided_rows_of_x_take_the_chunked_walk():
+    """x's rows read through their stride (a view into a wider tensor), in the chunked walk."""
+    for name, dtype, fn in _kernels():
+        x, w, b = _inputs(4, 8227, 35, dtype, seed=3)
+        wide = torch.zeros(4, 8300, dtype=dtype)
+        wide[:, :8227] = x
+        assert torch.equal(fn(wide[:, :8227], w, b), fn(x.contiguous(), w, b)), name
