@@ -42,58 +42,46 @@ inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_byte
 }
 
 // Walks rows [n0, n1) of w ([N, K] dense, element type T) for M rows of x, R weight rows at a
-// time ((n1 - n0) a multiple of R); acc holds R x M accumulators, acc[r * M + m].
-//   zero(acc):                    the accumulators set to the start of a sum;
-//   segment(acc, wr, k0, k1, pf): acc advanced over elements [k0, k1) of weight rows wr, wr + K,
-//                                 ... (R of them; k1 - k0 a whole number of steps), prefetching
-//                                 pf + r * K + k for each row r and step k;
-//   finish(acc, n):               the K tail (elements kv..K) added, output rows n..n+R-1 written.
-template <int M, int R, typename Acc, typename T, typename Zero, typename Segment, typename Finish>
-inline void walk_rows(const T* w, int64_t K, int64_t kv, int64_t kc, int64_t ahead, int64_t n0, int64_t n1,
-                      Zero&& zero, Segment&& segment, Finish&& finish) {
-  if (kc >= kv) {  // one chunk: row after row, the prefetch running on into the next rows
-    for (int64_t n = n0; n < n1; n += R) {
-      Acc acc[R * M];
-      zero(acc);
-      const T* wr = w + n * K;
-      segment(acc, wr, 0, kv, wr + ahead);
-      finish(acc, n);
-    }
-    return;
-  }
-  constexpr int64_t kGroups = kBlockRows / R;
-  const int64_t chunks = (kv + kc - 1) / kc;
-  const int64_t later = std::max<int64_t>(1, (ahead + R * kc - 1) / (R * kc));  // segments ahead
-  Acc parked[kGroups][R * M];
-  for (int64_t b = n0; b < n1; b += kBlockRows) {
-    const int64_t groups = std::min<int64_t>(kBlockRows, n1 - b) / R;
-    const int64_t next_groups = std::min<int64_t>(kBlockRows, std::max<int64_t>(n1 - b - groups * R, 0)) / R;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t k0 = c * kc, k1 = std::min(k0 + kc, kv);
-      for (int64_t i = 0; i < groups; ++i) {
-        // the segment `later` steps on in the walking order: (chunk, group) in this block, else the
-        // next block's first chunk; the prefetch address is that segment's start minus k0
-        int64_t s = c * groups + i + later, pn, pc;
-        if (s < chunks * groups) {
-          pn = b + (s % groups) * R, pc = s / groups;
-        } else if (next_groups > 0) {
-          s -= chunks * groups;
-          pn = b + groups * R + (s % next_groups) * R, pc = std::min<int64_t>(s / next_groups, chunks - 1);
-        } else {
-          pn = b + i * R, pc = c;  // the band's last segments: nothing left to fetch ahead
-        }
-        const T* wr = w + (b + i * R) * K;
-        Acc acc[R * M];
-        if (c == 0) {
-          zero(acc);
-        } else {
-          for (int j = 0; j < R * M; ++j) acc[j] = parked[i][j];
-        }
-        segment(acc, wr, k0, k1, w + pn * K + pc * kc - k0);
-        if (k1 == kv) {
-          finish(acc, b + i * R);
-        } else {
-          for (int j = 0; j < R * M; ++j) parked[i][j] = acc[j];
+// time ((n1 - n0) a multiple of R), K in chunks of kc elements when Chunked (kc < kv), by calls of
+//   step(parked, n, k0, k1, pf, first, last): weight rows n..n+R-1 over elements [k0, k1) (a whole
+//     number of steps), prefetching pf + r * K + k for each row r and step k. The R x M sums
+//     (acc[r * M + m]) start at zero when `first`, else from parked[R * M]; when `last` the K tail
+//     (elements kv..K) is added and output rows n..n+R-1 written, else the sums go to parked.
+// The sums live in the step's locals (registers): unchunked, `first` and `last` are both true and
+// they never touch memory (a sums array shared between several lambdas went through the stack for
+// every row: 5% at SmolLM2's K = 576). always_inline: the kernels' steps may carry a target
+// attribute (the vdpbf16ps one does) and GCC inlines a callee only into a caller with at least its
+// target; walk_rows inlined into the kernel lets the step inline in turn. The two walks are
+// instantiated apart (Chunked), so the unchunked one, most calls, has the registers to itself
+// (together, GCC kept x's row pointers in vector registers: 10% at K = 576, M = 8).
+template <int M, int R, bool Chunked, typename Acc, typename T, typename Step>
+__attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int64_t kv, int64_t kc, int64_t ahead,
+                                                     int64_t n0, int64_t n1, Step&& step) {
+  if constexpr (!Chunked) {  // one chunk: row after row, the prefetch running on into the next rows
+    for (int64_t n = n0; n < n1; n += R) step(static_cast<Acc*>(nullptr), n, 0, kv, w + n * K + ahead, true, true);
+  } else {
+    constexpr int64_t kGroups = kBlockRows / R;
+    const int64_t chunks = (kv + kc - 1) / kc;
+    const int64_t later = std::max<int64_t>(1, (ahead + R * kc - 1) / (R * kc));  // segments ahead
+    Acc parked[kGroups][R * M];
+    for (int64_t b = n0; b < n1; b += kBlockRows) {
+      const int64_t groups = std::min<int64_t>(kBlockRows, n1 - b) / R;
+      const int64_t next_groups = std::min<int64_t>(kBlockRows, std::max<int64_t>(n1 - b - groups * R, 0)) / R;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = c * kc, k1 = std::min(k0 + kc, kv);
+        for (int64_t i = 0; i < groups; ++i) {
+          // the segment `later` steps on in the walking order: (chunk, group) in this block, else
+          // the next block's first chunk; the prefetch address is that segment's start minus k0
+          int64_t s = c * groups + i + later, pn, pc;
+          if (s < chunks * groups) {
+            pn = b + (s % groups) * R, pc = s / groups;
+          } else if (next_groups > 0) {
+            s -= chunks * groups;
+            pn = b + groups * R + (s % next_groups) * R, pc = std::min<int64_t>(s / next_groups, chunks - 1);
+          } else {
+            pn = b + i * R, pc = c;  // the band's last segments: nothing left to fetch ahead
+          }
+          step(parked[i], b + i * R, k0, k1, w + pn * K + pc * kc - k0, c == 0, k1 == kv);
         }
       }
     }

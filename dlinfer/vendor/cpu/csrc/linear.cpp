@@ -18,17 +18,17 @@ namespace {
 constexpr int kMaxRows = 8;
 constexpr int64_t kPrefetchFloats = 4096;  // 16 KB ahead in the weight stream
 
-template <int M, int R>
+template <int M, int R, bool Chunked>
 void walk_band(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
                int64_t K, int64_t N, int64_t kc) {
   const int64_t kv = K - K % kLanes;
   const int64_t nr = n0 + (n1 - n0) / R * R;
-  walk_rows<M, R, Vec>(
+  walk_rows<M, R, Chunked, Vec>(
       w, K, kv, kc, kPrefetchFloats, n0, nr,
-      [](Vec* acc) {
-        for (int j = 0; j < R * M; ++j) acc[j] = Vec(0.f);
-      },
-      [&](Vec* acc, const float* wr, int64_t k0, int64_t k1, const float* pf) {
+      [&](Vec* parked, int64_t n, int64_t k0, int64_t k1, const float* pf, bool first, bool last) {
+        Vec acc[R * M];
+        for (int j = 0; j < R * M; ++j) acc[j] = first ? Vec(0.f) : parked[j];
+        const float* wr = w + n * K;
         for (int64_t k = k0; k < k1; k += kLanes) {
           Vec wv[R];
           for (int r = 0; r < R; ++r) {
@@ -40,20 +40,21 @@ void walk_band(const float* x, int64_t ldx, const float* w, const float* bias, f
             for (int r = 0; r < R; ++r) acc[r * M + m] = at::vec::fmadd(wv[r], xv, acc[r * M + m]);
           }
         }
-      },
-      [&](Vec* acc, int64_t n) {
+        if (!last) {
+          for (int j = 0; j < R * M; ++j) parked[j] = acc[j];
+          return;
+        }
         for (int r = 0; r < R; ++r) {
-          const float* wr = w + (n + r) * K;
           for (int m = 0; m < M; ++m) {
             Vec& a = acc[r * M + m];
-            if (kv < K) a = at::vec::fmadd(Vec::loadu(wr + kv, K - kv), Vec::loadu(x + m * ldx + kv, K - kv), a);
+            if (kv < K) a = at::vec::fmadd(Vec::loadu(wr + r * K + kv, K - kv), Vec::loadu(x + m * ldx + kv, K - kv), a);
             const float s = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
             y[m * N + n + r] = bias ? s + bias[n + r] : s;
           }
         }
       });
   if constexpr (R > 1) {
-    if (nr < n1) walk_band<M, 1>(x, ldx, w, bias, y, nr, n1, K, N, kc);
+    if (nr < n1) walk_band<M, 1, Chunked>(x, ldx, w, bias, y, nr, n1, K, N, kc);
   }
 }
 
@@ -66,8 +67,9 @@ void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, fl
   const int64_t kc = walk_chunk(M, K, kv, sizeof(float), kLanes);  // few_rows_walk.h
   const bool r2 = two_weight_rows(M, K, sizeof(float));
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-    if (r2) walk_band<M, 2>(x, ldx, w, bias, y, b, e, K, N, kc);
-    else walk_band<M, 1>(x, ldx, w, bias, y, b, e, K, N, kc);
+    if (!r2) walk_band<M, 1, false>(x, ldx, w, bias, y, b, e, K, N, kc);
+    else if (kc >= kv) walk_band<M, 2, false>(x, ldx, w, bias, y, b, e, K, N, kc);
+    else walk_band<M, 2, true>(x, ldx, w, bias, y, b, e, K, N, kc);
   });
 }
 

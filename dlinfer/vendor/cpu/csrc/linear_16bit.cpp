@@ -47,17 +47,17 @@ struct Bias {
   }
 };
 
-template <typename T, int M, int R>
+template <typename T, int M, int R, bool Chunked>
 void walk_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K,
                    int64_t N, int64_t kc) {
   const int64_t kv = K - K % kLanes;
   const int64_t nr = n0 + (n1 - n0) / R * R;
-  walk_rows<M, R, Vec>(
+  walk_rows<M, R, Chunked, Vec>(
       w, K, kv, kc, kPrefetchBytes / static_cast<int64_t>(sizeof(T)), n0, nr,
-      [](Vec* acc) {
-        for (int j = 0; j < R * M; ++j) acc[j] = Vec(0.f);
-      },
-      [&](Vec* acc, const T* wr, int64_t k0, int64_t k1, const T* pf) {
+      [&](Vec* parked, int64_t n, int64_t k0, int64_t k1, const T* pf, bool first, bool last) {
+        Vec acc[R * M];
+        for (int j = 0; j < R * M; ++j) acc[j] = first ? Vec(0.f) : parked[j];
+        const T* wr = w + n * K;
         for (int64_t k = k0; k < k1; k += kLanes) {
           Vec wv[R];
           for (int r = 0; r < R; ++r) {
@@ -69,10 +69,12 @@ void walk_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t
             for (int r = 0; r < R; ++r) acc[r * M + m] = at::vec::fmadd(wv[r], xv, acc[r * M + m]);
           }
         }
-      },
-      [&](Vec* acc, int64_t n) {
+        if (!last) {
+          for (int j = 0; j < R * M; ++j) parked[j] = acc[j];
+          return;
+        }
         for (int r = 0; r < R; ++r) {
-          const Vec wt = kv < K ? load_part(w + (n + r) * K + kv, K - kv) : Vec(0.f);
+          const Vec wt = kv < K ? load_part(wr + r * K + kv, K - kv) : Vec(0.f);
           for (int m = 0; m < M; ++m) {
             Vec& a = acc[r * M + m];
             if (kv < K) a = at::vec::fmadd(wt, load_part(x + m * ldx + kv, K - kv), a);
@@ -82,13 +84,13 @@ void walk_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t
         }
       });
   if constexpr (R > 1) {
-    if (nr < n1) walk_portable<T, M, 1>(x, ldx, w, bias, y, nr, n1, K, N, kc);
+    if (nr < n1) walk_portable<T, M, 1, Chunked>(x, ldx, w, bias, y, nr, n1, K, N, kc);
   }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
 
-template <int M, int R>
+template <int M, int R, bool Chunked>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const uint16_t* x, int64_t ldx,
                                                                         const uint16_t* w, Bias bias,
                                                                         c10::BFloat16* y, int64_t n0, int64_t n1,
@@ -96,17 +98,13 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
   const int64_t kv = K - K % 32;
   const __mmask32 tail = K > kv ? static_cast<__mmask32>((1ULL << (K - kv)) - 1) : 0;
   const int64_t nr = n0 + (n1 - n0) / R * R;
-  walk_rows<M, R, __m512>(
+  walk_rows<M, R, Chunked, __m512>(
       w, K, kv, kc, kPrefetchBytes / 2, n0, nr,
-      [](__m512* acc) __attribute__((target("avx512f"))) {
-        for (int j = 0; j < R * M; ++j) acc[j] = _mm512_setzero_ps();
-      },
-      [&](__m512* acc, const uint16_t* wr, int64_t k0, int64_t k1, const uint16_t* pf)
+      [&](__m512* parked, int64_t n, int64_t k0, int64_t k1, const uint16_t* pf, bool first, bool last)
           __attribute__((target("avx512f,avx512bw,avx512bf16"))) {
-            // A lambda with its own target is not inlined into walk_rows: the sums are carried in
-            // locals (registers) through the loop, not through acc's memory.
-            __m512 a[R * M];
-            for (int j = 0; j < R * M; ++j) a[j] = acc[j];
+            __m512 acc[R * M];
+            for (int j = 0; j < R * M; ++j) acc[j] = first ? _mm512_setzero_ps() : parked[j];
+            const uint16_t* wr = w + n * K;
             for (int64_t k = k0; k < k1; k += 32) {
               __m512bh wv[R];
               for (int r = 0; r < R; ++r) {
@@ -115,26 +113,27 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
               }
               for (int m = 0; m < M; ++m) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-                for (int r = 0; r < R; ++r) a[r * M + m] = _mm512_dpbf16_ps(a[r * M + m], wv[r], xv);
+                for (int r = 0; r < R; ++r) acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv[r], xv);
               }
             }
-            for (int j = 0; j < R * M; ++j) acc[j] = a[j];
-          },
-      [&](__m512* acc, int64_t n) __attribute__((target("avx512f,avx512bw,avx512bf16"))) {
-        for (int r = 0; r < R; ++r) {
-          if (tail) {
-            const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + (n + r) * K + kv);
-            for (int m = 0; m < M; ++m)
-              acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv,
-                                                (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kv));
-          }
-          for (int m = 0; m < M; ++m)
-            y[m * N + n + r] =
-                static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r * M + m]), n + r));
-        }
-      });
+            if (!last) {
+              for (int j = 0; j < R * M; ++j) parked[j] = acc[j];
+              return;
+            }
+            for (int r = 0; r < R; ++r) {
+              if (tail) {
+                const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + r * K + kv);
+                for (int m = 0; m < M; ++m)
+                  acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv,
+                                                    (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kv));
+              }
+              for (int m = 0; m < M; ++m)
+                y[m * N + n + r] =
+                    static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r * M + m]), n + r));
+            }
+          });
   if constexpr (R > 1) {
-    if (nr < n1) walk_dpbf16<M, 1>(x, ldx, w, bias, y, nr, n1, K, N, kc);
+    if (nr < n1) walk_dpbf16<M, 1, Chunked>(x, ldx, w, bias, y, nr, n1, K, N, kc);
   }
 }
 
@@ -154,8 +153,9 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
       at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
         const auto xb = reinterpret_cast<const uint16_t*>(x);
         const auto wb = reinterpret_cast<const uint16_t*>(w);
-        if (r2) walk_dpbf16<M, 2>(xb, ldx, wb, bias, y, b, e, K, N, kc);
-        else walk_dpbf16<M, 1>(xb, ldx, wb, bias, y, b, e, K, N, kc);
+        if (!r2) walk_dpbf16<M, 1, false>(xb, ldx, wb, bias, y, b, e, K, N, kc);
+        else if (kc >= kv) walk_dpbf16<M, 2, false>(xb, ldx, wb, bias, y, b, e, K, N, kc);
+        else walk_dpbf16<M, 2, true>(xb, ldx, wb, bias, y, b, e, K, N, kc);
       });
       return;
     }
@@ -164,8 +164,9 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
   const int64_t kv = K - K % kLanes;
   const int64_t kc = walk_chunk(M, K, kv, sizeof(T), kLanes);
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-    if (r2) walk_portable<T, M, 2>(x, ldx, w, bias, y, b, e, K, N, kc);
-    else walk_portable<T, M, 1>(x, ldx, w, bias, y, b, e, K, N, kc);
+    if (!r2) walk_portable<T, M, 1, false>(x, ldx, w, bias, y, b, e, K, N, kc);
+    else if (kc >= kv) walk_portable<T, M, 2, false>(x, ldx, w, bias, y, b, e, K, N, kc);
+    else walk_portable<T, M, 2, true>(x, ldx, w, bias, y, b, e, K, N, kc);
   });
 }
 
