@@ -18,7 +18,7 @@ from dlinfer.conformance.tolerances import tolerance
 
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="cpu vendor cannot load here")
 
-SHAPES = [(1031, 67), (4100, 35), (8227, 66)]  # (K, N): K tails of 7, 4 and 3 elements
+SHAPES = [(1031, 67), (4100, 35), (8227, 66), (4133, 1)]  # (K, N): K tails of 7, 4, 3 and 5 elements
 
 
 def _ops():
