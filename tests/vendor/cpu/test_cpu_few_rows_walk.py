@@ -1,8 +1,9 @@
 """The few-row linears' walks over the weights (csrc/few_rows_walk.h), float32 and 16-bit: one
 weight row at a time while x's rows fit in 32 KB, else two, and from three rows of x on K in chunks
-of 2 KB of each weight row with the sums parked between chunks. The shapes here take every walk:
-K long enough for the chunks, K tails (not a whole vector), N not a multiple of the row pair or of
-the 32-row block, bands split across the threads.
+of 2 KB of each weight row with the sums parked between chunks. The shapes here take every walk
+(chunked from M = 3 for float32 at these K, from M = 3 or 4 for 16-bit): K with and without a tail
+(part of a vector), N not a multiple of the row pair or of the 32-row block, a one-row weight, and
+a thread's band of more than one block (one thread) or split in two (two threads).
 
 - parity against a float64 product within the tolerance table's bound for `linear`;
 - a row's bits are the same in any call: alone (M = 1: the one-row or the two-row walk) and among
@@ -18,7 +19,8 @@ from dlinfer.conformance.tolerances import tolerance
 
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="cpu vendor cannot load here")
 
-SHAPES = [(1031, 67), (4100, 35), (8227, 66), (4133, 1)]  # (K, N): K tails of 7, 4, 3 and 5 elements
+# (K, N): K tails of 7, 4, 3 and 5 elements, none at 8192; N odd, even, past two blocks, one row
+SHAPES = [(1031, 67), (4100, 35), (8227, 66), (4133, 1), (8192, 70)]
 
 
 def _ops():
@@ -45,9 +47,18 @@ def _inputs(m, k, n, dtype, seed):
     return x, w, b
 
 
+@pytest.fixture(params=[1, 2], ids=lambda t: f"{t}-threads")
+def threads(request):
+    """torch's intra-op threads for the test: one (a band of every row, several blocks) or two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("k,n", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
-def test_parity_with_a_float64_product(m, k, n):
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_parity_with_a_float64_product(m, k, n, threads):
     for name, dtype, fn in _kernels():
         x, w, b = _inputs(m, k, n, dtype, seed=m * 131 + k)
         for bias in (None, b):
@@ -63,7 +74,7 @@ def test_parity_with_a_float64_product(m, k, n):
 
 @pytest.mark.parametrize("k,n", SHAPES)
 @pytest.mark.parametrize("m", [2, 3, 4, 5, 6, 7, 8])
-def test_a_rows_bits_are_the_same_alone_and_among_m_rows(m, k, n):
+def test_a_rows_bits_are_the_same_alone_and_among_m_rows(m, k, n, threads):
     for name, dtype, fn in _kernels():
         x, w, b = _inputs(m, k, n, dtype, seed=m * 7 + k)
         whole = fn(x, w, b)

@@ -14,9 +14,9 @@
 // the walking order: along the row in the unchunked walks (and on into the next rows), a few
 // segments later in the chunked walk (the same offset in a later row pair, the next chunk or the
 // next block). Measured on the Zen 5 VM (docs/notes/cpu-ops.md, "x in L1: K in chunks"): at M = 8
-// the chunked walk read 1.2-2x what two rows at a time did (float32 0.64-0.81 of the read probe
-// against 0.32-0.69); at M = 4 the two are level at ~50 GB/s and the chunked walk 1.2-1.6x faster
-// at ~80; at M <= 2 chunks lose (0.73 against 0.86 at K = 8192), so they are not taken there.
+// the chunked walk read 1.1-2x what two rows at a time did in all but one shape (float32 0.64-0.81
+// of the read probe against 0.32-0.69); at M = 4, -0.07 to +0.14 of the probe at ~50 GB/s and
+// 1.1-1.6x at ~80; at M <= 2 chunks lose (0.73 against 0.86 at K = 8192), so they are not taken.
 #pragma once
 
 #include <algorithm>
@@ -54,6 +54,7 @@ inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_byte
 // target; walk_rows inlined into the kernel lets the step inline in turn. The two walks are
 // instantiated apart (Chunked), so the unchunked one, most calls, has the registers to itself
 // (together, GCC kept x's row pointers in vector registers: 10% at K = 576, M = 8).
+// Precondition: (n1 - n0) % R == 0 (the kernels walk the remainder row with R = 1).
 template <int M, int R, bool Chunked, typename Acc, typename T, typename Step>
 __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int64_t kv, int64_t kc, int64_t ahead,
                                                      int64_t n0, int64_t n1, Step&& step) {
@@ -71,7 +72,8 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
         const int64_t k0 = c * kc, k1 = std::min(k0 + kc, kv);
         for (int64_t i = 0; i < groups; ++i) {
           // the segment `later` steps on in the walking order: (chunk, group) in this block, else
-          // the next block's first chunk; the prefetch address is that segment's start minus k0
+          // one of the next block's first chunks (the chunk index clamped to the last); the
+          // prefetch address is that segment's start minus k0. Speed only: a prefetch never faults.
           int64_t s = c * groups + i + later, pn, pc;
           if (s < chunks * groups) {
             pn = b + (s % groups) * R, pc = s / groups;
