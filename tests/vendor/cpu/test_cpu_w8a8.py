@@ -69,6 +69,25 @@ def test_int8_product_partial_sums_past_2_to_the_31():
         assert torch.equal(_ops().int8_matmul(a, b, path).to(torch.int64), exact), f"path {path}"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [3, 4, 5, 8])
+@pytest.mark.parametrize("k,n", [(8192, 70), (8229, 37), (14336, 1)])
+def test_int8_product_exact_where_k_is_walked_in_chunks(m, k, n, threads):
+    """Rows of a past 32 KB from 3 rows on: the VNNI path walks K in chunks (few_rows_walk.h), the
+    sums parked between them; a band of several 32-row blocks (one thread) or two bands; a K tail."""
+    g = torch.Generator().manual_seed(m * 31 + k + n)
+    a, b = _i8(m, k, g=g), _i8(n, k, g=g)
+    a[0] = -128
+    exact = ref.int8_product(a, b)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for path in _paths():
+            assert torch.equal(_ops().int8_matmul(a, b, path).to(torch.int64), exact), f"path {path}"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_unavailable_path_is_refused():
     with pytest.raises(RuntimeError, match="path"):
         _ops().int8_matmul(torch.zeros(1, 4, dtype=torch.int8), torch.zeros(2, 4, dtype=torch.int8), 3)

@@ -11,9 +11,14 @@
 //    exact modulo 2**32: exact whenever the true product fits int32.
 //  - AVX-512BW: 32 bytes sign-extended to int16, vpmaddwd (pairs of int16 products, exact in int32).
 //  - portable C++ (any build): uint32 wrapping sums, the same exactness.
+// From 3 rows of a past 32 KB (K > 32768 / M: the down projections at 1B and 8B shapes), the VNNI
+// path walks K in chunks (few_rows_walk.h), so a's chunk stays in L1: at M = 8 and K = 8192 0.35 ->
+// 0.66 of the read probe, 8B's down (K = 14336) at M = 4 0.52 -> 0.68 (Zen 5 VM, alternated in one
+// process; docs/notes/cpu-ops.md, "x in L1: K in chunks").
 // Large M reuses the same kernel over blocks of b rows small enough to stay in L2 while every tile
 // of a passes over them.
 #include "int8_gemm.h"
+#include "few_rows_walk.h"
 
 #include <ATen/ops/_int_mm.h>
 
@@ -127,6 +132,54 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int8
   }
 }
 
+// tile_vnni with x's rows past L1: K in kSegmentBytes chunks, few_rows_walk.h's chunked walk,
+// one b row at a time; the M sums and the correction (acc[M]) parked between chunks. Integer sums:
+// the same values in any order.
+template <int M>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni_chunked(const int8_t* a, int64_t lda,
+                                                                              const int8_t* b, int64_t K, int64_t n0,
+                                                                              int64_t n1, int32_t* out, int64_t ldo) {
+  const int64_t kv = K - K % 64;
+  const __mmask64 tail = K > kv ? static_cast<__mmask64>(~0ULL >> (64 - (K - kv))) : 0;
+  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t kc = walk_chunk(M, K, kv, 1, 64);
+  walk_rows<M + 1, 1, true, __m512i>(
+      b, K, kv, kc, kPrefetch, n0, n1,
+      [&](__m512i* parked, int64_t n, int64_t k0, int64_t k1, const int8_t* pf, bool first, bool last)
+          __attribute__((target("avx512f,avx512bw,avx512vnni"))) {
+            __m512i acc[M + 1];  // acc[M]: the correction's sums
+            for (int j = 0; j <= M; ++j) acc[j] = first ? _mm512_setzero_si512() : parked[j];
+            const int8_t* br = b + n * K;
+            for (int64_t k = k0; k < k1; k += 64) {
+              __builtin_prefetch(pf + k, 0, 1);
+              const __m512i bv = _mm512_loadu_si512(br + k);
+              acc[M] = _mm512_dpbusd_epi32(acc[M], off, bv);
+              for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(a + m * lda + k), bv);
+            }
+            if (!last) {
+              for (int j = 0; j <= M; ++j) parked[j] = acc[j];
+              return;
+            }
+            if (tail) {
+              const __m512i bv = _mm512_maskz_loadu_epi8(tail, br + kv);
+              acc[M] = _mm512_dpbusd_epi32(acc[M], off, bv);
+              for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(a + m * lda + kv), bv);
+            }
+            for (int m = 0; m < M; ++m) out[m * ldo + n] = reduce_wrapping(_mm512_sub_epi32(acc[m], acc[M]));
+          });
+}
+
+// The VNNI tile: the chunked walk from 3 rows of a past 32 KB, else tile_vnni's one walk.
+template <int M>
+void tile_vnni_walk(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
+                    int64_t ldo) {
+  if (M >= 3 && two_weight_rows(M, K, 1)) {
+    tile_vnni_chunked<M>(a, lda, b, K, n0, n1, out, ldo);
+  } else {
+    tile_vnni<M>(a, lda, b, K, n0, n1, out, ldo);
+  }
+}
+
 #endif
 
 using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*, int64_t);
@@ -156,7 +209,7 @@ struct Avx512 {
 };
 template <int M>
 struct Vnni {
-  static constexpr TileFn fn = &tile_vnni<M>;
+  static constexpr TileFn fn = &tile_vnni_walk<M>;
 };
 #endif
 
