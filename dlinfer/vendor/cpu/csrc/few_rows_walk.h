@@ -20,8 +20,11 @@
 // 1.1-1.6x at ~80; at M <= 2 chunks lose (0.73 against 0.86 at K = 8192), so they are not taken.
 #pragma once
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace dlinfer_cpu {
 
@@ -89,6 +92,30 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
       }
     }
   }
+}
+
+// Splits rows [0, N) of a [N, K] weight into one band per thread (all of them on the calling
+// thread below kMinParallelBytes) and calls walk(b, e, kc, R, Chunked) for each band [b, e): R
+// (1 or 2) and Chunked as std::integral_constant, chosen by x's size (two_weight_rows,
+// walk_chunk); `step`: the elements one vector step of the kernel's loop takes.
+template <int M, typename Walk>
+inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step, Walk&& walk) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t grain = std::max(grain_for(N, N * K * element_bytes), (N + threads - 1) / threads);
+  const int64_t kv = K - K % step;
+  const int64_t kc = walk_chunk(M, K, kv, element_bytes, step);
+  const bool two = two_weight_rows(M, K, element_bytes);
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
+    if (!two) {
+      walk(b, e, kc, One{}, std::false_type{});
+    } else if (kc >= kv) {
+      walk(b, e, kc, Two{}, std::false_type{});
+    } else {
+      walk(b, e, kc, Two{}, std::true_type{});
+    }
+  });
 }
 
 }  // namespace dlinfer_cpu

@@ -10,66 +10,19 @@
 // requested well ahead). Bigger M is compute-bound: the caller uses BLAS.
 #include "common.h"
 #include "entry_points.h"
+#include "few_rows_portable.h"
 #include "few_rows_walk.h"
 
 namespace dlinfer_cpu {
 namespace {
 
 constexpr int kMaxRows = 8;
-constexpr int64_t kPrefetchFloats = 4096;  // 16 KB ahead in the weight stream
-
-template <int M, int R, bool Chunked>
-void walk_band(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t n0, int64_t n1,
-               int64_t K, int64_t N, int64_t kc) {
-  const int64_t kv = K - K % kLanes;
-  const int64_t nr = n0 + (n1 - n0) / R * R;
-  walk_rows<M, R, Chunked, Vec>(
-      w, K, kv, kc, kPrefetchFloats, n0, nr,
-      [&](Vec* parked, int64_t n, int64_t k0, int64_t k1, const float* pf, bool first, bool last) {
-        Vec acc[R * M];
-        for (int j = 0; j < R * M; ++j) acc[j] = first ? Vec(0.f) : parked[j];
-        const float* wr = w + n * K;
-        for (int64_t k = k0; k < k1; k += kLanes) {
-          Vec wv[R];
-          for (int r = 0; r < R; ++r) {
-            __builtin_prefetch(pf + r * K + k, 0, 1);  // prefetcht2
-            wv[r] = Vec::loadu(wr + r * K + k);
-          }
-          for (int m = 0; m < M; ++m) {
-            const Vec xv = Vec::loadu(x + m * ldx + k);
-            for (int r = 0; r < R; ++r) acc[r * M + m] = at::vec::fmadd(wv[r], xv, acc[r * M + m]);
-          }
-        }
-        if (!last) {
-          for (int j = 0; j < R * M; ++j) parked[j] = acc[j];
-          return;
-        }
-        for (int r = 0; r < R; ++r) {
-          for (int m = 0; m < M; ++m) {
-            Vec& a = acc[r * M + m];
-            if (kv < K) a = at::vec::fmadd(Vec::loadu(wr + r * K + kv, K - kv), Vec::loadu(x + m * ldx + kv, K - kv), a);
-            const float s = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
-            y[m * N + n + r] = bias ? s + bias[n + r] : s;
-          }
-        }
-      });
-  if constexpr (R > 1) {
-    if (nr < n1) walk_band<M, 1, Chunked>(x, ldx, w, bias, y, nr, n1, K, N, kc);
-  }
-}
 
 template <int M>
 void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, float* y, int64_t K, int64_t N) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t bytes = N * K * static_cast<int64_t>(sizeof(float));
-  const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
-  const int64_t kv = K - K % kLanes;
-  const int64_t kc = walk_chunk(M, K, kv, sizeof(float), kLanes);  // few_rows_walk.h
-  const bool r2 = two_weight_rows(M, K, sizeof(float));
-  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-    if (!r2) walk_band<M, 1, false>(x, ldx, w, bias, y, b, e, K, N, kc);
-    else if (kc >= kv) walk_band<M, 2, false>(x, ldx, w, bias, y, b, e, K, N, kc);
-    else walk_band<M, 2, true>(x, ldx, w, bias, y, b, e, K, N, kc);
+  walk_bands<M>(N, K, sizeof(float), kLanes, [&](int64_t b, int64_t e, int64_t kc, auto R, auto chunked) {
+    walk_portable<float, M, decltype(R)::value, decltype(chunked)::value>(x, ldx, w, Bias{bias, true}, y, b, e, K,
+                                                                          N, kc);
   });
 }
 

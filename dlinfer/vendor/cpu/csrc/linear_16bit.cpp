@@ -14,6 +14,7 @@
 //    then fmadd, as in the float32 kernel.
 #include "common.h"
 #include "entry_points.h"
+#include "few_rows_portable.h"
 #include "few_rows_walk.h"
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -24,7 +25,6 @@ namespace dlinfer_cpu {
 namespace {
 
 constexpr int kMaxRows = 8;
-constexpr int64_t kPrefetchBytes = 16 * 1024;  // ahead in the weight stream (linear.cpp's distance)
 enum Path : int { kPortable = 0, kAvx512Bf16 = 1 };
 
 int best_path() {
@@ -34,58 +34,6 @@ int best_path() {
 #else
   return kPortable;
 #endif
-}
-
-// bias[n] as float32: a bias in the activation dtype or in float32, or none.
-struct Bias {
-  const void* data = nullptr;
-  bool f32 = false;
-  template <typename T>
-  inline float add(float s, int64_t n) const {
-    if (!data) return s;
-    return s + (f32 ? static_cast<const float*>(data)[n] : static_cast<float>(static_cast<const T*>(data)[n]));
-  }
-};
-
-template <typename T, int M, int R, bool Chunked>
-void walk_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K,
-                   int64_t N, int64_t kc) {
-  const int64_t kv = K - K % kLanes;
-  const int64_t nr = n0 + (n1 - n0) / R * R;
-  walk_rows<M, R, Chunked, Vec>(
-      w, K, kv, kc, kPrefetchBytes / static_cast<int64_t>(sizeof(T)), n0, nr,
-      [&](Vec* parked, int64_t n, int64_t k0, int64_t k1, const T* pf, bool first, bool last) {
-        Vec acc[R * M];
-        for (int j = 0; j < R * M; ++j) acc[j] = first ? Vec(0.f) : parked[j];
-        const T* wr = w + n * K;
-        for (int64_t k = k0; k < k1; k += kLanes) {
-          Vec wv[R];
-          for (int r = 0; r < R; ++r) {
-            __builtin_prefetch(pf + r * K + k, 0, 1);
-            wv[r] = load_vec(wr + r * K + k);
-          }
-          for (int m = 0; m < M; ++m) {
-            const Vec xv = load_vec(x + m * ldx + k);
-            for (int r = 0; r < R; ++r) acc[r * M + m] = at::vec::fmadd(wv[r], xv, acc[r * M + m]);
-          }
-        }
-        if (!last) {
-          for (int j = 0; j < R * M; ++j) parked[j] = acc[j];
-          return;
-        }
-        for (int r = 0; r < R; ++r) {
-          const Vec wt = kv < K ? load_part(wr + r * K + kv, K - kv) : Vec(0.f);
-          for (int m = 0; m < M; ++m) {
-            Vec& a = acc[r * M + m];
-            if (kv < K) a = at::vec::fmadd(wt, load_part(x + m * ldx + kv, K - kv), a);
-            const float s = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
-            y[m * N + n + r] = static_cast<T>(bias.add<T>(s, n + r));
-          }
-        }
-      });
-  if constexpr (R > 1) {
-    if (nr < n1) walk_portable<T, M, 1, Chunked>(x, ldx, w, bias, y, nr, n1, K, N, kc);
-  }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -99,7 +47,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
   const __mmask32 tail = K > kv ? static_cast<__mmask32>((1ULL << (K - kv)) - 1) : 0;
   const int64_t nr = n0 + (n1 - n0) / R * R;
   walk_rows<M, R, Chunked, __m512>(
-      w, K, kv, kc, kPrefetchBytes / 2, n0, nr,
+      w, K, kv, kc, kFewRowsPrefetchBytes / 2, n0, nr,
       [&](__m512* parked, int64_t n, int64_t k0, int64_t k1, const uint16_t* pf, bool first, bool last)
           __attribute__((target("avx512f,avx512bw,avx512bf16"))) {
             __m512 acc[R * M];
@@ -141,32 +89,20 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
 
 template <typename T, int M>
 void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, int64_t N, int path) {
-  const int64_t threads = at::get_num_threads();
-  const int64_t bytes = N * K * static_cast<int64_t>(sizeof(T));
-  const int64_t grain = std::max(grain_for(N, bytes), (N + threads - 1) / threads);
-  const bool r2 = two_weight_rows(M, K, sizeof(T));  // few_rows_walk.h
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (path == kAvx512Bf16) {
-      const int64_t kv = K - K % 32;
-      const int64_t kc = walk_chunk(M, K, kv, sizeof(T), 32);
-      at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-        const auto xb = reinterpret_cast<const uint16_t*>(x);
-        const auto wb = reinterpret_cast<const uint16_t*>(w);
-        if (!r2) walk_dpbf16<M, 1, false>(xb, ldx, wb, bias, y, b, e, K, N, kc);
-        else if (kc >= kv) walk_dpbf16<M, 2, false>(xb, ldx, wb, bias, y, b, e, K, N, kc);
-        else walk_dpbf16<M, 2, true>(xb, ldx, wb, bias, y, b, e, K, N, kc);
+      const auto xb = reinterpret_cast<const uint16_t*>(x);
+      const auto wb = reinterpret_cast<const uint16_t*>(w);
+      walk_bands<M>(N, K, sizeof(T), 32, [&](int64_t b, int64_t e, int64_t kc, auto R, auto chunked) {
+        walk_dpbf16<M, decltype(R)::value, decltype(chunked)::value>(xb, ldx, wb, bias, y, b, e, K, N, kc);
       });
       return;
     }
   }
 #endif
-  const int64_t kv = K - K % kLanes;
-  const int64_t kc = walk_chunk(M, K, kv, sizeof(T), kLanes);
-  at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-    if (!r2) walk_portable<T, M, 1, false>(x, ldx, w, bias, y, b, e, K, N, kc);
-    else if (kc >= kv) walk_portable<T, M, 2, false>(x, ldx, w, bias, y, b, e, K, N, kc);
-    else walk_portable<T, M, 2, true>(x, ldx, w, bias, y, b, e, K, N, kc);
+  walk_bands<M>(N, K, sizeof(T), kLanes, [&](int64_t b, int64_t e, int64_t kc, auto R, auto chunked) {
+    walk_portable<T, M, decltype(R)::value, decltype(chunked)::value>(x, ldx, w, bias, y, b, e, K, N, kc);
   });
 }
 

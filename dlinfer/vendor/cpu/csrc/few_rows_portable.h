@@ -1,0 +1,65 @@
+// The few-row linears' portable loop (ATen's vectors): float32 (linear.cpp) and bfloat16 /
+// float16 (linear_16bit.cpp), each weight and x vector widened to float32 in registers (a plain
+// load for float32), fmadd into float32 sums, walked in few_rows_walk.h's order.
+#pragma once
+
+#include "common.h"
+#include "few_rows_walk.h"
+
+namespace dlinfer_cpu {
+
+constexpr int64_t kFewRowsPrefetchBytes = 16 * 1024;  // ahead in the weight stream, in walking order
+
+// bias[n] as float32: a bias in the activation dtype or in float32, or none.
+struct Bias {
+  const void* data = nullptr;
+  bool f32 = false;
+  template <typename T>
+  inline float add(float s, int64_t n) const {
+    if (!data) return s;
+    return s + (f32 ? static_cast<const float*>(data)[n] : static_cast<float>(static_cast<const T*>(data)[n]));
+  }
+};
+
+template <typename T, int M, int R, bool Chunked>
+void walk_portable(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t n0, int64_t n1, int64_t K,
+                   int64_t N, int64_t kc) {
+  const int64_t kv = K - K % kLanes;
+  const int64_t nr = n0 + (n1 - n0) / R * R;
+  walk_rows<M, R, Chunked, Vec>(
+      w, K, kv, kc, kFewRowsPrefetchBytes / static_cast<int64_t>(sizeof(T)), n0, nr,
+      [&](Vec* parked, int64_t n, int64_t k0, int64_t k1, const T* pf, bool first, bool last) {
+        Vec acc[R * M];
+        for (int j = 0; j < R * M; ++j) acc[j] = first ? Vec(0.f) : parked[j];
+        const T* wr = w + n * K;
+        for (int64_t k = k0; k < k1; k += kLanes) {
+          Vec wv[R];
+          for (int r = 0; r < R; ++r) {
+            __builtin_prefetch(pf + r * K + k, 0, 1);
+            wv[r] = load_vec(wr + r * K + k);
+          }
+          for (int m = 0; m < M; ++m) {
+            const Vec xv = load_vec(x + m * ldx + k);
+            for (int r = 0; r < R; ++r) acc[r * M + m] = at::vec::fmadd(wv[r], xv, acc[r * M + m]);
+          }
+        }
+        if (!last) {
+          for (int j = 0; j < R * M; ++j) parked[j] = acc[j];
+          return;
+        }
+        for (int r = 0; r < R; ++r) {
+          const Vec wt = kv < K ? load_part(wr + r * K + kv, K - kv) : Vec(0.f);
+          for (int m = 0; m < M; ++m) {
+            Vec& a = acc[r * M + m];
+            if (kv < K) a = at::vec::fmadd(wt, load_part(x + m * ldx + kv, K - kv), a);
+            const float s = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
+            y[m * N + n + r] = static_cast<T>(bias.add<T>(s, n + r));
+          }
+        }
+      });
+  if constexpr (R > 1) {
+    if (nr < n1) walk_portable<T, M, 1, Chunked>(x, ldx, w, bias, y, nr, n1, K, N, kc);
+  }
+}
+
+}  // namespace dlinfer_cpu
