@@ -11,7 +11,7 @@
 //    (|v| < 2^-126) as zero.
 //  - portable (any build, bfloat16 and float16): ATen's vectors; each 16-bit vector widened to
 //    float32 in registers (bf16: a 16-bit shift; fp16: vcvtph2ps where the build has F16C),
-//    then fmadd, as in the float32 kernel.
+//    then fmadd: few_rows_portable.h, the loop the float32 kernel runs too.
 #include "common.h"
 #include "entry_points.h"
 #include "few_rows_portable.h"
