@@ -1,6 +1,6 @@
 // The order in which the few-row linears (linear.cpp, linear_16bit.cpp) read a thread's band of
-// weight rows, shared by their float32, 16-bit and vdpbf16ps loops; the int8 GEMV's VNNI path
-// (int8_gemm.cpp) takes its chunked walk, one weight row at a time, from 3 rows of a past 32 KB.
+// weight rows, shared by their float32, 16-bit and vdpbf16ps loops, and by the int8 GEMV's VNNI path
+// (int8_gemm.cpp: one weight row at a time, chunked from 3 rows of a past 32 KB).
 //
 // Every weight vector is used for all M rows of x, so x's M rows are read once per weight vector.
 //  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight

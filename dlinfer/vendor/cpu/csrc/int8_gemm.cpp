@@ -85,65 +85,22 @@ void tile_avx512(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64
   }
 }
 
-// a holds a ^ 0x80 (a + 128 as unsigned bytes). R rows of b at a time, the last n1 - n0 mod R
-// rows one by one. R = 1: R = 2 measured 1.5-3x slower streaming SmolLM2's weights on Zen 5 (one
-// thread, M = 1 and 8), where R = 1 runs at the AVX-512BW path's speed, ~0.8-0.95 of the read
-// bandwidth at M = 1.
-template <int M, int R = 1>
+// a holds a ^ 0x80 (a + 128 as unsigned bytes). One b row at a time, walked by few_rows_walk.h:
+// whole rows, or from 3 rows of a past 32 KB (Chunked) K in kSegmentBytes chunks with the M sums
+// and the correction (acc[M]) parked between chunks. Integer sums: the same values in any order.
+// R is 1: two b rows at a time streamed SmolLM2's weights 1.5-3x slower (Zen 5, one thread, M = 1
+// and 8), two or four were slower at M = 4 too. GCC copies each sum to another register and back
+// around every vpdpbusd here (it does not for vdpbf16ps); an asm vpdpbusd without the copies read
+// the same (docs/notes/cpu-ops.md, "One VNNI walk"), so the intrinsic stays.
+template <int M, bool Chunked>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int8_t* a, int64_t lda, const int8_t* b,
                                                                       int64_t K, int64_t n0, int64_t n1, int32_t* out,
                                                                       int64_t ldo) {
   const int64_t kv = K - K % 64;
   const __mmask64 tail = K > kv ? static_cast<__mmask64>(~0ULL >> (64 - (K - kv))) : 0;
   const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    const int8_t* br = b + n * K;
-    __m512i acc[R][M], corr[R];
-    for (int r = 0; r < R; ++r) {
-      corr[r] = _mm512_setzero_si512();
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_si512();
-    }
-    for (int64_t k = 0; k < kv; k += 64) {
-      __m512i bv[R];
-      for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(br + r * K + k + kPrefetch, 0, 1);
-        bv[r] = _mm512_loadu_si512(br + r * K + k);
-        corr[r] = _mm512_dpbusd_epi32(corr[r], off, bv[r]);
-      }
-      for (int m = 0; m < M; ++m) {
-        const __m512i av = _mm512_loadu_si512(a + m * lda + k);
-        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], av, bv[r]);
-      }
-    }
-    if (tail) {  // b's tail masked to zero; a is padded, so its full load stays inside the buffer
-      for (int r = 0; r < R; ++r) {
-        const __m512i bv = _mm512_maskz_loadu_epi8(tail, br + r * K + kv);
-        corr[r] = _mm512_dpbusd_epi32(corr[r], off, bv);
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], _mm512_loadu_si512(a + m * lda + kv), bv);
-      }
-    }
-    // sum(acc) - sum(corr) as one reduction of acc - corr: the same value, lane sums wrap alike
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) out[m * ldo + n + r] = reduce_wrapping(_mm512_sub_epi32(acc[r][m], corr[r]));
-  }
-  if constexpr (R > 1) {
-    if (n < n1) tile_vnni<M, 1>(a, lda, b, K, n, n1, out, ldo);
-  }
-}
-
-// tile_vnni with x's rows past L1: K in kSegmentBytes chunks, few_rows_walk.h's chunked walk,
-// one b row at a time; the M sums and the correction (acc[M]) parked between chunks. Integer sums:
-// the same values in any order.
-template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni_chunked(const int8_t* a, int64_t lda,
-                                                                              const int8_t* b, int64_t K, int64_t n0,
-                                                                              int64_t n1, int32_t* out, int64_t ldo) {
-  const int64_t kv = K - K % 64;
-  const __mmask64 tail = K > kv ? static_cast<__mmask64>(~0ULL >> (64 - (K - kv))) : 0;
-  const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int64_t kc = walk_chunk(M, K, kv, 1, 64);
-  walk_rows<M + 1, 1, true, __m512i>(
+  const int64_t kc = Chunked ? walk_chunk(M, K, kv, 1, 64) : kv;
+  walk_rows<M + 1, 1, Chunked, __m512i>(
       b, K, kv, kc, kPrefetch, n0, n1,
       [&](__m512i* parked, int64_t n, int64_t k0, int64_t k1, const int8_t* pf, bool first, bool last)
           __attribute__((target("avx512f,avx512bw,avx512vnni"))) {
@@ -160,23 +117,24 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni_chunked(co
               for (int j = 0; j <= M; ++j) parked[j] = acc[j];
               return;
             }
-            if (tail) {
+            if (tail) {  // b's tail masked to zero; a is padded, so its full load stays inside the buffer
               const __m512i bv = _mm512_maskz_loadu_epi8(tail, br + kv);
               acc[M] = _mm512_dpbusd_epi32(acc[M], off, bv);
               for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(a + m * lda + kv), bv);
             }
+            // sum(acc) - sum(corr) as one reduction of acc - corr: the same value, lane sums wrap alike
             for (int m = 0; m < M; ++m) out[m * ldo + n] = reduce_wrapping(_mm512_sub_epi32(acc[m], acc[M]));
           });
 }
 
-// The VNNI tile: the chunked walk from 3 rows of a past 32 KB, else tile_vnni's one walk.
+// The VNNI tile: the chunked walk from 3 rows of a past 32 KB, else whole rows.
 template <int M>
 void tile_vnni_walk(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
                     int64_t ldo) {
   if (M >= 3 && two_weight_rows(M, K, 1)) {
-    tile_vnni_chunked<M>(a, lda, b, K, n0, n1, out, ldo);
+    tile_vnni<M, true>(a, lda, b, K, n0, n1, out, ldo);
   } else {
-    tile_vnni<M>(a, lda, b, K, n0, n1, out, ldo);
+    tile_vnni<M, false>(a, lda, b, K, n0, n1, out, ldo);
   }
 }
 
