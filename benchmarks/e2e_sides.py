@@ -5,7 +5,8 @@ A side is named `engine[-variant]`:
 - `eager`, `graph`, `inductor`: LMDeploy + dlinfer on `device_type="cpu"` (eager mode, graph mode,
   graph mode with Inductor), float32; `-bf16` runs `dtype="bfloat16"`; `-w8a8` / `-w4a16` run the
   SmoothQuant / AWQ checkpoint `python -m dlinfer quantize` makes from the same folder; a
-  `+int8-head` / `+float-head` suffix sets DLINFER_LM_HEAD=int8 / float in that side's process, a
+  `+int8-head` / `+int4-head` / `+float-head` suffix sets DLINFER_LM_HEAD=int8 / int4 / float in that
+  side's process, a
   `+4k-pages` suffix DLINFER_HUGE_PAGES=0 (the weights left on the pages they were allocated on),
   `+ki` / `+ct` DLINFER_CPU_W4_LAYOUT=k_interleaved / column_tiled (the W4 layout, against the
   hook's own pick) (without one the engine's default, `auto`: int8 heads for the quantised
@@ -33,6 +34,7 @@ LLAMA_CPP_KINDS = ("f32", "bf16", "q8_0", "q4_1")
 ENV_SUFFIXES = {
     "+int8-head": ("DLINFER_LM_HEAD", "int8", "int8 LM head"),
     "+float-head": ("DLINFER_LM_HEAD", "float", "float LM head"),
+    "+int4-head": ("DLINFER_LM_HEAD", "int4", "int4 LM head"),
     "+4k-pages": ("DLINFER_HUGE_PAGES", "0", "weights on 4 KB pages"),
     "+ki": ("DLINFER_CPU_W4_LAYOUT", "k_interleaved", "W4 weights k_interleaved"),
     "+ct": ("DLINFER_CPU_W4_LAYOUT", "column_tiled", "W4 weights column_tiled"),

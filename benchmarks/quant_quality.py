@@ -16,7 +16,9 @@ Perplexity over non-overlapping windows of --window tokens, one column per text.
 
 Each model is evaluated with the float LM head and with the int8 LM head (DLINFER_LM_HEAD, which
 the engine's default `auto` uses for the quantised checkpoints): the head's weight rounded per
-output row and its input per token (quantized_models.fake_quant_lm_head). --lm-head picks one.
+output row and its input per token (quantized_models.fake_quant_lm_head). --lm-head picks one, or
+`all` adds the opt-in int4 head (4 bits per group of 64 input channels, the input float:
+quantized_models.fake_quant_lm_head_int4).
 """
 
 from __future__ import annotations
@@ -70,15 +72,16 @@ def main(argv=None) -> int:
                         help="calibration text (default: the quantize CLI's, dlinfer/quantize/data/calibration.txt)")
     parser.add_argument("--calib-samples", type=int, default=64, help="at most this many samples (default 64)")
     parser.add_argument("--calib-seqlen", type=int, default=128, help="tokens per sample (default 128)")
-    parser.add_argument("--lm-head", choices=("float", "int8", "both"), default="both",
-                        help="the LM head(s) to evaluate every model with (default: both)")
+    parser.add_argument("--lm-head", choices=("float", "int8", "int4", "both", "all"), default="both",
+                        help="the LM head(s) to evaluate every model with (default: both, float and int8; all adds "
+                             "int4)")
     args = parser.parse_args(argv)
-    heads = ("float", "int8") if args.lm_head == "both" else (args.lm_head,)
+    heads = {"both": ("float", "int8"), "all": ("float", "int8", "int4")}.get(args.lm_head, (args.lm_head,))
     if args.model is None:
         from smollm2 import build_smollm2
 
         args.model = build_smollm2()
-    from support.quantized_models import FakeQuantReference, fake_quant_lm_head
+    from support.quantized_models import FakeQuantReference, fake_quant_lm_head, fake_quant_lm_head_int4
 
     texts = args.text or [ROOT / "benchmarks" / "data" / name for name in ("heldout.txt", "heldout_long.txt",
                                                                                   "heldout_fresh.txt")]
@@ -92,6 +95,8 @@ def main(argv=None) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         if head == "int8":
             fake_quant_lm_head(model)
+        elif head == "int4":
+            fake_quant_lm_head_int4(model)
         rows.append(("float32", "-", head, [perplexity(model, one, args.window) for one in ids], 0.0))
     work = args.work or Path(tempfile.mkdtemp(prefix="dlinfer-quality-"))
     labels = {"rtn": "RTN 4-bit (W4A16)", "awq": "AWQ 4-bit (W4A16)", "awq-noclip": "AWQ 4-bit, no clipping",
@@ -107,7 +112,7 @@ def main(argv=None) -> int:
                      clip=not method.endswith("-noclip"))
         seconds = time.perf_counter() - start
         for head in heads:
-            model = FakeQuantReference(dst, int8_head=head == "int8").model
+            model = FakeQuantReference(dst, int8_head=head == "int8", int4_head=head == "int4").model
             ppl = [perplexity(model, one, args.window) for one in ids]
             rows.append((labels[method], f"g{group_size}" if method != "smooth_quant" else "per channel / per token",
                          head, ppl, seconds))

@@ -54,8 +54,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("DLINFER_GRAPH_REPLAY", "1", "0: call compiled graphs through Dynamo every step instead of replaying "
             "them", "framework/lmdeploy_ext/graph_mode/runner.py, when a graph runner is built"),
     # the LMDeploy adaptor
-    Setting("DLINFER_LM_HEAD", "auto", "int8, float or auto (int8 for quantised checkpoints): the LM head after "
-            "loading", "framework/lmdeploy_ext/backend/lm_head.py, when the engine builds its model"),
+    Setting("DLINFER_LM_HEAD", "auto", "int8, int4, float or auto (int8 for quantised checkpoints): the LM head "
+            "after loading", "framework/lmdeploy_ext/backend/lm_head.py, when the engine builds its model"),
     Setting("DLINFER_HUGE_PAGES", "1", "0: leave a CPU engine's weights where they load instead of moving them "
             "onto 2 MB pages", "framework/lmdeploy_ext/patches/huge_pages.py, when the engine builds its model"),
     Setting("DLINFER_SERVE_SHUTDOWN_S", "30", "seconds `python -m dlinfer serve` lets in-flight requests run after "

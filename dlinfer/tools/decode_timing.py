@@ -87,8 +87,8 @@ def step_bytes(pipe) -> Optional[int]:
     """Bytes of weights a decode step of the engine's model reads: every parameter and buffer once
     (by its own data, not its storage: on CPU the engine moves all of them into one huge-page
     arena), less the input embedding table unless the LM head reads that table (a tied float head;
-    the int8 head of a tied model keeps the table as its `weight` but reads its own int8 copy,
-    backend/lm_head.py), and less the canonical scales and zero points of a W4A16 layer whose weight
+    the int8 and int4 heads of a tied model keep the table as their `weight` but read their own
+    quantised copy, backend/lm_head.py), and less the canonical scales and zero points of a W4A16 layer whose weight
     is in the k_interleaved layout (which carries its own copy in the stream, dlinfer/vendor/
     w4_layouts.py); a lookup reads only its rows. None when the model is not in this process (the
     engine's ranks run in processes of their own: tp > 1)."""
@@ -110,7 +110,7 @@ def step_bytes(pipe) -> Optional[int]:
     embed = next((m.weight for name, m in model.named_modules() if name.endswith("embed_tokens")), None)
     head = next((m for name, m in model.named_modules() if name.endswith("lm_head")), None)
     head_weight = getattr(head, "weight", None)
-    int8_head = getattr(head, "qweight", None) is not None
-    if embed is not None and (int8_head or head_weight is None or head_weight.data_ptr() != embed.data_ptr()):
+    quantised_head = getattr(head, "qweight", None) is not None
+    if embed is not None and (quantised_head or head_weight is None or head_weight.data_ptr() != embed.data_ptr()):
         spans.pop(embed.data_ptr(), None)
     return sum(spans.values())

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from support.engine_helpers import cpu_pipeline
 
 from dlinfer.tools import decode_timing
@@ -56,13 +57,14 @@ def test_generator_gives_exactly_n_greedy_tokens(model_dir):
         assert len(run(1, 3, ids=ids)[0]) == 3
 
 
-def test_step_bytes_leave_out_the_table_the_int8_head_does_not_read(model_dir, monkeypatch):
-    """A tied model: its float head reads the embedding table, its int8 head reads an int8 copy
-    (backend/lm_head.py keeps the table as the head's `weight`): the difference of the two steps
-    is the table's bytes less the int8 copy's and its row scales'."""
+def test_step_bytes_leave_out_the_table_the_quantised_heads_do_not_read(model_dir, monkeypatch):
+    """A tied model: its float head reads the embedding table, its int8 and int4 heads read their own
+    copy (backend/lm_head.py keeps the table as the head's `weight`): the difference of the steps
+    is the table's bytes less the int8 copy's and its row scales', or less the int4 head's
+    buffers it reads."""
     folder = model_dir("llama_tied")
-    steps = {}
-    for head in ("float", "int8"):
+    steps, int4_bytes = {}, None
+    for head in ("float", "int8", "int4"):
         monkeypatch.setenv("DLINFER_LM_HEAD", head)
         with cpu_pipeline(folder) as pipe:
             steps[head] = decode_timing.step_bytes(pipe)
@@ -70,8 +72,16 @@ def test_step_bytes_leave_out_the_table_the_int8_head_does_not_read(model_dir, m
             model = model.get_model() if hasattr(model, "get_model") else model
             embed = next(m.weight for n, m in model.named_modules() if n.endswith("embed_tokens"))
             table = embed.numel() * embed.element_size()
+            if head == "int4":
+                qweight = model.lm_head.qweight
+                assert qweight.dim() == 3 and qweight.dtype in (torch.int32, torch.uint8)  # a vendor layout
+                # k_interleaved (uint8) carries each group's scales and zero points in its stream
+                buffers = (qweight,) if qweight.dtype == torch.uint8 else (qweight, model.lm_head.scales,
+                                                                            model.lm_head.qzeros)
+                int4_bytes = sum(t.numel() * t.element_size() for t in buffers)
     vocab, hidden = embed.shape
     assert steps["float"] - steps["int8"] == table - vocab * hidden - 4 * vocab
+    assert steps["float"] - steps["int4"] == table - int4_bytes and int4_bytes < vocab * hidden
 
 
 @pytest.mark.slow

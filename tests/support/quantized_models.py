@@ -138,6 +138,32 @@ def fake_quant_lm_head(model, input_absmax=None) -> None:
     model.lm_head.register_forward_pre_hook(_fake_quant_per_token)
 
 
+def fake_quant_lm_head_int4(model, group_size: int = 32, scale_dtype=torch.float32) -> None:
+    """Make an HF model's LM head compute what the int4 head computes: the weight [V, H] rounded to
+    4 bits per group of `group_size` input channels, asymmetric: with lo, hi the group's min and max,
+    s = (hi - lo) / 15 (at least 1e-5 / 15) in float32 rounded to `scale_dtype` (the head's dtype),
+    z = clamp(round(-lo / s), 0, 15), q = clamp(round(w / s) + z, 0, 15), w -> (q - z) * s (half to
+    even, float32 as LMDeploy's AWQ format defines it). The input stays float and is never
+    smoothed. A tied head gets its own rounded copy."""
+    w = model.lm_head.weight.detach().float()
+    v, h = w.shape
+    groups = w.reshape(v, h // group_size, group_size)
+    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    s = ((hi - lo).clamp(min=1e-5) / 15).to(scale_dtype).float()
+    z = torch.clamp(torch.round(-lo / s), 0, 15)
+    q = torch.clamp(torch.round(groups / s) + z, 0, 15)
+    model.lm_head.weight = torch.nn.Parameter(((q - z).double() * s.double()).reshape(v, h).float(),
+                                              requires_grad=False)
+
+
+class Int4HeadReference(HFReference):
+    """HF transformers (float32) of a float checkpoint whose LM head is fake-quantised to 4 bits (above)."""
+
+    def __init__(self, model_dir: Path):
+        super().__init__(model_dir)
+        fake_quant_lm_head_int4(self.model)
+
+
 class Int8HeadReference(HFReference):
     """HF transformers (float32) of a float checkpoint whose LM head is fake-quantised (above)."""
 
@@ -149,9 +175,10 @@ class Int8HeadReference(HFReference):
 class FakeQuantReference(HFReference):
     """HF transformers (float32) running the dequantised weights of a quantised folder; for
     SmoothQuant also the per-token fake quantisation of each quantised linear's input; with
-    `int8_head` (what DLINFER_LM_HEAD=auto runs for these checkpoints) the int8 LM head's."""
+    `int8_head` (what DLINFER_LM_HEAD=auto runs for these checkpoints) the int8 LM head's, with
+    `int4_head` (DLINFER_LM_HEAD=int4) the int4 one's."""
 
-    def __init__(self, folder: Path, int8_head: bool = True):
+    def __init__(self, folder: Path, int8_head: bool = True, int4_head: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config_dict, state = dequantized_state(folder)
@@ -166,7 +193,9 @@ class FakeQuantReference(HFReference):
             for layer in model.model.layers:
                 for linear in layer_linears(config):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
-        if int8_head:
+        if int4_head:
+            fake_quant_lm_head_int4(model)
+        elif int8_head:
             fake_quant_lm_head(model, head_input_ranges(folder))
         model.generation_config.eos_token_id = None
         self.model = model.eval()

@@ -1,4 +1,4 @@
-"""The int8 LM head: `DLINFER_LM_HEAD=int8|float|auto`, applied once after the weights load.
+"""The quantised LM head: `DLINFER_LM_HEAD=int8|int4|float|auto`, applied once after the weights load.
 
 Why: LMDeploy's AWQ and SmoothQuant checkpoint formats leave the LM head in float. For a small
 model this is the largest single weight a decode step reads: SmolLM2-135M's tied head is
@@ -16,7 +16,15 @@ cpu vendor the int8 product is exact (int32) on its VNNI kernel.
 - untied head: the float weight is freed.
 - `auto` (the default): int8 when the checkpoint is quantised (`quant_method` "awq" or
   "smooth_quant"), float otherwise.
-- smoothing: when the model folder holds the head input's calibration ranges
+- int4 (opt-in, never `auto`'s choice): the head as a W4A16 weight, `weight_quant_matmul` against
+  the weight rounded to 4 bits per group of INT4_GROUP input channels (asymmetric, the rule
+  `python -m dlinfer quantize --method rtn` writes checkpoints by: dlinfer/quantize/awq.py
+  `quant_params`, scales in the head's dtype), repacked once to the vendor's layout; activations
+  stay float, never smoothed (below). About 4.75 bits a weight in the cpu vendor's k_interleaved
+  layout where int8 reads 8: a third of a Llama-3.2-1B W4A16 decode step's bytes is its int8 head.
+  It rounds more than llama.cpp's usual head (Q6_K in its Q4_0 / Q4_K_M files): the perplexity it
+  costs is in docs/lmdeploy.md.
+- smoothing (the int8 head): when the model folder holds the head input's calibration ranges
   (`lm_head_input_absmax.safetensors`, written by `python -m dlinfer quantize`;
   dlinfer/quantize/head_stats.py), input channel j is divided by s_j and weight column j
   multiplied by it before either is rounded (s from `head_stats.smoothing`): the head's rounding
@@ -44,7 +52,8 @@ from dlinfer import envs
 from dlinfer.quantize import head_stats
 
 ENV = "DLINFER_LM_HEAD"
-CHOICES = ("int8", "float", "auto")
+CHOICES = ("int8", "int4", "float", "auto")
+INT4_GROUP = 32  # input channels a 4-bit group: SmolLM2 float32 +4.6% perplexity at 32, +12.5% at 64
 QUANTISED_METHODS = ("awq", "smooth_quant")  # LMDeploy's quant_method names of the formats dlinfer runs
 log = logging.getLogger("dlinfer.lmdeploy.lm_head")
 
@@ -58,7 +67,7 @@ def read_option(environ=os.environ) -> str:
 
 
 def choose(option: str, quant_method: Optional[str]) -> str:
-    """"int8" or "float": the head an engine gets for `option` and the checkpoint's quant_method."""
+    """"int8", "int4" or "float": the head an engine gets for `option` and the checkpoint's quant_method."""
     if option == "auto":
         return "int8" if quant_method in QUANTISED_METHODS else "float"
     return option
@@ -70,15 +79,15 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return qweight.contiguous(), scale.contiguous()
 
 
-class Int8LMHead(torch.nn.Module):
-    """logits [..., V] = linear_w8a8(dynamic_quant(x [..., H]), qweight [V, H], scale [V]) (+ bias [V]);
-    with `smooth` (s [H] float32): dynamic_quant(x * (1/s)) against the rows of weight * s.
+class _QuantisedLMHead(torch.nn.Module):
+    """What the int8 and int4 heads share: the smoothing, the tied table, re-quantising after a
+    weight update. `weight` is what LMDeploy's code reads of a head: `get_logits` casts the hidden
+    states to `lm_head.weight.dtype`, and a tied model's `update_weights` assigns the embedding
+    table to it. For a tied head it is that table (a Parameter, shared); for an untied one an
+    empty tensor of the head's dtype (the float weight is freed). Subclasses quantise in
+    `_quantise(weight [V, H] smoothed)` and compute in `forward`."""
 
-    `weight` is what LMDeploy's code reads of a head: `get_logits` casts the hidden states to
-    `lm_head.weight.dtype`, and a tied model's `update_weights` assigns the embedding table to it.
-    For a tied head it is that table (a Parameter, shared); for an untied one an empty tensor
-    of the head's dtype (the float weight is freed).
-    """
+    kind = ""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], tied: bool,
                  smooth: Optional[torch.Tensor] = None):
@@ -86,40 +95,107 @@ class Int8LMHead(torch.nn.Module):
         self.tied = tied
         self.out_dtype = weight.dtype
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        name = type(self).__name__
         if smooth is not None and tuple(smooth.shape) != (self.in_features,):
-            raise ValueError(f"Int8LMHead: smooth must be [{self.in_features}] (the head's input features), "
+            raise ValueError(f"{name}: smooth must be [{self.in_features}] (the head's input features), "
                              f"got {list(smooth.shape)}")
         self.smooth = None if smooth is None else smooth.float().to(weight.device)
-        # x * inv_smooth in x's dtype (the head's): what runs before the per-token quantisation
+        # x * inv_smooth in x's dtype (the head's): what runs before the head's product
         self.inv_smooth = None if smooth is None else (1.0 / self.smooth).to(weight.dtype)
-        qweight, scale = quantize_rows(self._smoothed(weight))
-        self.register_buffer("qweight", qweight, persistent=False)
-        self.register_buffer("scale", scale, persistent=False)
+        self._quantise(self._smoothed(weight))
         self.bias = bias
         if tied:
             self.weight = weight  # the embedding's Parameter: registered here too, as LMDeploy had it
         else:
             self.register_buffer("weight", weight.new_empty(0), persistent=False)
 
+    def _quantise(self, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def update_weights(self) -> None:
         """Re-quantise a tied head from its (possibly reloaded) table; LMDeploy calls this after
         every weight load, after the model's own `update_weights` has re-tied `weight`."""
         if self.tied and self.weight.numel() > 0:
-            self.qweight, self.scale = quantize_rows(self._smoothed(self.weight))
+            self._quantise(self._smoothed(self.weight))
 
     def _smoothed(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [V, H] with column j times s_j, in float32 (as it is, without smoothing)."""
         return weight if self.smooth is None else weight.detach().float() * self.smooth
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.inv_smooth is not None:
-            x = x * self.inv_smooth
-        xq, xscale = dlinfer.ops.dynamic_quant(x)
-        return dlinfer.ops.linear_w8a8(xq, self.qweight, xscale, self.scale, self.out_dtype, bias=self.bias)
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.inv_smooth is None else x * self.inv_smooth
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, int8, tied={self.tied}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}, tied={self.tied}, "
                 f"smoothed={self.smooth is not None}")
+
+
+class Int8LMHead(_QuantisedLMHead):
+    """logits [..., V] = linear_w8a8(dynamic_quant(x [..., H]), qweight [V, H], scale [V]) (+ bias [V]);
+    with `smooth` (s [H] float32): dynamic_quant(x * (1/s)) against the rows of weight * s."""
+
+    kind = "int8"
+
+    def _quantise(self, weight: torch.Tensor) -> None:
+        qweight, scale = quantize_rows(weight)
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xscale = dlinfer.ops.dynamic_quant(self._input(x))
+        return dlinfer.ops.linear_w8a8(xq, self.qweight, xscale, self.scale, self.out_dtype, bias=self.bias)
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int,
+                    scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [V, H] float -> (qweight int32 [H, V/8], scales [H/g, V] scale_dtype, qzeros int32
+    [H/g, V/8]): the W4A16 op's AWQ layout of the 4-bit rule (dlinfer/quantize/awq.py
+    `quant_params`: per group of `group_size` input channels, asymmetric, the scale rounded to
+    scale_dtype before the weights are), before the vendor's repack."""
+    from dlinfer.quantize.pack import awq_tensors
+
+    packed = awq_tensors(weight.detach(), group_size, scale_dtype)
+    return packed["qweight"], packed["scales"], packed["qzeros"]
+
+
+def int4_refusal(weight: torch.Tensor) -> Optional[str]:
+    """None if a head weight [V, H] can be an Int4LMHead, else why not (the packing's constraints)."""
+    if weight.shape[0] % 8 or weight.shape[1] % INT4_GROUP:
+        return (f"the head [{weight.shape[0]}, {weight.shape[1]}] needs a vocabulary that is a multiple of 8 and "
+                f"input features a multiple of {INT4_GROUP}")
+    return None
+
+
+class Int4LMHead(_QuantisedLMHead):
+    """logits [..., V] = weight_quant_matmul(x [..., H], the head rounded to 4 bits per group of
+    INT4_GROUP input channels) (+ bias [V]), in x's dtype. Never smoothed: the int8 head's smoothing
+    balances the input's per-token rounding against the weight's, and this head does not round its
+    input; on SmolLM2's AWQ checkpoint it made the head's loss 3x worse (+13.9% perplexity against
+    +4.5% unsmoothed, docs/lmdeploy.md). The scales are in the head's dtype. `qweight`, `scales` and
+    `qzeros` are what the vendor's `repack_weight_quant` returned (the cpu vendor: its
+    k_interleaved or column_tiled layout; dlinfer/tools/decode_timing.py counts their bytes)."""
+
+    kind = "int4"
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], tied: bool):
+        super().__init__(weight, bias, tied, smooth=None)
+
+    def _quantise(self, weight: torch.Tensor) -> None:
+        why_not = int4_refusal(weight)
+        if why_not is not None:
+            raise ValueError(f"Int4LMHead: {why_not}")
+        qweight, scales, qzeros = dlinfer.ops.repack_weight_quant(
+            *quantize_groups(weight, INT4_GROUP, self.out_dtype), group_size=INT4_GROUP)
+        self.register_buffer("qweight", qweight, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("qzeros", qzeros, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dlinfer.ops.weight_quant_matmul(self._input(x), self.qweight, self.scales, self.qzeros, bias=self.bias,
+                                               group_size=INT4_GROUP)
+
+
+HEADS = {"int8": Int8LMHead, "int4": Int4LMHead}
 
 
 def _float_head(module) -> Optional[str]:
@@ -148,55 +224,61 @@ def _tied_to(model: torch.nn.Module, name: str, weight: torch.Tensor) -> Optiona
     return None
 
 
-def install(model: torch.nn.Module, input_absmax: Optional[torch.Tensor] = None) -> int:
+def install(model: torch.nn.Module, input_absmax: Optional[torch.Tensor] = None, kind: str = "int8") -> int:
     """Replace every `lm_head` submodule of `model` (a text model's, a VLM's language model's) by
-    an `Int8LMHead`, smoothed when `input_absmax` ([H], the head input's calibration ranges) is
-    given and matches the head's input features; returns how many. A head that cannot be replaced
-    stays float, with a warning."""
+    the `kind` head (HEADS: "int8" or "int4"); an int8 head is smoothed when `input_absmax` ([H],
+    the head input's calibration ranges) is given and matches the head's input features. Returns
+    how many. A head that cannot be replaced stays float, with a warning."""
     heads = [(name, mod) for name, mod in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
     replaced = 0
     for name, head in heads:
         why_not = _float_head(head)
+        if why_not is None and kind == "int4":
+            why_not = int4_refusal(head.weight)
         if why_not is not None:
-            log.warning("%s=int8: %s stays float: %s", ENV, name, why_not)
+            log.warning("%s=%s: %s stays float: %s", ENV, kind, name, why_not)
             continue
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         table = _tied_to(model, name, head.weight)
         tied = table is not None
         weight = table if tied else head.weight
         smooth = None
-        if input_absmax is not None:
+        if input_absmax is not None and kind == "int8":
             if input_absmax.shape[0] == weight.shape[1]:
                 smooth = head_stats.smoothing(input_absmax, weight)
             else:
-                log.warning("%s=int8: %s not smoothed: the input ranges have %d channels, the head %d", ENV, name,
+                log.warning("%s=%s: %s not smoothed: the input ranges have %d channels, the head %d", ENV, kind, name,
                             input_absmax.shape[0], weight.shape[1])
-        int8_head = Int8LMHead(weight, head.bias, tied, smooth)
-        setattr(parent, "lm_head", int8_head)
+        if kind == "int8":
+            new_head = Int8LMHead(weight, head.bias, tied, smooth)
+        else:
+            new_head = Int4LMHead(weight, head.bias, tied)
+        setattr(parent, "lm_head", new_head)
         replaced += 1
-        log.info("%s=int8: %s is int8 [%d, %d] (%s%s)", ENV, name, int8_head.out_features, int8_head.in_features,
+        log.info("%s=%s: %s is %s [%d, %d] (%s%s)", ENV, kind, name, kind, new_head.out_features,
+                 new_head.in_features,
                  "tied: the float embedding table kept for lookups" if tied else "the float weight freed",
                  ", smoothed by the calibration ranges" if smooth is not None else "")
     if not heads:
-        log.warning("%s=int8: the model has no lm_head; nothing quantised", ENV)
+        log.warning("%s=%s: the model has no lm_head; nothing quantised", ENV, kind)
     return replaced
 
 
 def apply_for_engine(model: torch.nn.Module, model_config, option: str, weights_loaded: bool,
                      model_path: Optional[str] = None) -> str:
-    """After the weights load: the head `option` asks for (`choose`), smoothed by the ranges in
-    `model_path` when it has them (a bad ranges file is a ValueError naming it); returns "int8" or
-    "float"."""
+    """After the weights load: the head `option` asks for (`choose`), an int8 one smoothed by the
+    ranges in `model_path` when it has them (a bad ranges file is a ValueError naming it); returns "int8",
+    "int4" or "float"."""
     quant = getattr(model_config, "quant_config", None)
     head = choose(option, getattr(quant, "quant_method", None))
-    if head == "int8" and not weights_loaded:
-        log.warning("%s=int8: the engine starts without weights (empty_init); the LM head stays float", ENV)
+    if head in HEADS and not weights_loaded:
+        log.warning("%s=%s: the engine starts without weights (empty_init); the LM head stays float", ENV, head)
         return "float"
-    if head == "int8":
+    if head in HEADS:
         ranges = None
         hidden = getattr(model_config, "hidden_size", None)
-        if model_path is not None and hidden:
+        if model_path is not None and hidden and head == "int8":
             ranges = head_stats.load(model_path, hidden)
-        if install(model, ranges) == 0:
+        if install(model, ranges, head) == 0:
             return "float"
     return head

@@ -1,4 +1,4 @@
-"""The int8 LM head on dlinfer's device types (written against LMDeploy 0.18.0).
+"""The quantised LM head (int8; int4 opt-in) on dlinfer's device types (written against LMDeploy 0.18.0).
 
 Why: neither of LMDeploy's AWQ nor SmoothQuant formats quantises the LM head, so a quantised
 small model still reads its whole float head every decode step (backend/lm_head.py).
@@ -9,7 +9,7 @@ a tied model's `update_weights` has tied the head to the embedding by then). For
 dlinfer device type, and no other, the wrapper reads DLINFER_LM_HEAD first (a bad value is a
 ValueError before any weight is read), runs LMDeploy's `_build_model`, then hands the loaded
 model to `backend.lm_head.apply_for_engine`, which replaces the `lm_head` module when the option
-(or, for `auto`, a quantised checkpoint) asks for int8. Each tp rank runs its own `_build_model`
+(or, for `auto`, a quantised checkpoint) asks for int8 or int4. Each tp rank runs its own `_build_model`
 (the environment is inherited) and quantises its own copy of the unsplit head.
 """
 
