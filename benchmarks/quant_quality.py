@@ -17,7 +17,7 @@ Perplexity over non-overlapping windows of --window tokens, one column per text.
 Each model is evaluated with the float LM head and with the int8 LM head (DLINFER_LM_HEAD, which
 the engine's default `auto` uses for the quantised checkpoints): the head's weight rounded per
 output row and its input per token (quantized_models.fake_quant_lm_head). --lm-head picks one, or
-`all` adds the opt-in int4 head (4 bits per group of 64 input channels, the input float:
+`all` adds the opt-in int4 head (4 bits per group of 32 input channels, the input float:
 quantized_models.fake_quant_lm_head_int4).
 """
 

@@ -1,8 +1,9 @@
 """DLINFER_LM_HEAD=int4 (dlinfer/framework/lmdeploy_ext/backend/lm_head.py): the LM head rounded to
 4 bits per group of 32 input channels after loading, run by `weight_quant_matmul`. The head's
-logits against this test's own float64 rules; through `lmdeploy.pipeline` on device_type="cpu" the
-engine gives the greedy tokens of HF transformers whose head this test fake-quantises itself
-(quantized_models.fake_quant_lm_head_int4), eager and graph mode; `auto` never picks it."""
+logits against the rule quantized_models.fake_quant_lm_head_int4 writes out (float64); through
+`lmdeploy.pipeline` on device_type="cpu" the engine gives the greedy tokens of HF transformers
+whose head this test fake-quantises itself, eager and graph mode, tied and untied, on a float and
+an AWQ checkpoint; `auto` never picks it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import logging
 import pytest
 import torch
 from support.engine_helpers import HFReference, assert_matches_hf, cpu_pipeline, greedy_generate
-from support.quantized_models import FakeQuantReference, Int4HeadReference, quantized_model
+from support.quantized_models import FakeQuantReference, Int4HeadReference, fake_quant_lm_head_int4, quantized_model
 from support.tiny_models import VOCAB_SIZE, tiny_model
 
 import dlinfer.ops
@@ -24,34 +25,33 @@ PROMPTS = (
     "A small blue window in the dark forest",
     "The model reads a prompt token by token and the engine keeps every key and value in the cache",
 )
+# the scales' dtype for each head dtype (float16 for float32 heads, as AWQ checkpoints store them)
+SCALE_DTYPES = {torch.float32: torch.float16, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16}
 _references: dict = {}
 
 
-def _int4_logits_fp64(x, weight, scale_dtype=torch.float32):
-    """The int4 head's logits by this test's rules: per group of GROUP input channels
-    s = (max - min) / 15 in float32 rounded to scale_dtype, z = clamp(round(-min / s), 0, 15),
-    q = clamp(round(w / s) + z, 0, 15) (float32, half to even); logits = x @ ((q - z) * s)^T in
-    float64."""
-    w = weight.float()
-    v, h = w.shape
-    groups = w.reshape(v, h // GROUP, GROUP)
-    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    s = ((hi - lo).clamp(min=1e-5) / 15).to(scale_dtype).float()
-    z = torch.clamp(torch.round(-lo / s), 0, 15)
-    q = torch.clamp(torch.round(groups / s) + z, 0, 15)
-    deq = ((q - z).double() * s.double()).reshape(v, h)
-    return x.double() @ deq.T
+def _int4_logits_fp64(x, weight, scale_dtype=torch.float16, input_absmax=None):
+    """The int4 head's logits by the rule quantized_models.fake_quant_lm_head_int4 writes out (this
+    test's reference, not the code under test): x @ dequantised^T in float64."""
+    holder = torch.nn.Module()
+    holder.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    holder.lm_head.weight = torch.nn.Parameter(weight.float().clone(), requires_grad=False)
+    fake_quant_lm_head_int4(holder, input_absmax, GROUP, scale_dtype)
+    return x.double() @ holder.lm_head.weight.double().T
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_head_is_the_grouped_4bit_product(dtype):
+@pytest.mark.parametrize("dtype", list(SCALE_DTYPES))
+@pytest.mark.parametrize("clipped", [False, True])
+def test_the_head_is_the_grouped_4bit_product(dtype, clipped):
     assert lm_head.INT4_GROUP == GROUP
     g = torch.Generator().manual_seed(5)
     weight = (torch.randn(72, 192, generator=g) * 0.1).to(dtype)
     x = torch.randn(3, 192, generator=g).to(dtype)
-    head = lm_head.Int4LMHead(weight, None, tied=False)
+    ranges = torch.rand(192, generator=g) * 8 if clipped else None
+    head = lm_head.Int4LMHead(weight, None, tied=False, input_absmax=ranges)
     assert head.weight.numel() == 0 and head.out_dtype == dtype and "int4" in repr(head)
-    expected = _int4_logits_fp64(x, weight, scale_dtype=dtype)
+    assert f"clipped by the input's ranges={clipped}" in repr(head)
+    expected = _int4_logits_fp64(x, weight, SCALE_DTYPES[dtype], ranges)
     out = head(x)
     assert out.dtype == dtype and out.shape == (3, 72)
     rtol, atol = tolerance("weight_quant_matmul", dtype)
@@ -60,14 +60,58 @@ def test_the_head_is_the_grouped_4bit_product(dtype):
 
 def test_the_4bit_rule_is_not_the_float_head():
     """The rounding is visible: the head's logits are not the float product's (the check above
-    discriminates), and a group's 16 levels hold its min and max exactly."""
+    discriminates); unclipped, the rounding is awq.quant_params' rule; the canonical tensors have
+    the W4A16 op's shapes."""
+    from dlinfer.quantize.awq import quant_params
+
     g = torch.Generator().manual_seed(6)
     weight, x = torch.randn(64, 128, generator=g), torch.randn(2, 128, generator=g)
     head = lm_head.Int4LMHead(weight, None, tied=False)
     exact = x.double() @ weight.double().T
     assert (head(x).double() - exact).abs().max() > 1e-2
-    qweight, scales, qzeros = lm_head.quantize_groups(weight, GROUP, torch.float32)
-    assert qweight.shape == (128, 8) and scales.shape == (4, 64) and qzeros.shape == (4, 8)
+    qweight, scales, qzeros = lm_head.quantize_groups(weight, GROUP, torch.float16)
+    assert qweight.shape == (128, 8) and qzeros.shape == (4, 8)
+    assert scales.shape == (4, 64) and scales.dtype == torch.float16
+    rounding = lm_head.int4_rounding(weight, GROUP, torch.float16)
+    assert all(torch.equal(a, b) for a, b in zip(rounding, quant_params(weight, GROUP, torch.float16)))
+
+
+def test_float32_heads_take_float16_scales_unless_they_overflow():
+    w = torch.randn(16, 64)
+    assert lm_head.int4_scale_dtype(torch.float32, w) == torch.float16
+    assert lm_head.int4_scale_dtype(torch.float32, w * 1e6) == torch.float32
+    assert lm_head.int4_scale_dtype(torch.bfloat16, w) == torch.bfloat16
+    assert lm_head.int4_scale_dtype(torch.float16, w) == torch.float16
+
+
+def test_chunks_of_rows_give_the_whole_heads_tensors(monkeypatch):
+    """quantize_groups rounds and packs _CLIP_ROWS rows at a time: the same tensors as in one piece
+    (96 rows in chunks of 40, 40 and 16)."""
+    g = torch.Generator().manual_seed(10)
+    weight, absmax = torch.randn(96, 64, generator=g), torch.rand(64, generator=g)
+    whole = lm_head.quantize_groups(weight, GROUP, torch.float16, absmax ** 2)
+    monkeypatch.setattr(lm_head, "_CLIP_ROWS", 40)
+    chunked = lm_head.quantize_groups(weight, GROUP, torch.float16, absmax ** 2)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+def test_the_clipping_search_lowers_the_weighted_error_of_every_group():
+    """With the input's ranges each group's importance-weighted rounding error is at most the
+    unclipped rule's, and below it for some groups (the search is not a no-op)."""
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(256, 128, generator=g)
+    weight[:, 5] *= 8.0  # outliers that clipping can trade against the rest of their group
+    absmax = torch.rand(128, generator=g) * 4
+
+    def weighted_errors(importance):
+        q, z, s = lm_head.int4_rounding(weight, GROUP, torch.float16, importance)
+        deq = (q.reshape(256, -1, GROUP) - z[..., None]).double() * s.double()[..., None]
+        e = (deq - weight.double().reshape(256, -1, GROUP)) ** 2 * (absmax.double() ** 2).reshape(1, -1, GROUP)
+        return e.sum(-1)
+
+    plain, clipped = weighted_errors(None), weighted_errors(absmax ** 2)
+    assert bool((clipped <= plain * (1 + 1e-6)).all())
+    assert int((clipped < 0.99 * plain).sum()) > 10
 
 
 def test_a_tied_head_keeps_the_table_and_requantises_after_an_update():
@@ -99,8 +143,14 @@ def test_a_head_its_packing_cannot_hold_stays_float(caplog):
     assert "DLINFER_LM_HEAD=int4: lm_head stays float: the head [16, 80] needs" in caplog.text
 
 
-def test_install_never_smooths_the_int4_head():
-    """The calibration ranges smooth an int8 head; an int4 head ignores them (it rounds no input)."""
+def test_install_refuses_an_unknown_kind():
+    with pytest.raises(ValueError, match=r"install: kind must be one of int8, int4, got 'float'"):
+        lm_head.install(torch.nn.Module(), kind="float")
+
+
+def test_install_smooths_an_int8_head_and_clips_an_int4_one():
+    """The calibration ranges smooth an int8 head; an int4 head is never smoothed (it rounds no
+    input) but searches its clipping with them."""
     from lmdeploy.pytorch.nn.linear.default import BaseLinear
 
     g = torch.Generator().manual_seed(8)
@@ -109,6 +159,7 @@ def test_install_never_smooths_the_int4_head():
         model.lm_head = BaseLinear(64, 16, bias=False, dtype=torch.float32, device=torch.device("cpu"))
         assert lm_head.install(model, torch.rand(64, generator=g) + 0.5, kind=kind) == 1
         assert isinstance(model.lm_head, cls) and (model.lm_head.smooth is not None) is (kind == "int8")
+        assert (getattr(model.lm_head, "importance", None) is not None) is (kind == "int4")
 
 
 def test_the_option_and_auto():
@@ -175,8 +226,8 @@ def test_the_int4_reference_is_not_the_float_models():
 @pytest.mark.slow
 def test_int4_head_on_an_awq_checkpoint(monkeypatch, head_calls):
     """The use it is for: a W4A16 checkpoint (its folder holds the head's input ranges, which the
-    int4 head ignores) with DLINFER_LM_HEAD=int4 gives the tokens of HF running the dequantised
-    weights and the fake-quantised int4 head."""
+    int4 head's clipping search weighs channels by) with DLINFER_LM_HEAD=int4 gives the tokens of
+    HF running the dequantised weights and the fake-quantised int4 head."""
     from test_quantized import PROMPTS as QUANTIZED_PROMPTS
 
     folder = quantized_model("llama", "awq", group_size=64)
@@ -186,6 +237,6 @@ def test_int4_head_on_an_awq_checkpoint(monkeypatch, head_calls):
         results = greedy_generate(pipe, QUANTIZED_PROMPTS, NEW_TOKENS)
         runner = pipe.async_engine.engine.executor.model_agent.patched_model
         head = (runner.get_model() if hasattr(runner, "get_model") else runner).lm_head
-    assert isinstance(head, lm_head.Int4LMHead) and head.smooth is None
+    assert isinstance(head, lm_head.Int4LMHead) and head.smooth is None and head.importance is not None
     assert head_calls.count(head.qweight.data_ptr()) >= NEW_TOKENS
     assert_matches_hf(results, _reference("quant-int4", folder), NEW_TOKENS)

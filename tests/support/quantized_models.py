@@ -138,22 +138,40 @@ def fake_quant_lm_head(model, input_absmax=None) -> None:
     model.lm_head.register_forward_pre_hook(_fake_quant_per_token)
 
 
-def fake_quant_lm_head_int4(model, group_size: int = 32, scale_dtype=torch.float32) -> None:
+def fake_quant_lm_head_int4(model, input_absmax=None, group_size: int = 32, scale_dtype=torch.float16) -> None:
     """Make an HF model's LM head compute what the int4 head computes: the weight [V, H] rounded to
-    4 bits per group of `group_size` input channels, asymmetric: with lo, hi the group's min and max,
-    s = (hi - lo) / 15 (at least 1e-5 / 15) in float32 rounded to `scale_dtype` (the head's dtype),
+    4 bits per group of `group_size` input channels, asymmetric. For a clipping ratio r, with lo, hi
+    the group's min and max times r: s = (hi - lo) / 15 (at least 1e-5 / 15) in float32 rounded to
+    `scale_dtype` (float16 for a float32 or float16 head, bfloat16 for a bfloat16 one),
     z = clamp(round(-lo / s), 0, 15), q = clamp(round(w / s) + z, 0, 15), w -> (q - z) * s (half to
-    even, float32 as LMDeploy's AWQ format defines it). The input stays float and is never
-    smoothed. A tied head gets its own rounded copy."""
+    even, float32 as LMDeploy's AWQ format defines it). r = 1
+    without `input_absmax`; with it ([H], the input's ranges) the first r of 1, 0.975, ..., 0.8 whose
+    sum over the group of input_absmax_j^2 * ((q - z) * s - w_j)^2 (float32) is least. The input
+    stays float and is never smoothed. A tied head gets its own rounded copy."""
     w = model.lm_head.weight.detach().float()
     v, h = w.shape
     groups = w.reshape(v, h // group_size, group_size)
-    lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    s = ((hi - lo).clamp(min=1e-5) / 15).to(scale_dtype).float()
-    z = torch.clamp(torch.round(-lo / s), 0, 15)
-    q = torch.clamp(torch.round(groups / s) + z, 0, 15)
-    model.lm_head.weight = torch.nn.Parameter(((q - z).double() * s.double()).reshape(v, h).float(),
-                                              requires_grad=False)
+    lo1, hi1 = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    ratios = [1.0] if input_absmax is None else [1.0 - 0.025 * i for i in range(9)]
+    imp = None if input_absmax is None else (input_absmax.float() ** 2).reshape(1, h // group_size, group_size)
+    best, best_err = None, None
+    for r in ratios:
+        lo, hi = lo1 * r, hi1 * r
+        s = ((hi - lo).clamp(min=1e-5) / 15).to(scale_dtype).float()
+        z = torch.clamp(torch.round(-lo / s), 0, 15)
+        q = torch.clamp(torch.round(groups / s) + z, 0, 15)
+        deq = (q - z) * s
+        if imp is None:
+            best = (q - z).double() * s.double()
+            break
+        err = ((deq - groups) ** 2 * imp).sum(-1, keepdim=True)
+        if best is None:
+            best, best_err = (q - z).double() * s.double(), err
+        else:
+            better = err < best_err
+            best = torch.where(better, (q - z).double() * s.double(), best)
+            best_err = torch.where(better, err, best_err)
+    model.lm_head.weight = torch.nn.Parameter(best.reshape(v, h).float(), requires_grad=False)
 
 
 class Int4HeadReference(HFReference):
@@ -194,7 +212,7 @@ class FakeQuantReference(HFReference):
                 for linear in layer_linears(config):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
         if int4_head:
-            fake_quant_lm_head_int4(model)
+            fake_quant_lm_head_int4(model, head_input_ranges(folder))
         elif int8_head:
             fake_quant_lm_head(model, head_input_ranges(folder))
         model.generation_config.eos_token_id = None

@@ -17,11 +17,12 @@ cpu vendor the int8 product is exact (int32) on its VNNI kernel.
 - `auto` (the default): int8 when the checkpoint is quantised (`quant_method` "awq" or
   "smooth_quant"), float otherwise.
 - int4 (opt-in, never `auto`'s choice): the head as a W4A16 weight, `weight_quant_matmul` against
-  the weight rounded to 4 bits per group of INT4_GROUP input channels (asymmetric, the rule
-  `python -m dlinfer quantize --method rtn` writes checkpoints by: dlinfer/quantize/awq.py
-  `quant_params`, scales in the head's dtype), repacked once to the vendor's layout; activations
-  stay float, never smoothed (below). About 4.75 bits a weight in the cpu vendor's k_interleaved
-  layout where int8 reads 8: a third of a Llama-3.2-1B W4A16 decode step's bytes is its int8 head.
+  the weight rounded to 4 bits per group of INT4_GROUP input channels (asymmetric, the rounding
+  `python -m dlinfer quantize --method rtn` uses: dlinfer/quantize/awq.py `quant_params`; with the
+  calibration ranges a clipping search, `int4_rounding`), repacked once to the vendor's layout;
+  activations stay float, never smoothed (below). 4.625-4.75 bits a weight in the cpu vendor's
+  layouts (scales: `int4_scale_dtype`) where int8 reads 8: a third of a Llama-3.2-1B W4A16 decode
+  step's bytes is its int8 head.
   It rounds more than llama.cpp's usual head (Q6_K in its Q4_0 / Q4_K_M files): the perplexity it
   costs is in docs/lmdeploy.md.
 - smoothing (the int8 head): when the model folder holds the head input's calibration ranges
@@ -146,16 +147,82 @@ class Int8LMHead(_QuantisedLMHead):
         return dlinfer.ops.linear_w8a8(xq, self.qweight, xscale, self.scale, self.out_dtype, bias=self.bias)
 
 
-def quantize_groups(weight: torch.Tensor, group_size: int,
-                    scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [V, H] float -> (qweight int32 [H, V/8], scales [H/g, V] scale_dtype, qzeros int32
-    [H/g, V/8]): the W4A16 op's AWQ layout of the 4-bit rule (dlinfer/quantize/awq.py
-    `quant_params`: per group of `group_size` input channels, asymmetric, the scale rounded to
-    scale_dtype before the weights are), before the vendor's repack."""
-    from dlinfer.quantize.pack import awq_tensors
+CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(9))  # the int4 head's clipping search: 1.0 .. 0.8
+_CLIP_ROWS = 8192  # head rows a pass of the search holds (its float32 temporaries: ~H * 32 KB each)
 
-    packed = awq_tensors(weight.detach(), group_size, scale_dtype)
-    return packed["qweight"], packed["scales"], packed["qzeros"]
+
+def int4_rounding(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
+                  importance: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [V, H] -> (q int32 [V, H] in 0..15, zero int32 [V, H/g], scale float32 [V, H/g] holding
+    scale_dtype values): asymmetric 4 bits per group of g = group_size input channels. Without
+    `importance` the rule of dlinfer/quantize/awq.py `quant_params` (lo, hi the group's min and max,
+    s = (hi - lo) / 15 rounded to scale_dtype, z = round(-lo / s), q = round(w / s) + z, clamped to
+    0..15; float32, half to even). With `importance` ([H] >= 0, a weight per input channel) each
+    group takes, of lo and hi scaled by each of CLIP_RATIOS (1.0 first), the pair whose rounding
+    has the least sum over the group of importance_j * (dequantised - w_j)^2 (ties: the earlier
+    ratio)."""
+    v, h = weight.shape
+    n_groups = h // group_size
+    device = weight.device
+    q = torch.empty(v, h, dtype=torch.int32, device=device)
+    zero = torch.empty(v, n_groups, dtype=torch.int32, device=device)
+    scale = torch.empty(v, n_groups, dtype=torch.float32, device=device)
+    ratios = CLIP_RATIOS if importance is not None else (1.0,)
+    imp = None if importance is None else importance.float().to(device).reshape(1, n_groups, group_size)
+    for r0 in range(0, v, _CLIP_ROWS):
+        g = weight[r0:r0 + _CLIP_ROWS].detach().float().reshape(-1, n_groups, group_size)
+        lo0, hi0 = g.amin(-1), g.amax(-1)
+        best_err = None
+        for ratio in ratios:
+            lo, hi = lo0 * ratio, hi0 * ratio
+            s = ((hi - lo).clamp(min=1e-5) / 15).to(scale_dtype).float()
+            z = torch.round(-lo / s).clamp(0, 15)
+            qq = (torch.round(g / s[..., None]) + z[..., None]).clamp(0, 15)
+            if imp is None:
+                take = None
+            else:
+                err = (((qq - z[..., None]) * s[..., None] - g) ** 2 * imp).sum(-1)
+                take = None if best_err is None else err < best_err
+                best_err = err if best_err is None else torch.where(take, err, best_err)
+            rows = slice(r0, r0 + g.shape[0])
+            if take is None:
+                q[rows], zero[rows], scale[rows] = qq.reshape(-1, h).to(torch.int32), z.to(torch.int32), s
+            else:
+                q[rows] = torch.where(take[..., None], qq, q[rows].reshape(-1, n_groups, group_size)).reshape(-1, h)
+                zero[rows] = torch.where(take, z.to(torch.int32), zero[rows])
+                scale[rows] = torch.where(take, s, scale[rows])
+    return q, zero, scale
+
+
+def quantize_groups(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
+                    importance: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [V, H] float -> (qweight int32 [H, V/8], scales [H/g, V] scale_dtype, qzeros int32
+    [H/g, V/8]): `int4_rounding` in the W4A16 op's AWQ layout, before the vendor's repack. Rounded
+    and packed _CLIP_ROWS head rows at a time (a chunk's rows are a slice of V), so the transient
+    memory is a chunk's, not a float32 copy of the whole head."""
+    from dlinfer.vendor.w4_layouts import pack
+
+    v, h = weight.shape
+    device = weight.device
+    qweight = torch.empty(h, v // 8, dtype=torch.int32, device=device)
+    scales = torch.empty(h // group_size, v, dtype=scale_dtype, device=device)
+    qzeros = torch.empty(h // group_size, v // 8, dtype=torch.int32, device=device)
+    for r0 in range(0, v, _CLIP_ROWS):
+        r1 = min(v, r0 + _CLIP_ROWS)
+        q, zero, scale = int4_rounding(weight[r0:r1], group_size, scale_dtype, importance)
+        qweight[:, r0 // 8:r1 // 8] = pack(q.T.contiguous())
+        qzeros[:, r0 // 8:r1 // 8] = pack(zero.T.contiguous())
+        scales[:, r0:r1] = scale.T.to(scale_dtype)
+    return qweight, scales, qzeros
+
+
+def int4_scale_dtype(head_dtype: torch.dtype, weight: torch.Tensor) -> torch.dtype:
+    """The int4 head's scale dtype: the head's for bfloat16 and float16; for float32 float16 (as
+    AWQ checkpoints store them: 4.625 bits a weight instead of 5.125 in the cpu vendor's
+    column_tiled layout), unless a group's range would overflow it (max |w| past 2**18)."""
+    if head_dtype != torch.float32:
+        return head_dtype
+    return torch.float16 if float(weight.detach().abs().max()) < 2.0**18 else torch.float32
 
 
 def int4_refusal(weight: torch.Tensor) -> Optional[str]:
@@ -168,24 +235,33 @@ def int4_refusal(weight: torch.Tensor) -> Optional[str]:
 
 class Int4LMHead(_QuantisedLMHead):
     """logits [..., V] = weight_quant_matmul(x [..., H], the head rounded to 4 bits per group of
-    INT4_GROUP input channels) (+ bias [V]), in x's dtype. Never smoothed: the int8 head's smoothing
-    balances the input's per-token rounding against the weight's, and this head does not round its
-    input; on SmolLM2's AWQ checkpoint it made the head's loss 3x worse (+13.9% perplexity against
-    +4.5% unsmoothed, docs/lmdeploy.md). The scales are in the head's dtype. `qweight`, `scales` and
-    `qzeros` are what the vendor's `repack_weight_quant` returned (the cpu vendor: its
-    k_interleaved or column_tiled layout; dlinfer/tools/decode_timing.py counts their bytes)."""
+    INT4_GROUP input channels) (+ bias [V]), in x's dtype. With `input_absmax` ([H], the head
+    input's calibration ranges) each group's clipping is searched with max|x_j|^2 as channel j's
+    weight (`int4_rounding`): on SmolLM2's AWQ checkpoint the head's perplexity cost fell from
+    +4.5-7.9% to +2.6-3.6% (docs/lmdeploy.md). Never smoothed: the int8 head's smoothing balances
+    the input's per-token rounding against the weight's, and this head does not round its input;
+    on that checkpoint it made the head's loss 3x worse. The scales are in `int4_scale_dtype`.
+    `qweight`, `scales` and `qzeros` are what the vendor's `repack_weight_quant` returned (the cpu
+    vendor: its k_interleaved or column_tiled layout; dlinfer/tools/decode_timing.py counts their
+    bytes)."""
 
     kind = "int4"
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], tied: bool):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], tied: bool,
+                 input_absmax: Optional[torch.Tensor] = None):
+        if input_absmax is not None and tuple(input_absmax.shape) != (weight.shape[1],):
+            raise ValueError(f"Int4LMHead: input_absmax must be [{weight.shape[1]}] (the head's input features), "
+                             f"got {list(input_absmax.shape)}")
+        self.importance = None if input_absmax is None else input_absmax.detach().float().to(weight.device) ** 2
         super().__init__(weight, bias, tied, smooth=None)
 
     def _quantise(self, weight: torch.Tensor) -> None:
         why_not = int4_refusal(weight)
         if why_not is not None:
             raise ValueError(f"Int4LMHead: {why_not}")
+        scale_dtype = int4_scale_dtype(self.out_dtype, weight)
         qweight, scales, qzeros = dlinfer.ops.repack_weight_quant(
-            *quantize_groups(weight, INT4_GROUP, self.out_dtype), group_size=INT4_GROUP)
+            *quantize_groups(weight, INT4_GROUP, scale_dtype, self.importance), group_size=INT4_GROUP)
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("qzeros", qzeros, persistent=False)
@@ -194,12 +270,15 @@ class Int4LMHead(_QuantisedLMHead):
         return dlinfer.ops.weight_quant_matmul(self._input(x), self.qweight, self.scales, self.qzeros, bias=self.bias,
                                                group_size=INT4_GROUP)
 
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", clipped by the input's ranges={self.importance is not None}"
+
 
 HEADS = {"int8": Int8LMHead, "int4": Int4LMHead}
 
 
 def _float_head(module) -> Optional[str]:
-    """None if `module` is an LMDeploy float linear the int8 head can replace, else why not."""
+    """None if `module` is an LMDeploy float linear a quantised head can replace, else why not."""
     from lmdeploy.pytorch.nn.linear.default import BaseLinear
 
     if type(module) is not BaseLinear:
@@ -226,9 +305,12 @@ def _tied_to(model: torch.nn.Module, name: str, weight: torch.Tensor) -> Optiona
 
 def install(model: torch.nn.Module, input_absmax: Optional[torch.Tensor] = None, kind: str = "int8") -> int:
     """Replace every `lm_head` submodule of `model` (a text model's, a VLM's language model's) by
-    the `kind` head (HEADS: "int8" or "int4"); an int8 head is smoothed when `input_absmax` ([H],
-    the head input's calibration ranges) is given and matches the head's input features. Returns
-    how many. A head that cannot be replaced stays float, with a warning."""
+    the `kind` head (HEADS: "int8" or "int4"); when `input_absmax` ([H], the head input's
+    calibration ranges) is given and matches the head's input features, an int8 head is smoothed
+    by it and an int4 head's clipping searched with it. Returns how many. A head that cannot be
+    replaced stays float, with a warning."""
+    if kind not in HEADS:
+        raise ValueError(f"install: kind must be one of {', '.join(HEADS)}, got {kind!r}")
     heads = [(name, mod) for name, mod in model.named_modules() if name.rpartition(".")[2] == "lm_head"]
     replaced = 0
     for name, head in heads:
@@ -242,23 +324,26 @@ def install(model: torch.nn.Module, input_absmax: Optional[torch.Tensor] = None,
         table = _tied_to(model, name, head.weight)
         tied = table is not None
         weight = table if tied else head.weight
-        smooth = None
-        if input_absmax is not None and kind == "int8":
+        ranges = None
+        if input_absmax is not None:
             if input_absmax.shape[0] == weight.shape[1]:
-                smooth = head_stats.smoothing(input_absmax, weight)
+                ranges = input_absmax
             else:
-                log.warning("%s=%s: %s not smoothed: the input ranges have %d channels, the head %d", ENV, kind, name,
+                log.warning("%s=%s: %s: the input ranges have %d channels, the head %d: not used", ENV, kind, name,
                             input_absmax.shape[0], weight.shape[1])
         if kind == "int8":
+            smooth = None if ranges is None else head_stats.smoothing(ranges, weight)
             new_head = Int8LMHead(weight, head.bias, tied, smooth)
         else:
-            new_head = Int4LMHead(weight, head.bias, tied)
+            log.info("%s=int4: rounding %s [%d, %d] to 4 bits%s ...", ENV, name, weight.shape[0], weight.shape[1],
+                     ", searching each group's clipping" if ranges is not None else "")
+            new_head = Int4LMHead(weight, head.bias, tied, ranges)
         setattr(parent, "lm_head", new_head)
         replaced += 1
+        used = "" if ranges is None else f", {'smoothed' if kind == 'int8' else 'clipped'} by the calibration ranges"
         log.info("%s=%s: %s is %s [%d, %d] (%s%s)", ENV, kind, name, kind, new_head.out_features,
                  new_head.in_features,
-                 "tied: the float embedding table kept for lookups" if tied else "the float weight freed",
-                 ", smoothed by the calibration ranges" if smooth is not None else "")
+                 "tied: the float embedding table kept for lookups" if tied else "the float weight freed", used)
     if not heads:
         log.warning("%s=%s: the model has no lm_head; nothing quantised", ENV, kind)
     return replaced
@@ -266,8 +351,8 @@ def install(model: torch.nn.Module, input_absmax: Optional[torch.Tensor] = None,
 
 def apply_for_engine(model: torch.nn.Module, model_config, option: str, weights_loaded: bool,
                      model_path: Optional[str] = None) -> str:
-    """After the weights load: the head `option` asks for (`choose`), an int8 one smoothed by the
-    ranges in `model_path` when it has them (a bad ranges file is a ValueError naming it); returns "int8",
+    """After the weights load: the head `option` asks for (`choose`), using the ranges in
+    `model_path` when it has them (`install`) (a bad ranges file is a ValueError naming it); returns "int8",
     "int4" or "float"."""
     quant = getattr(model_config, "quant_config", None)
     head = choose(option, getattr(quant, "quant_method", None))
@@ -277,7 +362,7 @@ def apply_for_engine(model: torch.nn.Module, model_config, option: str, weights_
     if head in HEADS:
         ranges = None
         hidden = getattr(model_config, "hidden_size", None)
-        if model_path is not None and hidden and head == "int8":
+        if model_path is not None and hidden:
             ranges = head_stats.load(model_path, hidden)
         if install(model, ranges, head) == 0:
             return "float"

@@ -45,7 +45,7 @@ PATCHES = (
     window_cache,      # models windowing only some layers (Gemma 2/3) keep their whole KV history
     mla_bmm,           # DeepSeek's per-head latent products traceable in graph mode
     weight_reads,      # safetensors shards read tensor by tensor, not mapped (CPU): no file pages on top of the weights
-    lm_head,           # DLINFER_LM_HEAD: the LM head quantised to int8 after loading (quantised checkpoints)
+    lm_head,           # DLINFER_LM_HEAD: the LM head quantised to int8 (or int4) after loading
     huge_pages,        # DLINFER_HUGE_PAGES: the built model's weights moved onto 2 MB pages (CPU)
     openmp_pool,       # one OpenMP worker pool: the warm-up thread's is freed after warm-up
     mp_engine,         # the multi-process engine's child imports the adaptor, exits with its parent
