@@ -515,8 +515,8 @@ def main(argv=None) -> int:
                         help="also run llama.cpp at f32, bf16, q8_0 and q4_1 (needs llama-cpp-python; SmolLM2 only)")
     parser.add_argument("--llama-bench", default="",
                         help="comma-separated llama.cpp kinds to time with llama.cpp's own llama-bench at batch 1 "
-                             "(f32, bf16, q8_0, q4_0, q4_k_m, q4_1; GGUFs converted from --model; needs a built tree: "
-                             "benchmarks/llama_bench.py)")
+                             "(f32, bf16, q8_0, q4_0, q4_k_m, q4_1, q4_0-q4head; GGUFs converted from --model; needs a "
+                             "built tree: benchmarks/llama_bench.py)")
     parser.add_argument("--llama-cpp-dir", default=None, help="the llama.cpp tree for --llama-bench "
                                                               "(default $LLAMA_CPP_DIR)")
     add_w4_arguments(parser)

@@ -14,7 +14,8 @@ machine: a 2-core Intel Xeon with AMX"), then `LLAMA_CPP_DIR=<that tree>` or `--
 
 GGUFs are made from the same HF folder the other sides run, cached beside it as
 `<folder>.<kind>.gguf`: f32 / bf16 / q8_0 by the tree's `convert_hf_to_gguf.py` (its own `gguf-py`
-on PYTHONPATH), Q4_0 / Q4_K_M / Q4_1 by `llama-quantize` from the bf16 one. A decode rate is
+on PYTHONPATH), Q4_0 / Q4_K_M / Q4_1 by `llama-quantize` from the bf16 one (their LM head in Q6_K, as
+llama-quantize chooses; `q4_0-q4head`: Q4_0 with the head in Q4_0 too). A decode rate is
 `llama-bench -m GGUF -p 0 -n N -t THREADS -r 1 -o csv`: N new tokens from an empty context,
 tokens/s as llama-bench reports it (`avg_ts`).
 """
@@ -29,7 +30,11 @@ import sys
 from pathlib import Path
 
 CONVERTED = {"f32": "f32", "bf16": "bf16", "q8_0": "q8_0"}  # convert_hf_to_gguf --outtype
-QUANTIZED = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M", "q4_1": "Q4_1"}  # llama-quantize type, from the bf16 GGUF
+# llama-quantize type and options, from the bf16 GGUF. llama-quantize keeps the LM head (`output`, or a tied
+# `token_embd`) in Q6_K; `q4_0-q4head` asks for Q4_0 there too (`--output-tensor-type`), the like-for-like
+# side of dlinfer's opt-in int4 head.
+QUANTIZED = {"q4_0": ("Q4_0", ()), "q4_k_m": ("Q4_K_M", ()), "q4_1": ("Q4_1", ()),
+             "q4_0-q4head": ("Q4_0", ("--output-tensor-type", "q4_0"))}
 KINDS = (*CONVERTED, *QUANTIZED)
 
 
@@ -66,8 +71,9 @@ class LlamaCpp:
                             str(partial), "--outtype", CONVERTED[kind]], check=True, env=env, stdout=sys.stderr)
         else:
             source = self.gguf(folder, "bf16", log)
-            log(f"[llama.cpp] quantizing {source.name} to {QUANTIZED[kind]}")
-            subprocess.run([str(self.quantize), str(source), str(partial), QUANTIZED[kind]], check=True,
+            qtype, options = QUANTIZED[kind]
+            log(f"[llama.cpp] quantizing {source.name} to {qtype} {' '.join(options)}".rstrip())
+            subprocess.run([str(self.quantize), *options, str(source), str(partial), qtype], check=True,
                            stdout=sys.stderr, stderr=sys.stderr)
         partial.replace(out)
         return out
