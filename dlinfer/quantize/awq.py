@@ -24,11 +24,20 @@ def quant_params(w, group_size: int, scale_dtype):
 
     n, k = w.shape
     g = w.float().reshape(n, k // group_size, group_size)
-    hi, lo = g.amax(-1), g.amin(-1)
+    q, zero, scale = round_groups(g, g.amin(-1), g.amax(-1), scale_dtype)
+    return q.reshape(n, k).to(torch.int32), zero.to(torch.int32), scale
+
+
+def round_groups(g, lo, hi, scale_dtype):
+    """The rounding of `quant_params` for groups `g [..., G, g]` (float32) between `lo` and `hi`
+    ([..., G]: the groups' min and max, or a clipped range): (q, zero, scale) float32, q [..., G, g]
+    and zero in 0..QMAX, scale = (hi - lo) / QMAX rounded to `scale_dtype`."""
+    import torch
+
     scale = ((hi - lo).clamp(min=1e-5) / QMAX).to(scale_dtype).float()
     zero = torch.round(-lo / scale).clamp(0, QMAX)
     q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, QMAX)
-    return q.reshape(n, k).to(torch.int32), zero.to(torch.int32), scale
+    return q, zero, scale
 
 
 def fake_quant(w, group_size: int, scale_dtype):

@@ -180,10 +180,10 @@ def head_calls(monkeypatch):
     return calls
 
 
-def _run(folder, monkeypatch, **engine):
+def _run(folder, monkeypatch, prompts=PROMPTS, **engine):
     monkeypatch.setenv(lm_head.ENV, "int4")
     with cpu_pipeline(folder, enable_prefix_caching=False, **engine) as pipe:
-        results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+        results = greedy_generate(pipe, prompts, NEW_TOKENS)
         runner = pipe.async_engine.engine.executor.model_agent.patched_model
         model = runner.get_model() if hasattr(runner, "get_model") else runner
         head, embedding = model.lm_head, model.get_input_embeddings().weight
@@ -232,11 +232,7 @@ def test_int4_head_on_an_awq_checkpoint(monkeypatch, head_calls):
 
     folder = quantized_model("llama", "awq", group_size=64)
     assert (folder / "lm_head_input_absmax.safetensors").is_file()
-    monkeypatch.setenv(lm_head.ENV, "int4")
-    with cpu_pipeline(folder, enable_prefix_caching=False) as pipe:
-        results = greedy_generate(pipe, QUANTIZED_PROMPTS, NEW_TOKENS)
-        runner = pipe.async_engine.engine.executor.model_agent.patched_model
-        head = (runner.get_model() if hasattr(runner, "get_model") else runner).lm_head
+    results, head, _ = _run(folder, monkeypatch, prompts=QUANTIZED_PROMPTS)
     assert isinstance(head, lm_head.Int4LMHead) and head.smooth is None and head.importance is not None
     assert head_calls.count(head.qweight.data_ptr()) >= NEW_TOKENS
     assert_matches_hf(results, _reference("quant-int4", folder), NEW_TOKENS)

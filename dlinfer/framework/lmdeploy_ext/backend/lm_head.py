@@ -148,50 +148,35 @@ class Int8LMHead(_QuantisedLMHead):
 
 
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(9))  # the int4 head's clipping search: 1.0 .. 0.8
-_CLIP_ROWS = 8192  # head rows a pass of the search holds (its float32 temporaries: ~H * 32 KB each)
+_CLIP_ROWS = 8192  # head rows rounded at a time (int4_rounding's float32 temporaries: ~H * 32 KB each)
 
 
 def int4_rounding(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
                   importance: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [V, H] -> (q int32 [V, H] in 0..15, zero int32 [V, H/g], scale float32 [V, H/g] holding
     scale_dtype values): asymmetric 4 bits per group of g = group_size input channels. Without
-    `importance` the rule of dlinfer/quantize/awq.py `quant_params` (lo, hi the group's min and max,
-    s = (hi - lo) / 15 rounded to scale_dtype, z = round(-lo / s), q = round(w / s) + z, clamped to
-    0..15; float32, half to even). With `importance` ([H] >= 0, a weight per input channel) each
-    group takes, of lo and hi scaled by each of CLIP_RATIOS (1.0 first), the pair whose rounding
-    has the least sum over the group of importance_j * (dequantised - w_j)^2 (ties: the earlier
-    ratio)."""
+    `importance` the rule of dlinfer/quantize/awq.py `quant_params`; with it ([H] >= 0, a weight
+    per input channel) each group takes, of its min and max scaled by each of CLIP_RATIOS (1.0
+    first), the pair whose rounding (`awq.round_groups`) has the least sum over the group of
+    importance_j * (dequantised - w_j)^2 (ties: the earlier ratio). Holds float32 temporaries of
+    the whole `weight`: quantize_groups calls it _CLIP_ROWS rows at a time."""
+    from dlinfer.quantize.awq import round_groups
+
     v, h = weight.shape
-    n_groups = h // group_size
-    device = weight.device
-    q = torch.empty(v, h, dtype=torch.int32, device=device)
-    zero = torch.empty(v, n_groups, dtype=torch.int32, device=device)
-    scale = torch.empty(v, n_groups, dtype=torch.float32, device=device)
-    ratios = CLIP_RATIOS if importance is not None else (1.0,)
-    imp = None if importance is None else importance.float().to(device).reshape(1, n_groups, group_size)
-    for r0 in range(0, v, _CLIP_ROWS):
-        g = weight[r0:r0 + _CLIP_ROWS].detach().float().reshape(-1, n_groups, group_size)
-        lo0, hi0 = g.amin(-1), g.amax(-1)
-        best_err = None
-        for ratio in ratios:
-            lo, hi = lo0 * ratio, hi0 * ratio
-            s = ((hi - lo).clamp(min=1e-5) / 15).to(scale_dtype).float()
-            z = torch.round(-lo / s).clamp(0, 15)
-            qq = (torch.round(g / s[..., None]) + z[..., None]).clamp(0, 15)
-            if imp is None:
-                take = None
-            else:
-                err = (((qq - z[..., None]) * s[..., None] - g) ** 2 * imp).sum(-1)
-                take = None if best_err is None else err < best_err
-                best_err = err if best_err is None else torch.where(take, err, best_err)
-            rows = slice(r0, r0 + g.shape[0])
-            if take is None:
-                q[rows], zero[rows], scale[rows] = qq.reshape(-1, h).to(torch.int32), z.to(torch.int32), s
-            else:
-                q[rows] = torch.where(take[..., None], qq, q[rows].reshape(-1, n_groups, group_size)).reshape(-1, h)
-                zero[rows] = torch.where(take, z.to(torch.int32), zero[rows])
-                scale[rows] = torch.where(take, s, scale[rows])
-    return q, zero, scale
+    g = weight.detach().float().reshape(v, h // group_size, group_size)
+    lo0, hi0 = g.amin(-1), g.amax(-1)
+    imp = None if importance is None else importance.float().to(weight.device).reshape(1, -1, group_size)
+    q, zero, scale = round_groups(g, lo0, hi0, scale_dtype)
+    if imp is not None:
+        best_err = (((q - zero[..., None]) * scale[..., None] - g) ** 2 * imp).sum(-1)
+        for ratio in CLIP_RATIOS[1:]:
+            qq, z, s = round_groups(g, lo0 * ratio, hi0 * ratio, scale_dtype)
+            err = (((qq - z[..., None]) * s[..., None] - g) ** 2 * imp).sum(-1)
+            take = err < best_err
+            best_err = torch.where(take, err, best_err)
+            q = torch.where(take[..., None], qq, q)
+            zero, scale = torch.where(take, z, zero), torch.where(take, s, scale)
+    return q.reshape(v, h).to(torch.int32), zero.to(torch.int32), scale
 
 
 def quantize_groups(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
@@ -351,9 +336,9 @@ def install(model: torch.nn.Module, input_absmax: Optional[torch.Tensor] = None,
 
 def apply_for_engine(model: torch.nn.Module, model_config, option: str, weights_loaded: bool,
                      model_path: Optional[str] = None) -> str:
-    """After the weights load: the head `option` asks for (`choose`), using the ranges in
-    `model_path` when it has them (`install`) (a bad ranges file is a ValueError naming it); returns "int8",
-    "int4" or "float"."""
+    """After the weights load: the head `option` asks for (`choose`), given the ranges in
+    `model_path` when it has them (`install`; a bad ranges file is a ValueError naming it); returns
+    "int8", "int4" or "float"."""
     quant = getattr(model_config, "quant_config", None)
     head = choose(option, getattr(quant, "quant_method", None))
     if head in HEADS and not weights_loaded:
