@@ -2,7 +2,7 @@
 interleaved with them in this process.
 
     .venv/bin/python benchmarks/bench_weight_stream.py [--models 1b,3b,8b] [--kernels f32,bf16,w8a8,w4-ct,w4-ki]
-        [--rows 1,4] [--rounds 5] [--linears qkv,o,gate_up,down,head] [--4k-pages]
+        [--rows 1,4] [--rounds 5] [--linears qkv,o,gate_up,down,head] [--4k-pages] [--hot MB] [--threads T]
 
 Shapes: the linears LMDeploy runs per layer of Llama-3.2-1B (hidden 2048, MLP 8192, 32 / 8 heads
 of 64), Llama-3.2-3B (3072, 8192, 24 / 8 of 128) and Llama-3-8B (4096, 14336, 32 / 8 of 128):
@@ -19,6 +19,13 @@ Kernels (the cpu vendor's functions, as the engine calls them):
   bfloat16 activations as a bf16 checkpoint's model runs them, `--w4-activations float32` for a
   float32 model's; k_interleaved only where the CPU has AVX-512 VNNI).
 GB/s counts every byte a call must read (weights, scales, zero points).
+
+`--hot MB` asks what a kernel reads when memory is not the limit: each side's weight is cut to at
+most MB (fewer output rows N, the same K) and that one copy is called again and again, so it stays
+in cache (2 MB: each thread's half in its L2; 16 MB: the L3). Its rate against the probe is the
+kernel's ceiling at that M: below 1/0.85 of the probe, the loop itself, not memory, keeps it under
+85% (docs/notes/cpu-ops.md, "Several rows: the loop's own ceiling"). `--threads T` runs the kernels
+on T threads (the probe keeps its explored configuration).
 
 Each round times the probe (`ReadProbe.measure`, its best configuration explored once at the
 start), then one pass of the side, then the probe again; a side's share is its rate over the mean
@@ -76,9 +83,9 @@ def _default_bytes() -> int:
     return max(1 << 30, int(2.5 * (machine.last_level_cache_bytes() or 0)))
 
 
-def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator):
+def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator, copies: int = 0):
     """(weights, bytes one call reads): distinct copies of one [N, K] weight as `kernel` reads it
-    (each a tuple of tensors), enough of them for `target` bytes."""
+    (each a tuple of tensors), enough of them for `target` bytes (or `copies` of them)."""
     if kernel in ("f32", "bf16"):
         dtype = torch.float32 if kernel == "f32" else torch.bfloat16
         first = ((torch.randn(n, k, generator=g) * 0.02).to(dtype),)
@@ -94,7 +101,7 @@ def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator):
         scale = (torch.rand(k // group, n, generator=g) * 0.02).half()
         first = (wq.k_interleaved(q, scale, zeros, group) if kernel == "w4-ki" else wq.column_tiled(q), scale, zeros)
     nbytes = sum(t.numel() * t.element_size() for t in (first[:1] if kernel == "w4-ki" else first))
-    copies = max(1, -(-target // nbytes))
+    copies = copies or max(1, -(-target // nbytes))
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)], nbytes
 
 
@@ -164,6 +171,9 @@ def main(argv=None) -> int:
     parser.add_argument("--bytes", type=float, default=None, help="GB read per pass of a side (default: see above)")
     parser.add_argument("--w4-activations", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the W4A16 sides' activation dtype (default: bfloat16, as a bf16 checkpoint runs)")
+    parser.add_argument("--hot", type=float, default=None, metavar="MB",
+                        help="the kernels' ceiling from cache: each weight cut to at most MB, one copy called again")
+    parser.add_argument("--threads", type=int, default=None, help="threads for the kernels (default: torch's)")
     parser.add_argument("--4k-pages", dest="small_pages", action="store_true",
                         help="leave the weights on the allocator's pages (default: moved onto 2 MB pages)")
     args = parser.parse_args(argv)
@@ -186,6 +196,8 @@ def main(argv=None) -> int:
     probe = read_probe.ReadProbe()
     exploration = probe.explore()
     print(f"read-bandwidth probe: {read_probe.summary(exploration)}", file=sys.stderr, flush=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     results: Dict[tuple, Tuple[Result, int]] = {}
     with dlinfer.vendor.using("cpu"):
@@ -193,12 +205,14 @@ def main(argv=None) -> int:
             model = MODELS[mname]
             for kernel in kernels:
                 for lname in args.linears.split(","):
-                    k, n = model.linears()[lname]
-                    weights, nbytes = make_weights(kernel, k, n, target, g)
+                    k, n = shape(model, lname, kernel, args.hot)
+                    weights, nbytes = make_weights(kernel, k, n, target, g, copies=1 if args.hot else 0)
                     if not args.small_pages:
                         move_to_huge_pages([t for w in weights for t in w])
                     for m in rows:
                         calls = make_calls(kernel, weights, m, k, g, getattr(torch, args.w4_activations))
+                        if args.hot:  # the one copy, called until a pass has read `target` bytes
+                            calls = calls * max(1, target // nbytes)
                         res = measure(calls, nbytes, probe, args.rounds)
                         results[(mname, kernel, lname, m)] = (res, nbytes)
                         print(f"{mname} {kernel} {lname} [{k} -> {n}] M={m}: {res.rate / 1e9:.1f} GB/s, "
@@ -208,21 +222,36 @@ def main(argv=None) -> int:
     return 0
 
 
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "w8a8": 1.0, "w4-ct": 0.5, "w4-ki": 0.5}
+
+
+def shape(model: Model, lname: str, kernel: str, hot_mb) -> Tuple[int, int]:
+    """(K, N) of a side: the model's, or with `hot_mb` N cut (to a multiple of 64) so the weight
+    takes at most that many MB."""
+    k, n = model.linears()[lname]
+    if hot_mb:
+        n = min(n, max(64, int(hot_mb * 1e6 / (k * BYTES_PER_WEIGHT[kernel])) // 64 * 64))
+    return k, n
+
+
 def report(results, models, kernels, rows, exploration, target, args) -> None:
     from dlinfer.vendor.cpu import read_probe
 
     pages = "the allocator's pages" if args.small_pages else "2 MB pages"
+    source = (f"one copy of at most {args.hot:g} MB per side called again (from cache), {target / 1e9:.2f} GB a pass"
+              if args.hot else f">= {target / 1e9:.2f} GB of distinct copies per side")
     print(f"Weight-streaming kernels (cpu vendor), {torch.get_num_threads()} threads, weights on {pages}, "
-          f">= {target / 1e9:.2f} GB of distinct copies per side; probe: {read_probe.summary(exploration)}; "
-          f"{args.rounds} rounds\n")
+          f"{source}; probe: {read_probe.summary(exploration)}; {args.rounds} rounds\n")
     print("| model | kernel | linear [K -> N] | M | MB / call | us / call (min / median) | GB/s | probe GB/s | share |")
     print("|---|---|---|---|---|---|---|---|---|")
     for (mname, kernel, lname, m), (res, nbytes) in results.items():
-        k, n = MODELS[mname].linears()[lname]
+        k, n = shape(MODELS[mname], lname, kernel, args.hot)
         print(f"| {mname} | {kernel} | {lname} [{k} -> {n}] | {m} | {nbytes / 1e6:.1f} | {res.min_s * 1e6:.0f} / "
               f"{res.median_s * 1e6:.0f} | {res.rate / 1e9:.1f} | {res.probe / 1e9:.1f} | {res.share:.2f} "
               f"({res.best_share:.2f}) |")
-    print("\nA decode step's linears, weighted as the model calls them (layers x qkv, o, gate_up, down + head):\n")
+    cut = " (each cut as above: the step's ceiling from cache)" if args.hot else ""
+    print(f"\nA decode step's linears, weighted as the model calls them (layers x qkv, o, gate_up, down + head)"
+          f"{cut}:\n")
     print("| model | kernel | M | GB a step | ms a step (at the medians) | GB/s | share of the probe |")
     print("|---|---|---|---|---|---|---|")
     for mname in models:

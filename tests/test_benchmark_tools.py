@@ -64,3 +64,21 @@ def test_gguf_step_bytes_skips_an_unread_embedding(tmp_path):
     write(tmp_path / "untied.gguf", ["token_embd.weight", "blk.0.attn_q.weight", "output.weight"])
     assert gguf_step_bytes(tmp_path / "tied.gguf") == 2 * 8 * 16 * 4
     assert gguf_step_bytes(tmp_path / "untied.gguf") == 2 * 8 * 16 * 4
+
+
+@pytest.mark.parametrize("kernel", ["f32", "bf16", "w8a8", "w4-ct"])
+def test_hot_sides_fit_their_budget_and_keep_k(kernel):
+    """bench_weight_stream --hot: a side's weight is cut to fit the budget (N a multiple of 64, never
+    above the model's), K untouched, and without --hot the model's shape."""
+    import bench_weight_stream as bws
+
+    model = bws.MODELS["1b"]
+    for lname, (k, n) in model.linears().items():
+        assert bws.shape(model, lname, kernel, None) == (k, n)
+        hk, hn = bws.shape(model, lname, kernel, 2)
+        assert hk == k and hn % 64 == 0 and 64 <= hn <= n
+        assert hn * k * bws.BYTES_PER_WEIGHT[kernel] <= 2e6 or hn == 64
+        g = torch.Generator().manual_seed(0)
+        if lname == "qkv":  # the bytes make_weights reports for the cut side are the weight's own (and scales')
+            _, nbytes = bws.make_weights(kernel, hk, hn, 0, g, copies=1)
+            assert hn * k * bws.BYTES_PER_WEIGHT[kernel] <= nbytes <= 1.1 * hn * k * bws.BYTES_PER_WEIGHT[kernel]
