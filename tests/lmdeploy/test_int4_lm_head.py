@@ -85,12 +85,13 @@ def test_float32_heads_take_float16_scales_unless_they_overflow():
 
 
 def test_chunks_of_rows_give_the_whole_heads_tensors(monkeypatch):
-    """quantize_groups rounds and packs _CLIP_ROWS rows at a time: the same tensors as in one piece
+    """quantize_groups rounds and packs _clip_rows(H) rows at a time: the same tensors as in one piece
     (96 rows in chunks of 40, 40 and 16)."""
     g = torch.Generator().manual_seed(10)
     weight, absmax = torch.randn(96, 64, generator=g), torch.rand(64, generator=g)
     whole = lm_head.quantize_groups(weight, GROUP, torch.float16, absmax ** 2)
-    monkeypatch.setattr(lm_head, "_CLIP_ROWS", 40)
+    monkeypatch.setattr(lm_head, "_CLIP_BYTES", 40 * 4 * 64)
+    assert lm_head._clip_rows(64) == 40
     chunked = lm_head.quantize_groups(weight, GROUP, torch.float16, absmax ** 2)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 

@@ -148,7 +148,16 @@ class Int8LMHead(_QuantisedLMHead):
 
 
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(9))  # the int4 head's clipping search: 1.0 .. 0.8
-_CLIP_ROWS = 8192  # head rows rounded at a time (int4_rounding's float32 temporaries: ~H * 32 KB each)
+# int4_rounding's float32 temporaries ([rows, H] each) are kept to about this size: rounded 8192 rows
+# at a time a 1B head (H = 2048, 64 MB temporaries, past glibc's 32 MB ceiling for reusing freed
+# memory, so every one was mapped afresh) took 31.5 s with the clipping search; at 2 MB (256 rows,
+# in cache) 3.7-5.4 s (Zen 5 VM), the same tensors.
+_CLIP_BYTES = 2 << 20
+
+
+def _clip_rows(h: int) -> int:
+    """Head rows rounded at a time for hidden size h: a multiple of 8 (the packing's), at least 8."""
+    return max(8, _CLIP_BYTES // (4 * h) // 8 * 8)
 
 
 def int4_rounding(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
@@ -159,7 +168,7 @@ def int4_rounding(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtyp
     per input channel) each group takes, of its min and max scaled by each of CLIP_RATIOS (1.0
     first), the pair whose rounding (`awq.round_groups`) has the least sum over the group of
     importance_j * (dequantised - w_j)^2 (ties: the earlier ratio). Holds float32 temporaries of
-    the whole `weight`: quantize_groups calls it _CLIP_ROWS rows at a time."""
+    the whole `weight`: quantize_groups calls it a few rows at a time (`_clip_rows`)."""
     from dlinfer.quantize.awq import round_groups
 
     v, h = weight.shape
@@ -183,8 +192,8 @@ def quantize_groups(weight: torch.Tensor, group_size: int, scale_dtype: torch.dt
                     importance: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [V, H] float -> (qweight int32 [H, V/8], scales [H/g, V] scale_dtype, qzeros int32
     [H/g, V/8]): `int4_rounding` in the W4A16 op's AWQ layout, before the vendor's repack. Rounded
-    and packed _CLIP_ROWS head rows at a time (a chunk's rows are a slice of V), so the transient
-    memory is a chunk's, not a float32 copy of the whole head."""
+    and packed `_clip_rows(H)` head rows at a time (a chunk's rows are a slice of V), so the
+    transient memory is a chunk's (~2 MB a temporary), not a float32 copy of the whole head."""
     from dlinfer.vendor.w4_layouts import pack
 
     v, h = weight.shape
@@ -192,8 +201,9 @@ def quantize_groups(weight: torch.Tensor, group_size: int, scale_dtype: torch.dt
     qweight = torch.empty(h, v // 8, dtype=torch.int32, device=device)
     scales = torch.empty(h // group_size, v, dtype=scale_dtype, device=device)
     qzeros = torch.empty(h // group_size, v // 8, dtype=torch.int32, device=device)
-    for r0 in range(0, v, _CLIP_ROWS):
-        r1 = min(v, r0 + _CLIP_ROWS)
+    rows = _clip_rows(h)
+    for r0 in range(0, v, rows):
+        r1 = min(v, r0 + rows)
         q, zero, scale = int4_rounding(weight[r0:r1], group_size, scale_dtype, importance)
         qweight[:, r0 // 8:r1 // 8] = pack(q.T.contiguous())
         qzeros[:, r0 // 8:r1 // 8] = pack(zero.T.contiguous())
