@@ -20,12 +20,15 @@ Kernels (the cpu vendor's functions, as the engine calls them):
   float32 model's; k_interleaved only where the CPU has AVX-512 VNNI).
 GB/s counts every byte a call must read (weights, scales, zero points).
 
-`--hot MB` asks what a kernel reads when memory is not the limit: each side's weight is cut to at
-most MB (fewer output rows N, the same K) and that one copy is called again and again, so it stays
-in cache (2 MB: each thread's half in its L2; 16 MB: the L3). Its rate against the probe is the
-kernel's ceiling at that M: below 1/0.85 of the probe, the loop itself, not memory, keeps it under
-85% (docs/notes/cpu-ops.md, "Several rows: the loop's own ceiling"). `--threads T` runs the kernels
-on T threads (the probe keeps its explored configuration).
+`--hot MB` asks what a kernel reads when memory is not the limit: each side's weight is cut to about
+MB (fewer output rows N, a whole number of the layout's column tiles, at least one: so a side with a
+long K can pass MB) and that one copy is called again and again, so it stays in cache (2 MB: each
+thread's half in its 1 MB L2 on the Zen 5 VM; 12 MB: the L3). Its rate is the kernel's approximate
+ceiling at that M (the cut shape's fixed cost per call, and a cut that fills L2, can put it a little
+under what memory gives): at or below 0.85 of the probe the loop alone keeps the kernel under 85%;
+above it, what is missing is the overlap of loop and stream (docs/notes/cpu-ops.md, "Several rows:
+the loop's own ceiling"). The step table then weighs each side's rate by its uncut bytes. `--threads
+T` runs the kernels on T threads (the probe keeps its explored configuration).
 
 Each round times the probe (`ReadProbe.measure`, its best configuration explored once at the
 start), then one pass of the side, then the probe again; a side's share is its rate over the mean
@@ -223,14 +226,16 @@ def main(argv=None) -> int:
 
 
 BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "w8a8": 1.0, "w4-ct": 0.5, "w4-ki": 0.5}
+COLUMN_TILE = {"w4-ct": 128, "w4-ki": 64}  # the 4-bit layouts store N in tiles of this many columns
 
 
 def shape(model: Model, lname: str, kernel: str, hot_mb) -> Tuple[int, int]:
-    """(K, N) of a side: the model's, or with `hot_mb` N cut (to a multiple of 64) so the weight
-    takes at most that many MB."""
+    """(K, N) of a side: the model's, or with `hot_mb` N cut to a multiple of the layout's column
+    tile (64 for the dense kernels) so the weight takes at most that many MB (at least one tile)."""
     k, n = model.linears()[lname]
     if hot_mb:
-        n = min(n, max(64, int(hot_mb * 1e6 / (k * BYTES_PER_WEIGHT[kernel])) // 64 * 64))
+        tile = COLUMN_TILE.get(kernel, 64)
+        n = min(n, max(tile, int(hot_mb * 1e6 / (k * BYTES_PER_WEIGHT[kernel])) // tile * tile))
     return k, n
 
 
@@ -249,7 +254,7 @@ def report(results, models, kernels, rows, exploration, target, args) -> None:
         print(f"| {mname} | {kernel} | {lname} [{k} -> {n}] | {m} | {nbytes / 1e6:.1f} | {res.min_s * 1e6:.0f} / "
               f"{res.median_s * 1e6:.0f} | {res.rate / 1e9:.1f} | {res.probe / 1e9:.1f} | {res.share:.2f} "
               f"({res.best_share:.2f}) |")
-    cut = " (each cut as above: the step's ceiling from cache)" if args.hot else ""
+    cut = " (each cut side's time scaled to the whole linear: the step's ceiling from cache)" if args.hot else ""
     print(f"\nA decode step's linears, weighted as the model calls them (layers x qkv, o, gate_up, down + head)"
           f"{cut}:\n")
     print("| model | kernel | M | GB a step | ms a step (at the medians) | GB/s | share of the probe |")
@@ -262,8 +267,11 @@ def report(results, models, kernels, rows, exploration, target, args) -> None:
                 if any(r is None for _, r in parts):
                     continue
                 weight = {lname: (1 if lname == "head" else model.layers) for lname, _ in parts}
-                nbytes = sum(weight[lname] * nb for lname, (_, nb) in parts)
-                secs = sum(weight[lname] * r.median_s for lname, (r, _) in parts)
+                # a cut side (--hot) stands for the whole linear: its time scaled by the uncut rows
+                scale = {lname: model.linears()[lname][1] / shape(model, lname, kernel, args.hot)[1]
+                         for lname, _ in parts}
+                nbytes = sum(weight[lname] * scale[lname] * nb for lname, (_, nb) in parts)
+                secs = sum(weight[lname] * scale[lname] * r.median_s for lname, (r, _) in parts)
                 probe = statistics.median(r.probe for _, (r, _) in parts)
                 print(f"| {mname} | {kernel} | {m} | {nbytes / 1e9:.2f} | {secs * 1e3:.1f} | "
                       f"{nbytes / secs / 1e9:.1f} | "

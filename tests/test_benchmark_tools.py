@@ -66,19 +66,25 @@ def test_gguf_step_bytes_skips_an_unread_embedding(tmp_path):
     assert gguf_step_bytes(tmp_path / "untied.gguf") == 2 * 8 * 16 * 4
 
 
-@pytest.mark.parametrize("kernel", ["f32", "bf16", "w8a8", "w4-ct"])
+@pytest.mark.parametrize("kernel", ["f32", "bf16", "w8a8", "w4-ct", "w4-ki"])
 def test_hot_sides_fit_their_budget_and_keep_k(kernel):
-    """bench_weight_stream --hot: a side's weight is cut to fit the budget (N a multiple of 64, never
-    above the model's), K untouched, and without --hot the model's shape."""
+    """bench_weight_stream --hot: a side's weight is cut to fit the budget (N a whole number of the
+    layout's column tiles, at least one, never above the model's), K untouched, and the bytes one call
+    of the cut side reads are the cut weight's (no padding past N); without --hot the model's shape."""
     import bench_weight_stream as bws
 
+    from dlinfer.vendor.cpu import weight_quant as wq
+
+    if kernel == "w4-ki" and not wq.VNNI:
+        pytest.skip("k_interleaved needs AVX-512 VNNI")
     model = bws.MODELS["1b"]
+    tile = bws.COLUMN_TILE.get(kernel, 64)
+    g = torch.Generator().manual_seed(0)
     for lname, (k, n) in model.linears().items():
         assert bws.shape(model, lname, kernel, None) == (k, n)
         hk, hn = bws.shape(model, lname, kernel, 2)
-        assert hk == k and hn % 64 == 0 and 64 <= hn <= n
-        assert hn * k * bws.BYTES_PER_WEIGHT[kernel] <= 2e6 or hn == 64
-        g = torch.Generator().manual_seed(0)
-        if lname == "qkv":  # the bytes make_weights reports for the cut side are the weight's own (and scales')
-            _, nbytes = bws.make_weights(kernel, hk, hn, 0, g, copies=1)
-            assert hn * k * bws.BYTES_PER_WEIGHT[kernel] <= nbytes <= 1.1 * hn * k * bws.BYTES_PER_WEIGHT[kernel]
+        assert hk == k and hn % tile == 0 and tile <= hn <= n
+        weight_bytes = hn * k * bws.BYTES_PER_WEIGHT[kernel]
+        assert weight_bytes <= 2e6 or hn == tile
+        _, nbytes = bws.make_weights(kernel, hk, hn, 0, g, copies=1)
+        assert weight_bytes <= nbytes <= 1.1 * weight_bytes, (lname, hn, nbytes)

@@ -150,7 +150,7 @@ class Int8LMHead(_QuantisedLMHead):
 CLIP_RATIOS = tuple(1.0 - 0.025 * i for i in range(9))  # the int4 head's clipping search: 1.0 .. 0.8
 # int4_rounding's float32 temporaries ([rows, H] each) are kept to about this size: rounded 8192 rows
 # at a time a 1B head (H = 2048, 64 MB temporaries, past glibc's 32 MB ceiling for reusing freed
-# memory, so every one was mapped afresh) took 31.5 s with the clipping search; at 2 MB (256 rows,
+# memory, so every one was mapped afresh) took 30.4 s with the clipping search; at 2 MB (256 rows,
 # in cache) 3.7-5.4 s (Zen 5 VM), the same tensors.
 _CLIP_BYTES = 2 << 20
 
