@@ -100,3 +100,36 @@ def test_importing_the_lower_layers_patches_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_eager_ops_load_no_dynamo():
+    """`import dlinfer.ops`, a vendor and an eager op call leave torch._dynamo (with sympy and
+    Triton, ~1 s of start-up) unimported: only tracing needs it (ops/_dispatch.py)."""
+    code = ("import sys, torch, dlinfer.ops as ops, dlinfer.vendor as v; v.load('torch'); "
+            "ops.rms_norm(torch.randn(2, 64), torch.ones(64), 1e-6); "
+            "print(sorted(m for m in ('torch._dynamo', 'triton', 'sympy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_constant_mark_is_the_one_torch_sets():
+    """ops/_dispatch.py marks its traced-as-constant functions itself (torch's decorator imports
+    Dynamo): the mark must be exactly what torch.compiler.assume_constant_result sets."""
+    from dlinfer.ops import _dispatch
+
+    def theirs():
+        return 0
+
+    def ours():
+        return 0
+
+    assert torch_marked(theirs) is theirs and _dispatch._constant_result(ours) is ours
+    assert vars(theirs) == vars(ours) != {}
+    assert vars(_dispatch._Tracing.vendor) == vars(_dispatch._Tracing.supports) == vars(ours)
+
+
+def torch_marked(fn):
+    import torch
+
+    return torch.compiler.assume_constant_result(fn)

@@ -14,6 +14,16 @@ from dlinfer.vendor.base import Vendor
 from dlinfer.vendor.selection import resolve
 
 
+def _constant_result(fn: Callable) -> Callable:
+    """`torch.compiler.assume_constant_result` without its `import torch._dynamo`: that import
+    (Dynamo, sympy, Triton: ~1 s) would otherwise come with `import dlinfer.ops` in every process,
+    eager ones included, which never trace. In torch 2.13 the decorator only marks the function
+    (torch/_dynamo/decorators.py); tests/graph/test_backend.py checks that the mark set here is the
+    one torch's decorator sets, and the graph tests trace through these functions."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 class _Tracing:
     # Dynamo cannot trace a vendor's first load (importlib): with fullgraph=True, a model whose
     # first op call is compiled would fail. While tracing, the vendor is read once, as a constant
@@ -22,14 +32,14 @@ class _Tracing:
     # plain global of another module it is mis-guarded), and it must return a copy (the vendor
     # object also reached through the registry gets an identity guard naming a missing source).
     @staticmethod
-    @torch.compiler.assume_constant_result
+    @_constant_result
     def vendor(op: str, device_type: str) -> Vendor:
         return copy.copy(resolve(op, device_type)[1])
 
     # Membership in the vendor copy's frozenset of features fails to guard (Dynamo 2.13: a
     # constant source has no guard): the answer is read as a constant too.
     @staticmethod
-    @torch.compiler.assume_constant_result
+    @_constant_result
     def supports(vendor_name: str, feature: str) -> bool:
         return registry.load(vendor_name).supports(feature)
 
