@@ -104,7 +104,7 @@ def test_importing_the_lower_layers_patches_nothing():
 
 def test_eager_ops_load_no_dynamo():
     """`import dlinfer.ops`, a vendor and an eager op call leave torch._dynamo (with sympy and
-    Triton, ~1 s of start-up) unimported: only tracing needs it (ops/_dispatch.py)."""
+    Triton, ~1.4 s of start-up) unimported: only tracing needs it (ops/_dispatch.py)."""
     code = ("import sys, torch, dlinfer.ops as ops, dlinfer.vendor as v; v.load('torch'); "
             "ops.rms_norm(torch.randn(2, 64), torch.ones(64), 1e-6); "
             "print(sorted(m for m in ('torch._dynamo', 'triton', 'sympy') if m in sys.modules))")

@@ -16,9 +16,9 @@ from dlinfer.vendor.selection import resolve
 
 def _constant_result(fn: Callable) -> Callable:
     """`torch.compiler.assume_constant_result` without its `import torch._dynamo`: that import
-    (Dynamo, sympy, Triton: ~1 s) would otherwise come with `import dlinfer.ops` in every process,
+    (Dynamo, sympy, Triton: ~1.4 s) would otherwise come with `import dlinfer.ops` in every process,
     eager ones included, which never trace. In torch 2.13 the decorator only marks the function
-    (torch/_dynamo/decorators.py); tests/graph/test_backend.py checks that the mark set here is the
+    (torch/_dynamo/decorators.py); tests/test_layers.py checks that the mark set here is the
     one torch's decorator sets, and the graph tests trace through these functions."""
     fn._dynamo_marked_constant = True
     return fn
