@@ -19,7 +19,8 @@ def _constant_result(fn: Callable) -> Callable:
     (Dynamo, sympy, Triton: ~1.4 s) would otherwise come with `import dlinfer.ops` in every process,
     eager ones included, which never trace. In torch 2.13 the decorator only marks the function
     (torch/_dynamo/decorators.py); tests/test_layers.py checks that the mark set here is the
-    one torch's decorator sets, and the graph tests trace through these functions."""
+    one torch's decorator sets, and tests/graph/test_backend.py that a process's first op call
+    compiles with fullgraph (without the mark Dynamo meets the vendor's loading and fails)."""
     fn._dynamo_marked_constant = True
     return fn
 

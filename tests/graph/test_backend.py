@@ -24,6 +24,32 @@ def test_registered_as_dynamo_backend():
     assert lookup_backend("dlinfer") is dlinfer_backend
 
 
+_FIRST_CALL_TRACED = """
+import torch
+import dlinfer.ops as ops
+
+def norm(x, w):
+    return ops.rms_norm(x, w, 1e-6)
+
+x, w = torch.randn(3, 64), torch.rand(64) + 0.5
+got = torch.compile(norm, backend="dlinfer", fullgraph=True)(x, w)  # the process's first op call
+want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+torch.testing.assert_close(got, want)
+print("ok")
+"""
+
+
+def test_a_processs_first_op_call_compiles_fullgraph():
+    """While Dynamo traces a process's first op call, the vendor is loaded (an import, which Dynamo
+    cannot trace) inside a function marked constant (ops/_dispatch.py): fullgraph still captures
+    it. A fresh process, so no earlier call has loaded and cached the vendor."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_CALL_TRACED], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def stack():
     return DlinferLlamaStack(layers=2).eval()
