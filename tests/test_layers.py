@@ -116,6 +116,8 @@ def test_eager_ops_load_no_dynamo():
 def test_the_constant_mark_is_the_one_torch_sets():
     """ops/_dispatch.py marks its traced-as-constant functions itself (torch's decorator imports
     Dynamo): the mark must be exactly what torch.compiler.assume_constant_result sets."""
+    import torch
+
     from dlinfer.ops import _dispatch
 
     def theirs():
@@ -124,12 +126,6 @@ def test_the_constant_mark_is_the_one_torch_sets():
     def ours():
         return 0
 
-    assert torch_marked(theirs) is theirs and _dispatch._constant_result(ours) is ours
+    assert torch.compiler.assume_constant_result(theirs) is theirs and _dispatch._constant_result(ours) is ours
     assert vars(theirs) == vars(ours) != {}
     assert vars(_dispatch._Tracing.vendor) == vars(_dispatch._Tracing.supports) == vars(ours)
-
-
-def torch_marked(fn):
-    import torch
-
-    return torch.compiler.assume_constant_result(fn)

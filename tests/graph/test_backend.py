@@ -2,6 +2,8 @@
 eager (outputs and KV caches), passes firing on an HF layer, switches, vendor graph compilers."""
 
 import importlib.metadata
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -43,9 +45,6 @@ def test_a_processs_first_op_call_compiles_fullgraph():
     """While Dynamo traces a process's first op call, the vendor is loaded (an import, which Dynamo
     cannot trace) inside a function marked constant (ops/_dispatch.py): fullgraph still captures
     it. A fresh process, so no earlier call has loaded and cached the vendor."""
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", _FIRST_CALL_TRACED], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
