@@ -17,7 +17,9 @@ Kernels (the cpu vendor's functions, as the engine calls them):
 - w8a8: `linear_w8a8` (int8 weights, per-row scales, int8 activations; also the int8 LM head);
 - w4-ct / w4-ki: `weight_quant_matmul` on column_tiled / k_interleaved weights (group 128,
   bfloat16 activations as a bf16 checkpoint's model runs them, `--w4-activations float32` for a
-  float32 model's; k_interleaved only where the CPU has AVX-512 VNNI).
+  float32 model's; k_interleaved only where the CPU has AVX-512 VNNI);
+- w4-a8: the k_interleaved kernel with 8-bit activations (path 4, what
+  DLINFER_CPU_W4_ACTIVATIONS=int8 runs; AVX-512 VNNI).
 GB/s counts every byte a call must read (weights, scales, zero points).
 
 `--hot MB` asks what a kernel reads when memory is not the limit: each side's weight is cut to about
@@ -77,7 +79,7 @@ MODELS = {
     "3b": Model(3072, 8192, 24, 8, 128, 28, 128256),
     "8b": Model(4096, 14336, 32, 8, 128, 32, 128256),
 }
-KERNELS = ("f32", "bf16", "w8a8", "w4-ct", "w4-ki")
+KERNELS = ("f32", "bf16", "w8a8", "w4-ct", "w4-ki", "w4-a8")
 
 
 def _default_bytes() -> int:
@@ -102,8 +104,9 @@ def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator, c
         group = group_for(k)
         zeros = L.pack(torch.randint(0, 16, (k // group, n), generator=g, dtype=torch.int32))
         scale = (torch.rand(k // group, n, generator=g) * 0.02).half()
-        first = (wq.k_interleaved(q, scale, zeros, group) if kernel == "w4-ki" else wq.column_tiled(q), scale, zeros)
-    nbytes = sum(t.numel() * t.element_size() for t in (first[:1] if kernel == "w4-ki" else first))
+        ki = kernel in ("w4-ki", "w4-a8")
+        first = (wq.k_interleaved(q, scale, zeros, group) if ki else wq.column_tiled(q), scale, zeros)
+    nbytes = sum(t.numel() * t.element_size() for t in (first[:1] if kernel in ("w4-ki", "w4-a8") else first))
     copies = copies or max(1, -(-target // nbytes))
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)], nbytes
 
@@ -123,8 +126,14 @@ def make_calls(kernel: str, weights, m: int, k: int, g: torch.Generator,
         fn = selection.resolve("linear_w8a8", "cpu")[0]
         x, xs = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8), torch.rand(m, generator=g)
         return [(lambda w=w: fn(x, w[0], xs, w[1], torch.float32, None)) for w in weights]
-    fn = selection.resolve("weight_quant_matmul", "cpu")[0]
     x = x32.to(w4_activations)
+    if kernel == "w4-a8":
+        from dlinfer.vendor.cpu import weight_quant as wq
+
+        path = wq.INT8_PATH
+        return [(lambda w=w: wq._w4_matmul_k_interleaved(x, w[0], w[1], w[2], None, group_for(k), path))
+                for w in weights]
+    fn = selection.resolve("weight_quant_matmul", "cpu")[0]
     return [(lambda w=w: fn(x, w[0], w[1], w[2], None, group_for(k))) for w in weights]
 
 
@@ -188,9 +197,11 @@ def main(argv=None) -> int:
     for name in kernels:
         if name not in KERNELS:
             parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
-    if "w4-ki" in kernels and not wq.VNNI:
-        print("w4-ki skipped: this CPU has no AVX-512 VNNI (the k_interleaved kernel's one-row path)", file=sys.stderr)
-        kernels.remove("w4-ki")
+    for name in ("w4-ki", "w4-a8"):
+        if name in kernels and not wq.VNNI:
+            print(f"{name} skipped: this CPU has no AVX-512 VNNI (the k_interleaved kernel's one-row path)",
+                  file=sys.stderr)
+            kernels.remove(name)
     if "cpu" not in dlinfer.vendor.available():
         print("the cpu vendor does not load here", file=sys.stderr)
         return 1
@@ -225,8 +236,8 @@ def main(argv=None) -> int:
     return 0
 
 
-BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "w8a8": 1.0, "w4-ct": 0.5, "w4-ki": 0.5}
-COLUMN_TILE = {"w4-ct": 128, "w4-ki": 64}  # the 4-bit layouts store N in tiles of this many columns
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "w8a8": 1.0, "w4-ct": 0.5, "w4-ki": 0.5, "w4-a8": 0.5}
+COLUMN_TILE = {"w4-ct": 128, "w4-ki": 64, "w4-a8": 64}  # the 4-bit layouts store N in tiles of this many columns
 
 
 def shape(model: Model, lname: str, kernel: str, hot_mb) -> Tuple[int, int]:

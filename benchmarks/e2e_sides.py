@@ -39,6 +39,7 @@ ENV_SUFFIXES = {
     "+ki": ("DLINFER_CPU_W4_LAYOUT", "k_interleaved", "W4 weights k_interleaved"),
     "+ct": ("DLINFER_CPU_W4_LAYOUT", "column_tiled", "W4 weights column_tiled"),
     "+unbound": ("DLINFER_GRAPH_BIND", "0", "graph call sites on the op functions"),
+    "+a8": ("DLINFER_CPU_W4_ACTIVATIONS", "int8", "8-bit activations for W4"),
 }
 
 
@@ -51,6 +52,9 @@ def all_sides() -> dict[str, str]:
             sides[name] = f"LMDeploy + dlinfer {mode}, {label}"
             for suffix, (_, _, what) in ENV_SUFFIXES.items():
                 sides[name + suffix] = f"LMDeploy + dlinfer {mode}, {label}, {what}"
+            if variant == "w4a16":  # the fastest 4-bit decode: both opt-ins
+                sides[name + "+a8+int4-head"] = (f"LMDeploy + dlinfer {mode}, {label}, {ENV_SUFFIXES['+a8'][2]}, "
+                                                 f"{ENV_SUFFIXES['+int4-head'][2]}")
     for kind in LLAMA_CPP_KINDS:
         sides[f"llama.cpp-{kind}"] = f"llama.cpp, {kind}"
     return sides
@@ -168,10 +172,14 @@ def make_side(side: str, folder: Path, prompts: list[str], quant: dict | None = 
     group_size and w4_method for the W4A16 sides."""
     if side == "hf":
         return hf_side(folder, prompts), None
-    for suffix, (variable, value, _) in ENV_SUFFIXES.items():
-        if side.endswith(suffix):
-            os.environ[variable] = value  # read when the engine is built
-            side = side[:-len(suffix)]
+    stripped = True
+    while stripped:  # suffixes in any number and order
+        stripped = False
+        for suffix, (variable, value, _) in ENV_SUFFIXES.items():
+            if side.endswith(suffix):
+                os.environ[variable] = value  # read when the engine is built
+                side = side[:-len(suffix)]
+                stripped = True
     engine, _, variant = side.partition("-")
     if engine in LMDEPLOY_MODES:
         return lmdeploy_side(folder, prompts, engine, variant, quant)

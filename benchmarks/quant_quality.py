@@ -1,13 +1,15 @@
 """Perplexity of SmolLM2-135M-Instruct on a held-out local text: float32, RTN 4-bit, AWQ 4-bit and
 SmoothQuant W8A8, the checkpoints written by `python -m dlinfer quantize` (docs/quantize.md).
 
-    .venv/bin/python benchmarks/quant_quality.py [--model DIR] [--runs rtn:64,awq:64,awq:32,smooth_quant]
+    .venv/bin/python benchmarks/quant_quality.py [--model DIR] [--runs rtn:64,awq:64,awq:32,smooth_quant,awq-a8:64]
         [--text FILE [--text FILE ...]] [--work DIR] [--calib FILE] [--calib-samples N] [--calib-seqlen N]
 
 The quantised models are evaluated as HF transformers running exactly what LMDeploy's CPU engine
 computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): the weights
 dequantised from the written files, and for SmoothQuant each quantised linear's input
-fake-quantised per token (tests/support/quantized_models.py builds both). The held-out texts
+fake-quantised per token (tests/support/quantized_models.py builds both). A run `rtn-a8` or
+`awq-a8` evaluates that 4-bit checkpoint with its linears' inputs quantised per row and group as
+DLINFER_CPU_W4_ACTIVATIONS=int8 runs them. The held-out texts
 (benchmarks/data/heldout.txt, 832 tokens, heldout_long.txt, 3942 tokens on other topics, and
 heldout_fresh.txt, 1914 tokens written after the AWQ recipe was fixed and never used to choose it,
 all three written for this project) are not the calibration or tuning texts
@@ -100,19 +102,23 @@ def main(argv=None) -> int:
         rows.append(("float32", "-", head, [perplexity(model, one, args.window) for one in ids], 0.0))
     work = args.work or Path(tempfile.mkdtemp(prefix="dlinfer-quality-"))
     labels = {"rtn": "RTN 4-bit (W4A16)", "awq": "AWQ 4-bit (W4A16)", "awq-noclip": "AWQ 4-bit, no clipping",
-              "smooth_quant": "SmoothQuant W8A8"}
+              "smooth_quant": "SmoothQuant W8A8", "rtn-a8": "RTN 4-bit, 8-bit activations",
+              "awq-a8": "AWQ 4-bit, 8-bit activations"}
     for run in args.runs.split(","):
         method, _, group = run.partition(":")
         group_size = int(group or 64)
-        dst = work / (f"{args.model.name}-{method}" + (f"-g{group_size}" if method != "smooth_quant" else ""))
+        a8 = method.endswith("-a8")  # the same checkpoint, run with DLINFER_CPU_W4_ACTIVATIONS=int8
+        folder_method = method.removesuffix("-a8")
+        dst = work / (f"{args.model.name}-{folder_method}" + (f"-g{group_size}" if method != "smooth_quant" else ""))
         start = time.perf_counter()
         if not dst.exists():
-            quantize(args.model, dst, method.replace("-noclip", ""), group_size=group_size, calib=args.calib,
+            quantize(args.model, dst, folder_method.replace("-noclip", ""), group_size=group_size, calib=args.calib,
                      calib_seqlen=args.calib_seqlen, calib_samples=args.calib_samples, log=lambda line: None,
                      clip=not method.endswith("-noclip"))
         seconds = time.perf_counter() - start
         for head in heads:
-            model = FakeQuantReference(dst, int8_head=head == "int8", int4_head=head == "int4").model
+            model = FakeQuantReference(dst, int8_head=head == "int8", int4_head=head == "int4",
+                                       int8_activations=a8).model
             ppl = [perplexity(model, one, args.window) for one in ids]
             rows.append((labels[method], f"g{group_size}" if method != "smooth_quant" else "per channel / per token",
                          head, ppl, seconds))

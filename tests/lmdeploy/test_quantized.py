@@ -125,3 +125,24 @@ def test_a_bfloat16_w4a16_engine_gives_the_float32_kernels_tokens(eager, monkeyp
         if eager:  # a compiled step calls the vendor through the graph, not dlinfer.ops
             assert set(seen) == {(torch.bfloat16, torch.uint8 if ki else torch.int32)}, set(seen)
     assert tokens["auto"] == tokens["column_tiled"]
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graph"])
+def test_int8_activations_match_a_reference_that_quantises_them_too(eager, monkeypatch):
+    """DLINFER_CPU_W4_ACTIVATIONS=int8: the engine's W4 linears multiply 8-bit activations (path 4,
+    asked for at every eager call and at each compiled call site), and the greedy tokens equal HF
+    running the dequantised weights on inputs quantised per row and group by the same rule."""
+    from dlinfer.vendor.cpu import weight_quant as cpu_w4
+
+    if not cpu_w4.VNNI:
+        pytest.skip("8-bit activations need AVX-512 VNNI")
+    folder = _quantized("llama", "awq")
+    paths = []
+    kernel_path = cpu_w4.kernel_path
+    monkeypatch.setattr(cpu_w4, "kernel_path", lambda: paths.append(kernel_path()) or paths[-1])
+    monkeypatch.setenv("DLINFER_CPU_W4_ACTIVATIONS", "int8")
+    monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
+    with cpu_pipeline(folder, eager_mode=eager, max_batch_size=2, enable_prefix_caching=False) as pipe:
+        results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
+    assert paths and set(paths) == {cpu_w4.INT8_PATH}, set(paths)
+    assert_matches_hf(results, FakeQuantReference(folder, int8_activations=True), NEW_TOKENS)

@@ -101,6 +101,24 @@ def _fake_quant_per_token(module, args):
     return (torch.clamp(torch.round(x / s), -128, 127) * s,) + tuple(args[1:])
 
 
+def _fake_quant_per_group(group_size: int):
+    """A pre-hook quantising a linear's input as DLINFER_CPU_W4_ACTIVATIONS=int8 does (written from
+    docs/design.md, "W4 with 8-bit activations"): per row and group of `group_size` input
+    channels, d = round-half-even(x * float32(127 / absmax)) (the product in float32), x -> d *
+    (absmax / 127); all-zero groups stay zero."""
+
+    def hook(module, args):
+        x = args[0]
+        shape = x.shape
+        xf = x.float().reshape(-1, shape[-1] // group_size, group_size)
+        amax = xf.abs().amax(-1, keepdim=True)
+        r = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+        d = torch.round(xf * r)
+        return ((d.double() * (amax / 127).double()).to(x.dtype).reshape(shape),) + tuple(args[1:])
+
+    return hook
+
+
 def head_input_ranges(folder: Path):
     """The float32 [H] ranges a quantised folder's `lm_head_input_absmax.safetensors` holds, or None.
     Read here with safetensors directly (the file's layout: docs/quantize.md)."""
@@ -194,9 +212,10 @@ class FakeQuantReference(HFReference):
     """HF transformers (float32) running the dequantised weights of a quantised folder; for
     SmoothQuant also the per-token fake quantisation of each quantised linear's input; with
     `int8_head` (what DLINFER_LM_HEAD=auto runs for these checkpoints) the int8 LM head's, with
-    `int4_head` (DLINFER_LM_HEAD=int4) the int4 one's."""
+    `int4_head` (DLINFER_LM_HEAD=int4) the int4 one's; with `int8_activations` (4-bit checkpoints,
+    DLINFER_CPU_W4_ACTIVATIONS=int8) each 4-bit linear's input quantised per row and group."""
 
-    def __init__(self, folder: Path, int8_head: bool = True, int4_head: bool = False):
+    def __init__(self, folder: Path, int8_head: bool = True, int4_head: bool = False, int8_activations: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config_dict, state = dequantized_state(folder)
@@ -211,6 +230,11 @@ class FakeQuantReference(HFReference):
             for layer in model.model.layers:
                 for linear in layer_linears(config):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
+        elif int8_activations:
+            group = json.loads((folder / "config.json").read_text())["quantization_config"]["group_size"]
+            for layer in model.model.layers:
+                for linear in layer_linears(config):
+                    layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_group(group))
         if int4_head:
             fake_quant_lm_head_int4(model, head_input_ranges(folder))
         elif int8_head:

@@ -129,9 +129,10 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
         if not (weight_quant.integer_kernel_takes(group_size) and qweight.is_contiguous()):
             return None
         matmul = _k.w4_matmul_k_interleaved
+        path = weight_quant.kernel_path()  # 8-bit activations or the best path for x: read once per call site
 
         def weight_quant_matmul_k_interleaved(x, qweight, scale, offset, bias, group_size):
-            return matmul(x, qweight, scale, offset, bias, group_size, -1)  # -1: the best path
+            return matmul(x, qweight, scale, offset, bias, group_size, path)
 
         return weight_quant_matmul_k_interleaved
     if x.shape[0] > weight_quant.GEMV_MAX_ROWS:

@@ -44,6 +44,8 @@ AMX = _kernels.w4_amx_available()  # ... and its AMX path (AMX-INT8, tile state 
 BF16_DOT = _kernels.w4_bf16_dot_available()  # ... and its bfloat16 path (AVX512-BF16, bfloat16 activations)
 KI_MAX_GROUP = 1024  # the k_interleaved kernel's largest group (its int32 sums stay exact)
 LAYOUT_ENV = "DLINFER_CPU_W4_LAYOUT"
+ACTIVATIONS_ENV = "DLINFER_CPU_W4_ACTIVATIONS"
+INT8_PATH = 4  # the k_interleaved kernel's path with 8-bit activations (csrc/quant_w4_a8.cpp)
 GEMV_MAX_ROWS = torch.ops.dlinfer_cpu.w4_max_rows()  # w4_matmul up to this M (the measured switch: see above)
 _BLOCK_BYTES = 2 << 20  # float32 weight bytes per GEMM block of the prefill path
 TILE_COLS = 128
@@ -77,10 +79,11 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
                         group_size: int) -> Tensor:
     """x [M, K], qweight int32 [K, N/8], column_tiled [ceil(N/128), K, 16] or k_interleaved uint8
     [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
-    bias [N]?, group_size g -> [M, N] in x's dtype."""
+    bias [N]?, group_size g -> [M, N] in x's dtype. On k_interleaved, x at its own precision or,
+    with DLINFER_CPU_W4_ACTIVATIONS=int8, as 8-bit bytes per row and group (`kernel_path`)."""
     if w4_layouts.is_k_interleaved(qweight):
         if integer_kernel_takes(group_size):  # the kernel reads the blocks in place: dense (a copy if not)
-            return _w4_matmul_k_interleaved(x, qweight.contiguous(), scale, offset, bias, group_size, -1)
+            return _w4_matmul_k_interleaved(x, qweight.contiguous(), scale, offset, bias, group_size, kernel_path())
         qweight = w4_layouts.canonical(qweight, scale.shape[1])  # a group the kernel cannot take (not from our hook)
     if x.shape[0] <= GEMV_MAX_ROWS:  # the kernels make qweight, scale and offset dense (C++, no copy if they are)
         return _w4_matmul(x, qweight, scale, offset, bias, group_size)
@@ -109,6 +112,28 @@ def k_interleaved(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], grou
     return _k_interleaved(qweight, scale, offset, group_size)
 
 
+def int8_activations() -> bool:
+    """$DLINFER_CPU_W4_ACTIVATIONS: native (unset) multiplies the weight by x at its own precision;
+    int8 quantises x first, per row and group of the weight (absmax / 127, round half to even, like
+    llama.cpp's q8_0 blocks), and takes the k_interleaved kernel's path 4: one vpdpbusd a line and
+    row, ~1.6x the one-row loop's rate from cache on the Zen 5 VM, and from two rows on the multiplies
+    of the 16-bit paths halved (docs/design.md, "W4 with 8-bit activations"; the error bound:
+    docs/ops.md). Needs AVX-512 VNNI: asking for it elsewhere is an error."""
+    choice = envs.get(ACTIVATIONS_ENV) or "native"
+    if choice not in ("native", "int8"):
+        raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native or int8 (or unset)")
+    if choice == "int8" and not VNNI:
+        raise ValueError(f"{ACTIVATIONS_ENV}=int8: the 8-bit activation kernel needs AVX-512 VNNI, which this CPU "
+                         "lacks (unset it to multiply by x at its own precision)")
+    return choice == "int8"
+
+
+def kernel_path() -> int:
+    """The k_interleaved kernel's path for this process's setting: 4 (8-bit activations) or -1
+    (the best path for x at its own precision)."""
+    return INT8_PATH if int8_activations() else -1
+
+
 def integer_kernel_takes(group_size: int) -> bool:
     """Whether the k_interleaved kernel takes this group size (g % 8 == 0, g <= KI_MAX_GROUP)."""
     return group_size % w4_layouts.KI_BLOCK_K == 0 and group_size <= KI_MAX_GROUP
@@ -130,11 +155,20 @@ def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> 
     bfloat16 model on a CPU with AVX512-BF16 (`BF16_DOT`): the kernel's bfloat16 path is level
     with column_tiled at one row, ~1.6x faster at four and eight, 1.4-1.6x at prefill sizes
     (docs/benchmarks.md). Elsewhere column_tiled: with VNNI alone, float32 or float16 activations
-    take the digit path, slower from two rows on."""
+    take the digit path, slower from two rows on.
+    With $DLINFER_CPU_W4_ACTIVATIONS=int8 (`int8_activations`): k_interleaved whatever the dtype,
+    the layout the 8-bit kernel reads; a weight it cannot take (or column_tiled asked for) is an error."""
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
     fits = VNNI and k % w4_layouts.KI_BLOCK_K == 0 and integer_kernel_takes(group_size)
+    if int8_activations():
+        if choice == "column_tiled" or not fits:
+            why = f"{LAYOUT_ENV}=column_tiled" if choice == "column_tiled" else (
+                f"a weight of K = {k} rows at group size {group_size} (the kernel needs K % 8 == 0, g % 8 == 0 and "
+                f"g <= {KI_MAX_GROUP})")
+            raise ValueError(f"{ACTIVATIONS_ENV}=int8 needs the k_interleaved layout, which {why} rules out")
+        return "k_interleaved"
     if choice == "column_tiled" or not fits:
         return "column_tiled"
     if choice == "k_interleaved" or (AMX and amx_fits(group_size)):

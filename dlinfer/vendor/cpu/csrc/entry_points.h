@@ -84,7 +84,8 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight);
 
 // quant_w4_int.cpp: W4A16 on the k_interleaved layout (path: -1 the best this CPU runs; the digit
 // paths 0 portable, 1 VNNI, 2 AMX, exact integer dot products with the same bits; 3 bfloat16 x on
-// AVX512-BF16, float32 sums).
+// AVX512-BF16, float32 sums; 4, asked for only: x as 8-bit bytes per row and group on VNNI,
+// quant_w4_a8.cpp).
 at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
                             int64_t group_size);
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,

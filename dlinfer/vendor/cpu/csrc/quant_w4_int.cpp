@@ -32,7 +32,7 @@
 // Non-finite x: the group's factor is NaN, so the row's outputs are NaN (an inf in x gives NaN,
 // where a float32 sum gives +-inf or NaN).
 #include "entry_points.h"
-#include "quant_w4.h"
+#include "quant_w4_ki.h"
 
 #include <ATen/ops/zeros.h>
 
@@ -50,53 +50,6 @@
 namespace dlinfer_cpu {
 namespace w4v {
 
-constexpr int64_t kCols = 64;       // output columns per tile (4 vectors of 16)
-constexpr int kVecs = 4;            // 16-column vectors per tile
-constexpr int64_t kLineBytes = 64;  // one 16-column vector's 8 rows of k: 16 lanes x 4 bytes
-constexpr int64_t kBlockK = 8;      // rows of k per line
-constexpr int64_t kMaxGroup = 1024; // D01 stays inside int32 (see above)
-// Lines this far ahead are prefetched into L2 (_MM_HINT_T1): from memory, one call streaming 3.8 MB
-// read at 0.81-0.83 of a float32 sum's rate with T1 against 0.73-0.76 with T0 (at 2-16 KB ahead
-// alike) and 0.58 with none (docs/notes/w4a16-kernels.md; why T0 is slower was not measured:
-// perhaps its misses hold L1 fill buffers for the whole trip from memory). With the group
-// parameters inside the stream, 4 KB stayed best at the 1B shapes (2 KB: step 0.74 of the probe,
-// 1 KB: 0.64, 4 KB: 0.80).
-constexpr int64_t kPrefetchBytes = 4096;
-
-// The line `bytes` past p, or `last` where that would pass it (the prefetches' target).
-inline const char* ahead(const uint8_t* p, int64_t bytes, const uint8_t* last) {
-  return reinterpret_cast<const char*>(last - p > bytes ? p + bytes : last);
-}
-
-inline int64_t num_tiles(int64_t n) { return (n + kCols - 1) / kCols; }
-
-// A k_interleaved weight (dlinfer/vendor/w4_layouts.py): per tile t and group gi a block of
-// `block_bytes`: the group's 64 scales (S: float16 or float32), its 64 zero points (a byte each),
-// then its g/8 x 4 lines. The byte of column c (vector v, lane l = c % 16) and row k (kb = k / 8 over
-// K) is byte 4 * l + k % 4 of line(t, kb, v), nibble k % 8 / 4 (low: k % 8 < 4).
-struct Layout {
-  const uint8_t* q;
-  int64_t K, N, g, G;
-  int64_t scale_bytes;  // 2 (float16) or 4 (float32)
-  int64_t param_bytes;  // scales and zero points, before a group's lines
-  int64_t block_bytes;
-  inline const uint8_t* block(int64_t t, int64_t gi) const { return q + (t * G + gi) * block_bytes; }
-  inline const uint8_t* zeros(int64_t t, int64_t gi) const { return block(t, gi) + kCols * scale_bytes; }
-  // S: the scales' type inside the blocks (at::Half or float)
-  template <typename S>
-  inline const S* scales(int64_t t, int64_t gi) const { return reinterpret_cast<const S*>(block(t, gi)); }
-  // tile t's 16-column vectors with a column inside N
-  inline int vectors(int64_t t) const { return static_cast<int>(std::min<int64_t>(kVecs, (N - kCols * t + 15) / 16)); }
-  // line v of rows 8 kb .. 8 kb + 7 (kb counted over the whole K)
-  inline const uint8_t* line(int64_t t, int64_t kb, int v) const {
-    const int64_t per = g / kBlockK, gi = kb / per;
-    return block(t, gi) + param_bytes + ((kb - gi * per) * kVecs + v) * kLineBytes;
-  }
-  inline const uint8_t* end() const { return q + num_tiles(N) * G * block_bytes; }
-};
-
-inline int64_t param_bytes_of(int64_t scale_bytes) { return kCols * scale_bytes + kCols; }
-inline int64_t block_bytes_of(int64_t g, int64_t scale_bytes) { return param_bytes_of(scale_bytes) + g / kBlockK * kVecs * kLineBytes; }
 
 // One group of g values (g % 8 == 0) into digits d[0..3][0..g) and (factor, S01, S23). The
 // scaling by 2^(30 - e) is exact in float32 (a power of two, results below 2^30), and the rounding
@@ -116,23 +69,7 @@ inline void digits_of(int32_t X, int8_t* dig) {
 
 GroupSplit split_group(const float* x, int64_t g, int8_t* const* d) {
   float amax = 0.f;
-  bool finite = true;
-  int64_t k = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512 vmax = _mm512_setzero_ps(), nan_if_not_finite = _mm512_setzero_ps();
-  for (; k + 16 <= g; k += 16) {
-    const __m512 v = _mm512_loadu_ps(x + k);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
-    nan_if_not_finite = _mm512_add_ps(nan_if_not_finite, _mm512_mul_ps(v, _mm512_setzero_ps()));  // inf * 0, NaN * 0: NaN
-  }
-  amax = _mm512_reduce_max_ps(vmax);
-  finite = _mm512_cmp_ps_mask(nan_if_not_finite, nan_if_not_finite, _CMP_UNORD_Q) == 0;
-#endif
-  for (; k < g; ++k) {
-    const float a = std::fabs(x[k]);
-    finite = finite && std::isfinite(a);
-    amax = std::max(amax, a);
-  }
+  const bool finite = group_absmax(x, g, amax);
   if (!finite || amax == 0.f) {
     for (int j = 0; j < 4; ++j) std::memset(d[j], 0, g);
     return {finite ? 0.f : std::numeric_limits<float>::quiet_NaN(), 0, 0};
@@ -140,7 +77,7 @@ GroupSplit split_group(const float* x, int64_t g, int8_t* const* d) {
   int e = 0;
   std::frexp(amax, &e);  // amax < 2^e
   int32_t s01 = 0, s23 = 0;
-  k = 0;
+  int64_t k = 0;
   if (e >= -90) {  // 2^(30 - e) is a float32 and every scaled value an exact one
     const float up = std::ldexp(1.0f, 30 - e);
 #if defined(CPU_CAPABILITY_AVX512)
@@ -255,30 +192,6 @@ void tile_row_portable(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, in
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-#define kVnniTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma")))
-
-// Vector v's 16 scales of a group as float32 (zero past N, as the block holds them).
-template <typename S>
-kVnniTarget inline __m512 scales_vec(const Layout& w, int64_t t, int64_t gi, int v) {
-  return w4::scales16(w.scales<S>(t, gi), 16 * v, static_cast<int>(kCols));
-}
-
-// Vector v's 16 zero points of a group, int32 (0 past N, as the block holds them).
-kVnniTarget inline __m512i zero_vec(const Layout& w, int64_t t, int64_t gi, int v) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + 16 * v)));
-}
-
-// The same, each lane's zero point in all 4 of its bytes (subtracted from the weight bytes).
-kVnniTarget inline __m512i zero_bytes(const Layout& w, int64_t t, int64_t gi, int v) {
-  return _mm512_mullo_epi32(zero_vec(w, t, gi, v), _mm512_set1_epi32(0x01010101));
-}
-
-// Four digit bytes as one 32-bit lane (vpdpbusd's activation operand).
-inline int32_t four_bytes(const int8_t* d) {
-  int32_t v;
-  std::memcpy(&v, d, sizeof(v));
-  return v;
-}
 
 // The group epilogue of one 16-column vector from its four int32 sums with the zero point already
 // subtracted (a1 and a3 carry it: D01 = a0 * 256 + a1, D23 = a2 * 256 + a3) and its scales s: the
@@ -587,48 +500,6 @@ void tile_row(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, int64_t g1,
   tile_row_portable(p, t, m, g0, g1, lanes);
 }
 
-constexpr int64_t kSplitBelowTiles = 16;  // 64-column tiles: as quant_w4.cpp's 8 tiles of 128
-
-// The paths: 0-2 give the same bits (the digit paths); 3 (bfloat16 x only) its own.
-enum Path : int64_t { kPortable = 0, kVnni = 1, kAmx = 2, kBf16 = 3 };
-
-// tile(t, g0, g1, row): tile t's 64 columns over groups g0..g1 for every row m into row(m)[0..64).
-template <typename Tile>
-void run(const Layout& w, int64_t M, const float* bias, float* y, Tile tile) {
-  const int64_t N = w.N, tiles = num_tiles(N), G = w.G;
-  const int64_t halves = tiles < kSplitBelowTiles && G >= 2 ? 2 : 1;
-  const int64_t items = tiles * halves;
-  const int64_t threads = at::get_num_threads();
-  const int64_t grain = std::max(grain_for(items, w.K * N / 2), (items + threads - 1) / threads);
-  const int64_t width = tiles * kCols;
-  // halves == 1: each thread stores its tiles' outputs (+ bias) into y as soon as they are done,
-  // from its own cache, rather than the calling thread reading every row back after the region
-  // (no difference measured above the noise); halves == 2: the two halves are added after it.
-  std::unique_ptr<float[]> part(new float[halves * M * width]);  // [half][M][width]
-  at::parallel_for(0, items, grain, [&](int64_t b, int64_t e) {
-    for (int64_t it = b; it < e; ++it) {
-      const int64_t t = it / halves, h = it % halves;
-      const int64_t g0 = h == 0 ? 0 : G / 2, g1 = halves == 1 || h == 1 ? G : G / 2;
-      float* const lanes = part.get() + h * M * width + t * kCols;
-      tile(t, g0, g1, [&](int64_t m) { return lanes + m * width; });
-      if (halves == 1) {
-        const int64_t c0 = t * kCols, c1 = std::min(N, c0 + kCols);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t c = c0; c < c1; ++c) y[m * N + c] = bias ? lanes[m * width + c - c0] + bias[c] : lanes[m * width + c - c0];
-      }
-    }
-  });
-  if (halves == 1) return;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* lo = part.get() + m * width;
-    const float* hi = lo + M * width;
-    float* yr = y + m * N;
-    for (int64_t c = 0; c < N; ++c) {
-      const float sum = lo[c] + hi[c];
-      yr[c] = bias ? sum + bias[c] : sum;
-    }
-  }
-}
 
 // The digit paths (0-2) over x as float32 rows.
 template <typename S>
@@ -722,8 +593,9 @@ int64_t best_path(bool bf16_x, int64_t M, int64_t group_size) {
 // x [M, K], qweight k_interleaved [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16),
 // offset?, bias? -> [M, N] in x's dtype. The kernel reads the scales and zero points the blocks
 // hold (the hook made them from these scale and offset, which are checked for shape only). path: -1
-// the best this CPU runs (`best_path`), or 0 portable, 1 VNNI, 2 AMX (the same bits), 3 bfloat16
-// x on AVX512-BF16 (its own bits); an error where the path cannot run.
+// the best this CPU runs with x at its own precision (`best_path`), or 0 portable, 1 VNNI, 2 AMX
+// (the same bits), 3 bfloat16 x on AVX512-BF16 (its own bits), 4 x quantised to 8 bits per row and
+// group on AVX-512 VNNI (quant_w4_a8.cpp; only when asked for); an error where the path cannot run.
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_in,
                                    const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path) {
@@ -744,8 +616,9 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
               "w4_matmul_k_interleaved: scale in x's dtype or float16");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "w4_matmul_k_interleaved: bias [N]");
-  TORCH_CHECK(path >= -1 && path <= w4v::kBf16, "w4_matmul_k_interleaved: path -1 (best), 0, 1, 2 or 3, got ", path);
-  TORCH_CHECK(path != w4v::kVnni || w4v::vnni_here(), "w4_matmul_k_interleaved: path 1 (VNNI): this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(path >= -1 && path <= w4v::kInt8, "w4_matmul_k_interleaved: path -1 (best), 0, 1, 2, 3 or 4, got ", path);
+  TORCH_CHECK((path != w4v::kVnni && path != w4v::kInt8) || w4v::vnni_here(), "w4_matmul_k_interleaved: path ", path,
+              " (VNNI): this CPU has no AVX-512 VNNI");
   TORCH_CHECK(path != w4v::kAmx || (w4v::amx_here() && w4v::amx_chunk(group_size) > 0),
               "w4_matmul_k_interleaved: path 2 (AMX) cannot run here: it needs AMX-INT8 (with the tile state granted) "
               "and a group size g with g % 64 == 0 or g < 64, got g = ", group_size);
@@ -773,7 +646,11 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
         std::unique_ptr<float[]> x_own;
         at::Tensor x_keep;
         const float* xf = w4::float_rows(x, x_own, x_keep);
-        w4v::run_digits<S>(w, w4v::split_activations(xf, M, K, group_size), M, bias_ptr, y.data(), use);
+        if (use == w4v::kInt8) {
+          w4v::run_int8<S>(w, xf, M, bias_ptr, y.data());
+        } else {
+          w4v::run_digits<S>(w, w4v::split_activations(xf, M, K, group_size), M, bias_ptr, y.data(), use);
+        }
       }
     };
     if (sb == 2) {

@@ -1,0 +1,191 @@
+// W4 with 8-bit activations: path 4 of w4_matmul_k_interleaved, the cpu vendor's opt-in for
+// weight_quant_matmul (DLINFER_CPU_W4_ACTIVATIONS=int8; dlinfer/vendor/cpu/weight_quant.py). The
+// k_interleaved weight (quant_w4_ki.h) against x quantised to signed bytes per row and group, the
+// weight's own group: one vpdpbusd a line and row where the digit path spends four, and none of
+// path 3's nibble-to-bfloat16 decode (docs/design.md, "W4 with 8-bit activations").
+//
+// Arithmetic, per row m and group G of g rows of k (the weight's group):
+//   a = max_{k in G} |x[m, k]|; sx = a / 127 and r = 127 / a (float32, each rounded once);
+//   d_k = round_half_even(x[m, k] * r) (the float32 product rounded once, then to an integer: |d_k| <= 127,
+//   as a * r < 127.5);
+//   S = sum_k d_k; acc[c] = sum_k q[k, c] * d_k (vpdpbusd: unsigned nibble times signed byte, int32, exact);
+//   D[c] = acc[c] - z[c] * S = sum_k (q[k, c] - z[c]) * d_k, exact, and exact as a float32
+//   (|D| <= 15 * 127 * g < 2^21 for g <= 1024);
+//   y[c] = fma(float(D), sx * s[c], y[c]) (sx * s rounded once, the fma once), groups in order from 0.
+// So a row's bits depend on nothing but its own x and the weight: not on M, nor on the rows that
+// share its block. An all-zero group adds nothing; a group holding an inf or a NaN has sx = NaN, so
+// the row's outputs are NaN (as the digit paths). A group whose largest |x| is below ~2^-121 (where
+// r = 127 / a would overflow float32) is quantised in double by the same rule.
+// Error against x @ W: each d_k * sx is x within sx / 2, so |y - x W| <= sum_G (sx / 2) sum_{k in G}
+// |s (q - z)| plus float32's rounding of the groups' sum (tests/vendor/cpu/test_cpu_w4_int8_activations.py).
+#include "entry_points.h"
+#include "quant_w4_ki.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+
+namespace dlinfer_cpu {
+namespace w4v {
+
+// One group's quantisation: sx (the float32 step of its bytes) and S (the sum of its bytes).
+struct GroupInt8 {
+  float scale;
+  int32_t sum;
+};
+
+// x[0..g) -> d[0..g) and (sx, S), by the rule above.
+GroupInt8 quantise_group(const float* x, int64_t g, int8_t* d) {
+  float amax = 0.f;
+  const bool finite = group_absmax(x, g, amax);
+  if (!finite || amax == 0.f) {
+    std::memset(d, 0, static_cast<size_t>(g));
+    return {finite ? 0.f : std::numeric_limits<float>::quiet_NaN(), 0};
+  }
+  const float r = 127.0f / amax;
+  int32_t sum = 0;
+  int64_t k = 0;
+  if (std::isfinite(r)) {
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512i vsum = _mm512_setzero_si512();
+    for (; k + 16 <= g; k += 16) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), _mm512_set1_ps(r)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k), _mm512_cvtepi32_epi8(q));
+      vsum = _mm512_add_epi32(vsum, q);
+    }
+    sum = _mm512_reduce_add_epi32(vsum);
+#endif
+    for (; k < g; ++k) {
+      const float p = x[k] * r;  // rounded once, as the vector product
+      const int32_t q = static_cast<int32_t>(std::nearbyint(p));
+      d[k] = static_cast<int8_t>(q);
+      sum += q;
+    }
+  } else {  // a below ~2^-121: the same rule in double
+    const double rd = 127.0 / static_cast<double>(amax);
+    for (; k < g; ++k) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(static_cast<double>(x[k]) * rd));
+      d[k] = static_cast<int8_t>(q);
+      sum += q;
+    }
+  }
+  return {amax / 127.0f, sum};
+}
+
+// The activations of one call: bytes d [M, K] and per (m, group) (sx, S). One allocation.
+struct Int8Rows {
+  int64_t M, K, G;
+  std::unique_ptr<char[]> buffer;
+  int8_t* d;
+  GroupInt8* groups;  // [M, G]
+  const GroupInt8& group(int64_t m, int64_t gi) const { return groups[m * G + gi]; }
+};
+
+Int8Rows quantise_rows(const float* x, int64_t M, int64_t K, int64_t g) {
+  const int64_t G = K / g;
+  const size_t byte_count = static_cast<size_t>((M * K + 63) / 64 * 64);
+  Int8Rows out{M, K, G, std::unique_ptr<char[]>(new char[byte_count + M * G * sizeof(GroupInt8)]), nullptr, nullptr};
+  out.d = reinterpret_cast<int8_t*>(out.buffer.get());
+  out.groups = reinterpret_cast<GroupInt8*>(out.buffer.get() + byte_count);
+  at::parallel_for(0, M, grain_for(M, M * K * 4), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t gi = 0; gi < G; ++gi) out.groups[m * G + gi] = quantise_group(x + m * K + gi * g, g, out.d + m * K + gi * g);
+  });
+  return out;
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Rows m0..m0+MR-1 of tile t in group gi, vectors v0..v0+VB-1, into out(m) + 16 v (y += the
+// group's part; the first group stores it). Each line is decoded once (3 instructions) for the MR
+// rows. Each row and vector keeps A int32 accumulators: with A = 2 the low and the high nibbles
+// (rows k..k+3 and k+4..k+7 of each line) go to their own, so at one row no vpdpbusd waits on the
+// one before it; they are added at the group's end (integers: the same sum in any order, so A
+// changes no bit). MR x VB x A accumulators: at most 16.
+template <int MR, int VB, int A, typename S, typename Out>
+kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int v0,
+                                        int64_t gi, bool first, Out out) {
+  const int64_t per = w.g / kBlockK, K = w.K;
+  const __m512i low = _mm512_set1_epi8(15);
+  const uint8_t* const end = w.end() - kLineBytes;
+  const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
+  __m512i acc[MR][VB][A];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < VB; ++u)
+      for (int i = 0; i < A; ++i) acc[r][u][i] = _mm512_setzero_si512();
+  for (int64_t b = 0; b < per; ++b) {
+    const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
+    if (v0 == 0 && m0 == 0)  // the whole stream kPrefetchBytes on (past the tensor's end: its last line)
+      for (int u = 0; u < kVecs; ++u) _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
+    const int8_t* const xk = a.d + m0 * K + kBlockK * (gi * per + b);
+    __m512i x03[MR], x47[MR];  // row r's bytes k..k+3 and k+4..k+7 in every 32-bit lane
+    for (int r = 0; r < MR; ++r) {
+      x03[r] = _mm512_set1_epi32(four_bytes(xk + r * K));
+      x47[r] = _mm512_set1_epi32(four_bytes(xk + r * K + 4));
+    }
+    for (int u = 0; u < VB; ++u) {
+      const __m512i bytes = _mm512_loadu_si512(row_of_lines + (v0 + u) * kLineBytes);
+      const __m512i lo = _mm512_and_si512(bytes, low);                        // rows k..k+3
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);  // rows k+4..k+7
+      for (int r = 0; r < MR; ++r) {
+        acc[r][u][0] = _mm512_dpbusd_epi32(acc[r][u][0], lo, x03[r]);
+        acc[r][u][A - 1] = _mm512_dpbusd_epi32(acc[r][u][A - 1], hi, x47[r]);
+      }
+    }
+  }
+  for (int u = 0; u < VB; ++u) {
+    const int v = v0 + u;
+    if (v >= w.vectors(t)) break;
+    const __m512i z = zero_vec(w, t, gi, v);
+    const __m512 s = scales_vec<S>(w, t, gi, v);
+    for (int r = 0; r < MR; ++r) {
+      const GroupInt8& q = a.group(m0 + r, gi);
+      const __m512i sum = A == 2 ? _mm512_add_epi32(acc[r][u][0], acc[r][u][A - 1]) : acc[r][u][0];
+      const __m512i D = _mm512_sub_epi32(sum, _mm512_mullo_epi32(z, _mm512_set1_epi32(q.sum)));
+      float* y = out(m0 + r) + 16 * v;
+      const __m512 prev = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y);
+      _mm512_storeu_ps(y, _mm512_fmadd_ps(_mm512_cvtepi32_ps(D), _mm512_mul_ps(_mm512_set1_ps(q.scale), s), prev));
+    }
+  }
+}
+
+// Rows 0..M-1 of tile t over groups g0..g1, group by group (the group's lines stay in L1 while
+// every row block reads them): blocks of 4 rows, then 3, 2 or 1, all four 16-column vectors at a
+// time (each row's bytes broadcast once a line): 16, 12, 16 or 8 accumulators.
+template <typename S, typename Out>
+kVnniTarget void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+  for (int64_t gi = g0; gi < g1; ++gi)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4:
+          group_rows_int8<4, 4, 1, S>(w, a, t, m0, 0, gi, gi == g0, out);
+          break;
+        case 3:
+          group_rows_int8<3, 4, 1, S>(w, a, t, m0, 0, gi, gi == g0, out);
+          break;
+        case 2:
+          group_rows_int8<2, 4, 2, S>(w, a, t, m0, 0, gi, gi == g0, out);
+          break;
+        default:
+          group_rows_int8<1, 4, 2, S>(w, a, t, m0, 0, gi, gi == g0, out);
+      }
+    }
+}
+#endif
+
+template <typename S>
+void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, float* y) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const Int8Rows a = quantise_rows(x, M, w.K, w.g);
+  run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) { tile_int8<S>(w, a, t, M, g0, g1, row); });
+#else
+  (void)w, (void)x, (void)M, (void)bias, (void)y;
+  TORCH_CHECK(false, "w4_matmul_k_interleaved: path 4 (8-bit activations) needs AVX-512 VNNI");
+#endif
+}
+
+template void run_int8<at::Half>(const Layout&, const float*, int64_t, const float*, float*);
+template void run_int8<float>(const Layout&, const float*, int64_t, const float*, float*);
+
+}  // namespace w4v
+}  // namespace dlinfer_cpu
