@@ -127,11 +127,13 @@ def test_a_bfloat16_w4a16_engine_gives_the_float32_kernels_tokens(eager, monkeyp
     assert tokens["auto"] == tokens["column_tiled"]
 
 
+@pytest.mark.parametrize("head", ["auto", "int4"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graph"])
-def test_int8_activations_match_a_reference_that_quantises_them_too(eager, monkeypatch):
+def test_int8_activations_match_a_reference_that_quantises_them_too(eager, head, monkeypatch):
     """DLINFER_CPU_W4_ACTIVATIONS=int8: the engine's W4 linears multiply 8-bit activations (path 4,
     asked for at every eager call and at each compiled call site), and the greedy tokens equal HF
-    running the dequantised weights on inputs quantised per row and group by the same rule."""
+    running the dequantised weights on inputs quantised per row and group by the same rule; with
+    the int4 LM head (a W4 weight too) its input per group of 32 as well."""
     from dlinfer.vendor.cpu import weight_quant as cpu_w4
 
     if not cpu_w4.VNNI:
@@ -141,8 +143,10 @@ def test_int8_activations_match_a_reference_that_quantises_them_too(eager, monke
     kernel_path = cpu_w4.kernel_path
     monkeypatch.setattr(cpu_w4, "kernel_path", lambda: paths.append(kernel_path()) or paths[-1])
     monkeypatch.setenv("DLINFER_CPU_W4_ACTIVATIONS", "int8")
+    monkeypatch.setenv("DLINFER_LM_HEAD", head)
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
     with cpu_pipeline(folder, eager_mode=eager, max_batch_size=2, enable_prefix_caching=False) as pipe:
         results = greedy_generate(pipe, PROMPTS, NEW_TOKENS)
     assert paths and set(paths) == {cpu_w4.INT8_PATH}, set(paths)
-    assert_matches_hf(results, FakeQuantReference(folder, int8_activations=True), NEW_TOKENS)
+    reference = FakeQuantReference(folder, int8_head=head == "auto", int4_head=head == "int4", int8_activations=True)
+    assert_matches_hf(results, reference, NEW_TOKENS)

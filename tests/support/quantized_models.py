@@ -213,7 +213,8 @@ class FakeQuantReference(HFReference):
     SmoothQuant also the per-token fake quantisation of each quantised linear's input; with
     `int8_head` (what DLINFER_LM_HEAD=auto runs for these checkpoints) the int8 LM head's, with
     `int4_head` (DLINFER_LM_HEAD=int4) the int4 one's; with `int8_activations` (4-bit checkpoints,
-    DLINFER_CPU_W4_ACTIVATIONS=int8) each 4-bit linear's input quantised per row and group."""
+    DLINFER_CPU_W4_ACTIVATIONS=int8) each 4-bit linear's input quantised per row and group (the int4
+    head's too, per group of 32)."""
 
     def __init__(self, folder: Path, int8_head: bool = True, int4_head: bool = False, int8_activations: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -237,6 +238,8 @@ class FakeQuantReference(HFReference):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_group(group))
         if int4_head:
             fake_quant_lm_head_int4(model, head_input_ranges(folder))
+            if int8_activations:  # the int4 head runs weight_quant_matmul too: its input per group of 32
+                model.lm_head.register_forward_pre_hook(_fake_quant_per_group(32))
         elif int8_head:
             fake_quant_lm_head(model, head_input_ranges(folder))
         model.generation_config.eos_token_id = None

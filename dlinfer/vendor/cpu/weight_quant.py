@@ -4,12 +4,14 @@ Two register kernels, one per load-time layout (dlinfer/vendor/w4_layouts.py), b
 weight once per call and never storing it as floats:
 - k_interleaved (`w4_matmul_k_interleaved`, csrc/quant_w4_int.cpp): exact integer dot products
   of the 4-bit weight with each group's activations as 31-bit fixed point, one row on AVX-512 VNNI
-  (vpdpbusd), more rows on AMX (tdpbssd), the same bits on every path and at every M
+  (vpdpbusd), more rows on AMX (tdpbssd), the same bits on these digit paths and at every M
   (docs/design.md, "W4A16 as integer dot products"); bfloat16 activations on a CPU with
   AVX512-BF16 and no AMX: the 4-bit weight as bfloat16 integers against x with vdpbf16ps (float32
-  sums; its own bits, the same at every M). `repack_weight_quant` gives this layout on
-  CPUs with VNNI and AMX-INT8, and for bfloat16 models on CPUs with VNNI and AVX512-BF16
-  (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
+  sums; its own bits, the same at every M); asked for by DLINFER_CPU_W4_ACTIVATIONS=int8, x
+  quantised to 8 bits per row and group against the nibbles on VNNI (csrc/quant_w4_a8.cpp; its own
+  bits, the same at every M; `int8_activations`). `repack_weight_quant` gives this layout on
+  CPUs with VNNI and AMX-INT8, for bfloat16 models on CPUs with VNNI and AVX512-BF16, and for every
+  model under the int8 setting (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
   a decode step's 120 GEMVs 1.19x faster than column_tiled's at one row, 0.96-1.8x per call from 2
   to 512 rows, and closer to the exact result.
 - canonical and column_tiled (`w4_matmul`, csrc/quant_w4.cpp): float32 FMAs on the weight
@@ -124,7 +126,7 @@ def int8_activations() -> bool:
         raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native or int8 (or unset)")
     if choice == "int8" and not VNNI:
         raise ValueError(f"{ACTIVATIONS_ENV}=int8: the 8-bit activation kernel needs AVX-512 VNNI, which this CPU "
-                         "lacks (unset it to multiply by x at its own precision)")
+                         "(or the kernels' build for it) lacks; unset it to multiply by x at its own precision")
     return choice == "int8"
 
 

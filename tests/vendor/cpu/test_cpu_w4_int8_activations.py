@@ -16,7 +16,7 @@ from dlinfer.conformance.suites.weight_quant import W4Case, k_interleave, weight
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")
 
 EPS = 2.0**-24  # float32's unit roundoff
-INT8 = 4  # the kernel's path (csrc/quant_w4_int.cpp's Path)
+INT8 = 4  # the kernel's path (csrc/quant_w4_ki.h's Path)
 ENV = "DLINFER_CPU_W4_ACTIVATIONS"
 
 
@@ -38,13 +38,16 @@ def _kernel(x, packed, scale, offset, group, bias=None, path=INT8):
 def _quantised(x, group):
     """x [M, K] -> (d int64 [M, K], sx float32 [M, G]): each group's bytes round-half-even of
     x * float32(127 / amax) (the float32 product rounded once), sx = float32(amax / 127); all-zero
-    groups give d = 0, sx = 0. Written from the rule in csrc/quant_w4_a8.cpp, in torch."""
+    groups give d = 0, sx = 0; where 127 / amax overflows float32 (amax below ~2^-121) the same rule
+    in double. Written from the rule in csrc/quant_w4_a8.cpp, in torch."""
     m, k = x.shape
     xf = x.float().view(m, k // group, group)
     amax = xf.abs().amax(-1, keepdim=True)
     r = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    d = torch.round(xf * r).to(torch.int64)  # torch.round: half to even
-    return d.view(m, k), (amax / 127.0).squeeze(-1)
+    d = torch.round(xf * r)  # torch.round: half to even
+    tiny = r.isinf().expand_as(xf)
+    d[tiny] = torch.round(xf.double() * (127.0 / amax.double()))[tiny].float()
+    return d.to(torch.int64).view(m, k), (amax / 127.0).squeeze(-1)
 
 
 def _dequantised(qweight, scale, offset, group):
@@ -82,8 +85,10 @@ CASES = [(1, 576, 960, 64, True), (3, 96, 136, 32, False), (8, 1536, 576, 128, T
 @pytest.mark.parametrize("m,k,n,group,zeros", CASES)
 def test_the_bytes_and_sums_follow_the_documented_rule(dtype, m, k, n, group, zeros):
     """The kernel's result is the rule's exact integer sums times float32(sx * s), summed in float32:
-    within 2 G eps of the terms' magnitudes (one rounding per group's fma). One byte off anywhere
-    moves a result by |s (q - z)| sx, far past that."""
+    within 2 G eps of the terms' magnitudes (one rounding per group's fma), plus the output's own
+    rounding in bfloat16 and float16. In float32 one byte off anywhere moves a result by |s (q - z)|
+    sx, far past that (in bfloat16 and float16 the output's rounding can hide it where a group's sx is
+    small against the result: test_ties_round_to_even is exact)."""
     _vnni()
     g = torch.Generator().manual_seed(m + k + n + group)
     qweight, scale, offset, bias = weights(W4Case("a8", (m,), k, n, group, zeros, True), dtype, g)
@@ -125,13 +130,13 @@ def test_rows_do_not_depend_on_the_batch(n, group):
     _vnni()
     k = 256
     g = torch.Generator().manual_seed(n)
-    qweight, scale, offset, bias = weights(W4Case("batch", (9,), k, n, group, True, True), torch.bfloat16, g)
+    qweight, scale, offset, bias = weights(W4Case("batch", (9,), k, n, group, True, True), torch.float32, g)
     packed = k_interleave(qweight, scale, offset, group)
-    x = torch.randn(9, k, generator=g).bfloat16()
+    x = torch.randn(9, k, generator=g)  # float32: every bit of the sums reaches the output
     alone = torch.cat([_kernel(x[i:i + 1], packed, scale, offset, group, bias) for i in range(9)])
     for m in range(1, 10):
-        assert torch.equal(_kernel(x[:m], packed, scale, offset, group, bias).view(torch.int16),
-                           alone[:m].view(torch.int16))
+        assert torch.equal(_kernel(x[:m], packed, scale, offset, group, bias).view(torch.int32),
+                           alone[:m].view(torch.int32))
 
 
 def test_float32_block_scales():
@@ -148,29 +153,58 @@ def test_float32_block_scales():
     assert ((_kernel(x, packed, scale, offset, group).double() - want).abs() <= size * 2 * (k // group + 1) * EPS).all()
 
 
-def test_non_finite_zero_and_tiny_groups():
-    """A row with an inf or a NaN gives NaN everywhere; an all-zero row gives the bias exactly; a
-    group far below float32's normal range (127 / absmax overflows float32) is quantised by the same
-    rule (in double) and stays within the bound."""
+def test_non_finite_and_zero_rows():
+    """A row with an inf or a NaN gives NaN everywhere; an all-zero row gives the bias exactly."""
     _vnni()
     k, n, group = 128, 72, 32
     g = torch.Generator().manual_seed(9)
-    qweight, scale, offset, bias = weights(W4Case("edge", (4,), k, n, group, True, True), torch.float32, g)
+    qweight, scale, offset, bias = weights(W4Case("edge", (3,), k, n, group, True, True), torch.float32, g)
     packed = k_interleave(qweight, scale, offset, group)
-    x = torch.randn(4, k, generator=g)
+    x = torch.randn(3, k, generator=g)
     x[0, 5] = float("inf")
     x[1, 70] = float("nan")
     x[2] = 0
-    x[3, :group] = torch.randn(group, generator=g) * 2.0**-130  # subnormal: r = 127 / amax is not a float32
     got = _kernel(x, packed, scale, offset, group, bias)
     assert got[:2].isnan().all()
     assert torch.equal(got[2], bias.float())
+
+
+def test_tiny_groups_follow_the_rule_in_double():
+    """Groups whose largest |x| is below ~2^-121 (127 / absmax overflows float32; x subnormal) are
+    quantised by the same rule in double: with scales of 2^100, sx * s stays a normal float32 and the
+    result is the rule's, as for ordinary groups (a float32 product there would give inf * x)."""
+    _vnni()
+    k, n, group, m = 128, 72, 32, 2
+    g = torch.Generator().manual_seed(10)
+    qweight, _, offset, _ = weights(W4Case("tiny", (m,), k, n, group, True), torch.float32, g)
+    scale = torch.rand(k // group, n, generator=g) * 2.0**100 + 2.0**99
+    x = torch.randn(m, k, generator=g) * 2.0**-135
+    assert (x.abs().amax(-1) < 2.0**-121).all() and (x != 0).any()
+    got = _kernel(x, k_interleave(qweight, scale, offset, group), scale, offset, group).double()
+    want, size = _model(x, qweight, scale, offset, group)
+    assert want.abs().max() > 1e-20  # the rule gives a visible result: not all zero
+    assert ((got - want).abs() <= size * 2 * (k // group + 1) * EPS * 4).all()
+
+
+def test_ties_round_to_even():
+    """A group whose largest |x| is 127 has r = 1 exactly, so x = n + 0.5 is a tie: the bytes are
+    the even neighbours (0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -2.5 -> -2, 3.5 -> 4), exactly as the rule
+    says; one byte rounded away from zero would move the result by |s (q - z)|."""
+    _vnni()
+    k, n, group = 32, 64, 32
+    g = torch.Generator().manual_seed(12)
+    qweight, scale, offset, _ = weights(W4Case("ties", (1,), k, n, group, True), torch.float32, g)
+    ties = torch.tensor([0.5, 1.5, 2.5, -2.5, 3.5, -0.5, 126.5, -5.5])
+    x = torch.cat([torch.tensor([127.0]), ties, torch.zeros(k - 1 - len(ties))]).view(1, k)
+    d, sx = _quantised(x, group)
+    assert d[0, :9].tolist() == [127, 0, 2, 2, -2, 4, 0, 126, -6] and sx.item() == 1.0
+    got = _kernel(x, k_interleave(qweight, scale, offset, group), scale, offset, group).double()
+    want, size = _model(x, qweight, scale, offset, group)
+    assert ((got - want).abs() <= size * 4 * EPS).all()
     qz, s = _dequantised(qweight, scale, offset, group)
-    w = qz.double() * s.repeat_interleave(group, 0)
-    exact = x[3:].double() @ w + bias.double()
-    amax = x[3].double().abs().view(-1, group).amax(-1)  # [G]
-    bound = (amax / 127 / 2) @ w.abs().view(k // group, group, n).sum(1) + 1e-5 * exact.abs()
-    assert ((got[3:].double() - exact).abs() <= bound).all()
+    away = d.clone()
+    away[0, 1:9] = torch.tensor([1, 2, 3, -3, 4, -1, 127, -6])  # half away from zero
+    assert ((away - d).double() @ (qz.double() * s.double())).abs().max() > 100 * (size * 4 * EPS).max()
 
 
 def test_path_4_is_refused_without_vnni_or_with_a_bad_number():
@@ -210,6 +244,19 @@ def test_the_setting_picks_the_layout_the_eager_path_and_the_graph_binding(monke
                            _kernel(x, packed, s, o, group, path=-1))
     bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
     assert torch.equal(bound(x, packed, s, o, None, group), _kernel(x, packed, s, o, group, path=-1))
+
+
+def test_the_setting_refuses_a_cpu_without_vnni(monkeypatch):
+    """On any host: the setting is an error where the VNNI kernel does not run."""
+    cpu = _cpu()
+    monkeypatch.setattr(cpu, "VNNI", False)
+    monkeypatch.setenv(ENV, "int8")
+    with pytest.raises(ValueError, match="needs AVX-512 VNNI"):
+        cpu.layout_for(256, 64)
+    with pytest.raises(ValueError, match="needs AVX-512 VNNI"):
+        cpu.kernel_path()
+    monkeypatch.setenv(ENV, "native")
+    assert cpu.kernel_path() == -1
 
 
 def test_the_setting_refuses_what_it_cannot_do(monkeypatch):

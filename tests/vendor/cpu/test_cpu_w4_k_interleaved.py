@@ -25,7 +25,7 @@ def _cpu():
     return cpu_w4
 
 
-PORTABLE, VNNI, AMX, BF16 = 0, 1, 2, 3  # the kernel's paths (csrc/quant_w4_int.cpp)
+PORTABLE, VNNI, AMX, BF16 = 0, 1, 2, 3  # the kernel's paths (csrc/quant_w4_ki.h's Path)
 PATHS = [PORTABLE, VNNI, AMX]  # the digit paths: the same bits
 
 

@@ -11,13 +11,16 @@
 //   S = sum_k d_k; acc[c] = sum_k q[k, c] * d_k (vpdpbusd: unsigned nibble times signed byte, int32, exact);
 //   D[c] = acc[c] - z[c] * S = sum_k (q[k, c] - z[c]) * d_k, exact, and exact as a float32
 //   (|D| <= 15 * 127 * g < 2^21 for g <= 1024);
-//   y[c] = fma(float(D), sx * s[c], y[c]) (sx * s rounded once, the fma once), groups in order from 0.
+//   y[c] = fma(float(D), sx * s[c], y[c]) (sx * s rounded once, the fma once), groups in order from 0
+//   (or, where run() splits a narrow weight's groups into two halves, each half so, then the halves
+//   added: a split that depends on N, K and g only).
 // So a row's bits depend on nothing but its own x and the weight: not on M, nor on the rows that
 // share its block. An all-zero group adds nothing; a group holding an inf or a NaN has sx = NaN, so
 // the row's outputs are NaN (as the digit paths). A group whose largest |x| is below ~2^-121 (where
 // r = 127 / a would overflow float32) is quantised in double by the same rule.
-// Error against x @ W: each d_k * sx is x within sx / 2, so |y - x W| <= sum_G (sx / 2) sum_{k in G}
-// |s (q - z)| plus float32's rounding of the groups' sum (tests/vendor/cpu/test_cpu_w4_int8_activations.py).
+// Error against x @ W, for x of normal range (sx itself a normal float32): each d_k * sx is x within
+// sx / 2, so |y - x W| <= sum_G (sx / 2) sum_{k in G} |s (q - z)| plus float32's rounding of the
+// groups' sum (tests/vendor/cpu/test_cpu_w4_int8_activations.py).
 #include "entry_points.h"
 #include "quant_w4_ki.h"
 
@@ -28,6 +31,7 @@
 
 namespace dlinfer_cpu {
 namespace w4v {
+namespace {
 
 // One group's quantisation: sx (the float32 step of its bytes) and S (the sum of its bytes).
 struct GroupInt8 {
@@ -172,6 +176,8 @@ kVnniTarget void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_
     }
 }
 #endif
+
+}  // namespace
 
 template <typename S>
 void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, float* y) {

@@ -19,7 +19,7 @@ constexpr int64_t kCols = 64;       // output columns per tile (4 vectors of 16)
 constexpr int kVecs = 4;            // 16-column vectors per tile
 constexpr int64_t kLineBytes = 64;  // one 16-column vector's 8 rows of k: 16 lanes x 4 bytes
 constexpr int64_t kBlockK = 8;      // rows of k per line
-constexpr int64_t kMaxGroup = 1024; // D01 stays inside int32 (see above)
+constexpr int64_t kMaxGroup = 1024; // the digit paths' D01 stays inside int32 (quant_w4_int.cpp), path 4's |D| below 2^21
 // Lines this far ahead are prefetched into L2 (_MM_HINT_T1): from memory, one call streaming 3.8 MB
 // read at 0.81-0.83 of a float32 sum's rate with T1 against 0.73-0.76 with T0 (at 2-16 KB ahead
 // alike) and 0.58 with none (docs/notes/w4a16-kernels.md; why T0 is slower was not measured:
