@@ -100,15 +100,17 @@ Int8Rows quantise_rows(const float* x, int64_t M, int64_t K, int64_t g) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Rows m0..m0+MR-1 of tile t in group gi, vectors v0..v0+VB-1, into out(m) + 16 v (y += the
-// group's part; the first group stores it). Each line is decoded once (3 instructions) for the MR
-// rows. Each row and vector keeps A int32 accumulators: with A = 2 the low and the high nibbles
+// Rows m0..m0+MR-1 of tile t in group gi, all four 16-column vectors, into out(m) + 16 v (y += the
+// group's part; the first group stores it); LEAD: the first block of rows, which prefetches the
+// stream (a template argument, so the loop has no branch). Each line is decoded once (3
+// instructions) for the MR rows. Each row and vector keeps A int32 accumulators: with A = 2 the low and the high nibbles
 // (rows k..k+3 and k+4..k+7 of each line) go to their own, so at one row no vpdpbusd waits on the
 // one before it; they are added at the group's end (integers: the same sum in any order, so A
-// changes no bit). MR x VB x A accumulators: at most 16.
-template <int MR, int VB, int A, typename S, typename Out>
-kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int v0,
-                                        int64_t gi, bool first, Out out) {
+// changes no bit). MR x 4 x A accumulators: at most 16.
+template <int MR, int A, bool LEAD, typename S, typename Out>
+kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t gi,
+                                        bool first, Out out) {
+  constexpr int VB = kVecs;
   const int64_t per = w.g / kBlockK, K = w.K;
   const __m512i low = _mm512_set1_epi8(15);
   const uint8_t* const end = w.end() - kLineBytes;
@@ -119,7 +121,7 @@ kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int6
       for (int i = 0; i < A; ++i) acc[r][u][i] = _mm512_setzero_si512();
   for (int64_t b = 0; b < per; ++b) {
     const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
-    if (v0 == 0 && m0 == 0)  // the whole stream kPrefetchBytes on (past the tensor's end: its last line)
+    if (LEAD)  // the whole stream kPrefetchBytes on (past the tensor's end: its last line)
       for (int u = 0; u < kVecs; ++u) _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
     const int8_t* const xk = a.d + m0 * K + kBlockK * (gi * per + b);
     __m512i x03[MR], x47[MR];  // row r's bytes k..k+3 and k+4..k+7 in every 32-bit lane
@@ -128,7 +130,7 @@ kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int6
       x47[r] = _mm512_set1_epi32(four_bytes(xk + r * K + 4));
     }
     for (int u = 0; u < VB; ++u) {
-      const __m512i bytes = _mm512_loadu_si512(row_of_lines + (v0 + u) * kLineBytes);
+      const __m512i bytes = _mm512_loadu_si512(row_of_lines + u * kLineBytes);
       const __m512i lo = _mm512_and_si512(bytes, low);                        // rows k..k+3
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);  // rows k+4..k+7
       for (int r = 0; r < MR; ++r) {
@@ -137,14 +139,13 @@ kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int6
       }
     }
   }
-  for (int u = 0; u < VB; ++u) {
-    const int v = v0 + u;
+  for (int v = 0; v < VB; ++v) {
     if (v >= w.vectors(t)) break;
     const __m512i z = zero_vec(w, t, gi, v);
     const __m512 s = scales_vec<S>(w, t, gi, v);
     for (int r = 0; r < MR; ++r) {
       const GroupInt8& q = a.group(m0 + r, gi);
-      const __m512i sum = A == 2 ? _mm512_add_epi32(acc[r][u][0], acc[r][u][A - 1]) : acc[r][u][0];
+      const __m512i sum = A == 2 ? _mm512_add_epi32(acc[r][v][0], acc[r][v][A - 1]) : acc[r][v][0];
       const __m512i D = _mm512_sub_epi32(sum, _mm512_mullo_epi32(z, _mm512_set1_epi32(q.sum)));
       float* y = out(m0 + r) + 16 * v;
       const __m512 prev = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y);
@@ -156,24 +157,27 @@ kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int6
 // Rows 0..M-1 of tile t over groups g0..g1, group by group (the group's lines stay in L1 while
 // every row block reads them): blocks of 4 rows, then 3, 2 or 1, all four 16-column vectors at a
 // time (each row's bytes broadcast once a line): 16, 12, 16 or 8 accumulators.
+template <bool LEAD, typename S, typename Out>
+kVnniTarget inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t rows, int64_t gi,
+                                   bool first, Out out) {
+  switch (rows) {
+    case 4:
+      return group_rows_int8<4, 1, LEAD, S>(w, a, t, m0, gi, first, out);
+    case 3:
+      return group_rows_int8<3, 1, LEAD, S>(w, a, t, m0, gi, first, out);
+    case 2:
+      return group_rows_int8<2, 2, LEAD, S>(w, a, t, m0, gi, first, out);
+    default:
+      return group_rows_int8<1, 2, LEAD, S>(w, a, t, m0, gi, first, out);
+  }
+}
+
 template <typename S, typename Out>
 kVnniTarget void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
-  for (int64_t gi = g0; gi < g1; ++gi)
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 4:
-          group_rows_int8<4, 4, 1, S>(w, a, t, m0, 0, gi, gi == g0, out);
-          break;
-        case 3:
-          group_rows_int8<3, 4, 1, S>(w, a, t, m0, 0, gi, gi == g0, out);
-          break;
-        case 2:
-          group_rows_int8<2, 4, 2, S>(w, a, t, m0, 0, gi, gi == g0, out);
-          break;
-        default:
-          group_rows_int8<1, 4, 2, S>(w, a, t, m0, 0, gi, gi == g0, out);
-      }
-    }
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    block_int8<true, S>(w, a, t, 0, std::min<int64_t>(4, M), gi, gi == g0, out);
+    for (int64_t m0 = 4; m0 < M; m0 += 4) block_int8<false, S>(w, a, t, m0, std::min<int64_t>(4, M - m0), gi, gi == g0, out);
+  }
 }
 #endif
 
