@@ -174,6 +174,7 @@ kVnniTarget inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t
 
 template <typename S, typename Out>
 kVnniTarget void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+  if (M <= 0) return;  // (the op returns before calling for M = 0)
   for (int64_t gi = g0; gi < g1; ++gi) {
     block_int8<true, S>(w, a, t, 0, std::min<int64_t>(4, M), gi, gi == g0, out);
     for (int64_t m0 = 4; m0 < M; m0 += 4) block_int8<false, S>(w, a, t, m0, std::min<int64_t>(4, M - m0), gi, gi == g0, out);
