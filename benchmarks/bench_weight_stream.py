@@ -80,6 +80,7 @@ MODELS = {
     "8b": Model(4096, 14336, 32, 8, 128, 32, 128256),
 }
 KERNELS = ("f32", "bf16", "w8a8", "w4-ct", "w4-ki", "w4-a8")
+KI_KERNELS = ("w4-ki", "w4-a8")  # the sides on k_interleaved weights (AVX-512 VNNI)
 
 
 def _default_bytes() -> int:
@@ -104,9 +105,9 @@ def make_weights(kernel: str, k: int, n: int, target: int, g: torch.Generator, c
         group = group_for(k)
         zeros = L.pack(torch.randint(0, 16, (k // group, n), generator=g, dtype=torch.int32))
         scale = (torch.rand(k // group, n, generator=g) * 0.02).half()
-        ki = kernel in ("w4-ki", "w4-a8")
-        first = (wq.k_interleaved(q, scale, zeros, group) if ki else wq.column_tiled(q), scale, zeros)
-    nbytes = sum(t.numel() * t.element_size() for t in (first[:1] if kernel in ("w4-ki", "w4-a8") else first))
+        first = (wq.k_interleaved(q, scale, zeros, group) if kernel in KI_KERNELS else wq.column_tiled(q), scale,
+                 zeros)
+    nbytes = sum(t.numel() * t.element_size() for t in (first[:1] if kernel in KI_KERNELS else first))
     copies = copies or max(1, -(-target // nbytes))
     return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)], nbytes
 
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
     for name in kernels:
         if name not in KERNELS:
             parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
-    for name in ("w4-ki", "w4-a8"):
+    for name in KI_KERNELS:
         if name in kernels and not wq.VNNI:
             print(f"{name} skipped: this CPU has no AVX-512 VNNI (the k_interleaved kernel's one-row path)",
                   file=sys.stderr)

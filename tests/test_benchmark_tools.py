@@ -75,7 +75,7 @@ def test_hot_sides_fit_their_budget_and_keep_k(kernel):
 
     from dlinfer.vendor.cpu import weight_quant as wq
 
-    if kernel in ("w4-ki", "w4-a8") and not wq.VNNI:
+    if kernel in bws.KI_KERNELS and not wq.VNNI:
         pytest.skip("k_interleaved needs AVX-512 VNNI")
     model = bws.MODELS["1b"]
     tile = bws.COLUMN_TILE.get(kernel, 64)

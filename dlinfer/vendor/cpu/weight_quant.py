@@ -118,9 +118,9 @@ def int8_activations() -> bool:
     """$DLINFER_CPU_W4_ACTIVATIONS: native (unset) multiplies the weight by x at its own precision;
     int8 quantises x first, per row and group of the weight (absmax / 127, round half to even, like
     llama.cpp's q8_0 blocks), and takes the k_interleaved kernel's path 4: one vpdpbusd a line and
-    row, ~1.6x the one-row loop's rate from cache on the Zen 5 VM, and from two rows on the multiplies
-    of the 16-bit paths halved (docs/design.md, "W4 with 8-bit activations"; the error bound:
-    docs/ops.md). Needs AVX-512 VNNI: asking for it elsewhere is an error."""
+    row, 1.7-2.0x path 3's rate from cache at one to eight rows on the Zen 5 VM (docs/design.md,
+    "W4 with 8-bit activations"; the error bound: docs/ops.md). Needs AVX-512 VNNI: asking for it
+    elsewhere is an error."""
     choice = envs.get(ACTIVATIONS_ENV) or "native"
     if choice not in ("native", "int8"):
         raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native or int8 (or unset)")

@@ -79,7 +79,7 @@ GroupInt8 quantise_group(const float* x, int64_t g, int8_t* d) {
 
 // The activations of one call: bytes d [M, K] and per (m, group) (sx, S). One allocation.
 struct Int8Rows {
-  int64_t M, K, G;
+  int64_t G;  // groups a row
   std::unique_ptr<char[]> buffer;
   int8_t* d;
   GroupInt8* groups;  // [M, G]
@@ -89,7 +89,7 @@ struct Int8Rows {
 Int8Rows quantise_rows(const float* x, int64_t M, int64_t K, int64_t g) {
   const int64_t G = K / g;
   const size_t byte_count = static_cast<size_t>((M * K + 63) / 64 * 64);
-  Int8Rows out{M, K, G, std::unique_ptr<char[]>(new char[byte_count + M * G * sizeof(GroupInt8)]), nullptr, nullptr};
+  Int8Rows out{G, std::unique_ptr<char[]>(new char[byte_count + M * G * sizeof(GroupInt8)]), nullptr, nullptr};
   out.d = reinterpret_cast<int8_t*>(out.buffer.get());
   out.groups = reinterpret_cast<GroupInt8*>(out.buffer.get() + byte_count);
   at::parallel_for(0, M, grain_for(M, M * K * 4), [&](int64_t m0, int64_t m1) {

@@ -50,7 +50,6 @@
 namespace dlinfer_cpu {
 namespace w4v {
 
-
 // One group of g values (g % 8 == 0) into digits d[0..3][0..g) and (factor, S01, S23). The
 // scaling by 2^(30 - e) is exact in float32 (a power of two, results below 2^30), and the rounding
 // to an integer is cvtps2dq's round-half-even (the portable path: nearbyint in the default mode).
@@ -192,7 +191,6 @@ void tile_row_portable(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, in
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-
 // The group epilogue of one 16-column vector from its four int32 sums with the zero point already
 // subtracted (a1 and a3 carry it: D01 = a0 * 256 + a1, D23 = a2 * 256 + a3) and its scales s: the
 // arithmetic of epilogue_lane, 16 lanes at a time; returns the new y.
@@ -499,7 +497,6 @@ void tile_row(const Problem<S>& p, int64_t t, int64_t m, int64_t g0, int64_t g1,
 #endif
   tile_row_portable(p, t, m, g0, g1, lanes);
 }
-
 
 // The digit paths (0-2) over x as float32 rows.
 template <typename S>
