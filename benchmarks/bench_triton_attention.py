@@ -2,8 +2,8 @@
 
     python benchmarks/bench_triton_attention.py [--iters 30] [--dtype bfloat16] [--json FILE]
 
-Per config and implementation: median time of one call (CUDA events, L2 flushed before each
-call), achieved GB/s = (bytes of K/V read + bytes of q read and out written) / time, and that as
+Per config and implementation: median kernel time of one call (CUDA events, L2 flushed before
+each call, the host's launch work hidden: gpu_timing.py), the host time of issuing it, achieved GB/s = (bytes of K/V read + bytes of q read and out written) / time, and that as
 a % of the GPU's peak HBM bandwidth (a table by GPU name; otherwise a measured large device
 copy). Prefill also reports TFLOP/s (it is compute bound: GB/s there is only a lower bound).
 LMDeploy is timed as its CUDA backend runs it: `flash_attn_with_kvcache` for decode,
@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import device_time, peaks, require_interpreter, write_json  # noqa: E402
+from gpu_timing import device_time, host_time, peaks, require_interpreter, write_json  # noqa: E402
 
 DECODE = [  # (name, batch, context, Hq, Hkv, D, block size)
     ("decode b64 x 4k", 64, 4096, 32, 8, 128, 64),
@@ -62,8 +62,8 @@ def lmdeploy_kernels():
 def report(rows, title, peak, results):
     """Print one config's rows and keep them (as dicts) in `results`."""
     print(f"\n{title}")
-    print(f"  {'impl':<10} {'median ms':>10} {'GB/s':>9} {'% peak':>7} {'TFLOP/s':>8} {'max|diff|':>10}")
-    for impl, ms, nbytes, flops, diff in rows:
+    print(f"  {'impl':<10} {'median ms':>10} {'host ms':>8} {'GB/s':>9} {'% peak':>7} {'TFLOP/s':>8} {'max|diff|':>10}")
+    for impl, ms, nbytes, flops, diff, host_ms in rows:
         if ms is None:
             print(f"  {impl:<10} skipped: {diff}")
             results.append({"config": title, "impl": impl, "error": str(diff)})
@@ -71,10 +71,10 @@ def report(rows, title, peak, results):
         gbs = nbytes / (ms * 1e-3) / 1e9
         pct = 100 * gbs * 1e9 / peak if peak else None
         tf = flops / (ms * 1e-3) / 1e12 if flops else None
-        print(f"  {impl:<10} {ms:10.3f} {gbs:9.0f} {f'{pct:6.1f}%' if pct else '      -':>7} "
+        print(f"  {impl:<10} {ms:10.3f} {host_ms:8.3f} {gbs:9.0f} {f'{pct:6.1f}%' if pct else '      -':>7} "
               f"{f'{tf:8.1f}' if tf else '       -':>8} {diff:10.2e}")
-        results.append({"config": title, "impl": impl, "ms": ms, "gb_per_s": gbs, "bw_share_pct": pct,
-                        "tflops": tf, "max_abs_diff_vs_triton": diff})
+        results.append({"config": title, "impl": impl, "ms": ms, "host_ms": host_ms, "gb_per_s": gbs,
+                        "bw_share_pct": pct, "tflops": tf, "max_abs_diff_vs_triton": diff})
 
 
 def timed(fn, iters, device):
@@ -187,11 +187,13 @@ def main(argv=None):
 
 
 def time_rows(calls, outs, iters, device, nbytes, flops):
-    """[impl, ms, bytes, flops, max |diff| vs triton] per implementation; a failed one carries its error."""
+    """[impl, ms, bytes, flops, max |diff| vs triton, host ms] per implementation; a failed one carries
+    its error."""
     rows = []
     for impl, fn in calls.items():
         ms, err = timed(fn, iters, device)
-        rows.append([impl, ms, nbytes, flops, err if ms is None else 0.0])
+        host = host_time(fn, iters, device) * 1e3 if ms is not None else None
+        rows.append([impl, ms, nbytes, flops, err if ms is None else 0.0, host])
     for row in rows:
         if row[1] is not None and "triton" in outs and row[0] in outs:
             row[4] = (outs[row[0]].float() - outs["triton"].float()).abs().max().item()

@@ -1,7 +1,8 @@
 """Triton-vendor kernels on one CUDA GPU, against the torch vendor and LMDeploy's own CUDA Triton kernels.
 
-For each op and size it prints the median time (CUDA events, L2 flushed before every rep; see
-gpu_timing.py) of
+For each op and size it prints the median kernel time (CUDA events, L2 flushed before every rep,
+the host's launch work hidden; see gpu_timing.py), and for triton and LMDeploy the host time of
+issuing one call, of
   triton   dlinfer's triton vendor function (canonical arguments, no ops-layer checks),
   torch    dlinfer's torch vendor function (same arguments),
   lmdeploy lmdeploy.pytorch.kernels.cuda (rms_norm, apply_rotary_pos_emb, fill_kv_cache,
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_timing import device_time, peaks, require_interpreter, share, write_json  # noqa: E402
+from gpu_timing import device_time, host_time, peaks, require_interpreter, share, write_json  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -99,11 +100,13 @@ class Bench:
         try:
             spec = make()
             t_tri = device_time(spec["tri"], self.reps, self.device)
+            out["triton_host_us"] = host_time(spec["tri"], self.reps, self.device) * 1e6
             t_tor = device_time(spec["tor"], self.reps, self.device)
             lm_fn, t_lm = spec.get("lm"), None
             if lm_fn is not None:
                 try:
                     t_lm = device_time(lm_fn, self.reps, self.device)
+                    out["lmdeploy_host_us"] = host_time(lm_fn, self.reps, self.device) * 1e6
                     if spec.get("lm_err"):
                         e = spec["lm_err"]()
                         out["lmdeploy_err"] = e if isinstance(e, str) else f"{e:.1e}"
@@ -140,6 +143,8 @@ def format_row(r) -> str:
     line = (f"{r['op']:<24}{r['case']:<26}{r['triton_us']:10.1f}{r['torch_us']:10.1f}{lm}{r['vs_torch']:8.2f}x"
             f"{vs_lm}  {thr:<30}{r['err']:>14}")
     line += f"  lmdeploy err {r['lmdeploy_err']}" if "lmdeploy_err" in r else ""
+    line += f"  host us: triton {r['triton_host_us']:.1f}" if "triton_host_us" in r else ""
+    line += f" lmdeploy {r['lmdeploy_host_us']:.1f}" if "lmdeploy_host_us" in r else ""
     return line + (f"  (lmdeploy: {r['lmdeploy_error']})" if "lmdeploy_error" in r else "")
 
 

@@ -8,7 +8,7 @@ the launcher's own output and timed (gpu_timing.device_time: CUDA events, L2 flu
 The H200 run of 2026-11-27 (docs/gpu.md) left these short of LMDeploy: W4A16 (a rewrite since
 then, unmeasured), paged prefill attention (0.53x), fused_moe at prefill (0.70x), and linear_w8a8
 is the newest tile. Each launcher takes its tiles from one function (`_group_tiles`, `_tiles`,
-`_linear_tiles`); the sweep replaces that function for a call, so what is timed is the real
+`_linear_tiles`, and W4A16's K split `_group_splits`); the sweep replaces that function for a call, so what is timed is the real
 launcher with another tile. A configuration the GPU cannot launch (shared memory) is reported as
 such. The table says, per case, the launcher's time, the best alternative and the speedup: what to
 change next, measured.
@@ -61,6 +61,13 @@ def w4_cases(dev, dtype, dry):
         bytes_ = q.numel() * 4 + s.numel() * s.element_size() + x.numel() * x.element_size()
         yield (f"weight_quant_matmul W4 M={m} K={k} N={n} g={group}", W, "_group_tiles",
                lambda x=x: W.weight_quant_matmul(x, q, s, z, None, group), alts[m][:2 if dry else None],
+               bytes_, 2 * m * k * n)
+    # the K split of few rows (_group_splits): its rule's choice against fixed counts
+    for m in ([1] if dry else [1, 16]):
+        x = torch.randn(m, k, generator=g, device=dev).to(dtype)
+        bytes_ = q.numel() * 4 + s.numel() * s.element_size() + x.numel() * x.element_size()
+        yield (f"weight_quant_matmul W4 K splits M={m} K={k} N={n} g={group}", W, "_group_splits",
+               lambda x=x: W.weight_quant_matmul(x, q, s, z, None, group), [2] if dry else [1, 2, 8, 16],
                bytes_, 2 * m * k * n)
 
 
@@ -133,7 +140,7 @@ def sweep(case, reps, dev) -> dict:
     base = call()
     row = {"case": name, "function": f"{module.__name__.rsplit('.', 1)[-1]}.{fn_name}", "configs": []}
     for cfg in [None] + list(alts):
-        entry = {"tiles": "launcher's own" if cfg is None else list(cfg)}
+        entry = {"tiles": "launcher's own" if cfg is None else list(cfg) if isinstance(cfg, (tuple, list)) else cfg}
         try:
             with tiles(module, fn_name, cfg):
                 got = call()

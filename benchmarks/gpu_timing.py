@@ -2,8 +2,12 @@
 bench_triton_attention.py, gpu_engine.py) and their CPU dry runs (scripts/gpu_check.sh --dry-run).
 
 On CUDA a time is the median of CUDA-event intervals, the L2 cache flushed (a 256 MiB write)
-before each call, so no call is served from the previous one's cache. On the CPU (a dry run under
-TRITON_INTERPRET=1) it is wall-clock: it proves that the code path runs, and is no timing.
+before each call, so no call is served from the previous one's cache, and the GPU then held busy
+(torch.cuda._sleep, ~0.5 ms) while the host issues the call: the interval is the kernels' own
+time, not the host's launch work (which made decode-sized rows of the first H200 runs read 5 us
+one run and 50 the next). That host work is measured apart (`host_time`: the median wall-clock
+of issuing one call while the GPU is busy), since an eager engine pays it. On the CPU (a dry run
+under TRITON_INTERPRET=1) a time is wall-clock: it proves that the code path runs, and is no timing.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import os
 import signal
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +32,7 @@ PEAKS = (
 )
 
 _flush: dict = {}
+BUSY_CYCLES = 1_000_000  # ~0.5 ms at the H200's 1.98 GHz: longer than any launcher's host work
 
 
 def device_time(fn, reps: int, device: str, warmup: int = 3) -> float:
@@ -46,11 +52,30 @@ def device_time(fn, reps: int, device: str, warmup: int = 3) -> float:
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         flush.zero_()
+        torch.cuda._sleep(BUSY_CYCLES)  # the host's launch work overlaps this, not the interval
         starts[i].record()
         fn()
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
+
+
+def host_time(fn, reps: int, device: str) -> float:
+    """Median seconds the host takes to issue one fn() call (launches, allocations, Python), the
+    GPU kept busy so that no call waits for it. CPU (a dry run): the whole call's wall-clock."""
+    times = []
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        fn()  # warm (a dry run's interpreted calls are slow enough without it)
+    for _ in range(reps):
+        if cuda:
+            torch.cuda._sleep(BUSY_CYCLES)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def peaks(device: str) -> dict:

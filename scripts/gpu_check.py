@@ -57,7 +57,7 @@ def steps(out: Path, work: Path, dry: bool, tokenizer: str | None, checks: str |
     bench = REPO / "benchmarks"
     dry_flag = ["--dry-run"] if dry else []
     conf = []
-    for dtype, budget in (("bfloat16", 170), ("float16", 60)):
+    for dtype, budget in (("bfloat16", 170), ("float16", 100)):
         argv = [PY, "-m", "dlinfer", "conformance", "--vendor", "triton", "--dtypes", dtype,
                 "--report", str(work / f"conformance-{dtype}.json"), "--markdown", str(out / f"conformance-{dtype}.md")]
         argv += ["--small", "--device", "cpu"] if dry else ["--device", "cuda"]
@@ -199,13 +199,14 @@ def ops_table(out) -> list:
     heading = (f"## ops ({out.get('dtype')}; median of {out.get('reps')}; LMDeploy kernels: "
                f"{'yes' if not out.get('lmdeploy_unavailable') else out['lmdeploy_unavailable']})")
     columns = ["op", "case", "triton us", "torch us", "LMDeploy us", "LMDeploy / triton time", "GB/s", "% peak BW",
-               "TFLOP/s", "% peak FLOP", "triton err vs torch", "LMDeploy err vs torch"]
+               "TFLOP/s", "% peak FLOP", "host us: triton / LMDeploy", "triton err vs torch", "LMDeploy err vs torch"]
 
     def cells(r):
         vs = f"{r['vs_lmdeploy']:.2f}" if r.get("vs_lmdeploy") else r.get("lmdeploy_error", "-")[:80]
+        host = f"{_f(r.get('triton_host_us'), '.1f')} / {_f(r.get('lmdeploy_host_us'), '.1f')}"
         return [_f(r["triton_us"], ".1f"), _f(r["torch_us"], ".1f"), _f(r.get("lmdeploy_us"), ".1f"), vs,
                 _f(r["gb_per_s"], ".0f"), str(r["bw_share"]), _f(r.get("tflops"), ".1f"),
-                str(r.get("flops_share", "-")), str(r["err"]), str(r.get("lmdeploy_err", "-"))]
+                str(r.get("flops_share", "-")), host, str(r["err"]), str(r.get("lmdeploy_err", "-"))]
 
     return _table(heading, columns, out["rows"], lambda r: [r["op"], r["case"]], cells)
 
@@ -213,9 +214,10 @@ def ops_table(out) -> list:
 def attention_table(out) -> list:
     if not out or not out.get("rows"):
         return []
-    columns = ["config", "impl", "ms", "GB/s", "% peak BW", "TFLOP/s", "max abs diff vs triton"]
+    columns = ["config", "impl", "ms", "host ms", "GB/s", "% peak BW", "TFLOP/s", "max abs diff vs triton"]
     return _table(f"## attention ({out.get('dtype')})", columns, out["rows"], lambda r: [r["config"], r["impl"]],
-                  lambda r: [_f(r["ms"], ".3f"), _f(r["gb_per_s"], ".0f"), _f(r.get("bw_share_pct"), ".1f"),
+                  lambda r: [_f(r["ms"], ".3f"), _f(r.get("host_ms"), ".3f"), _f(r["gb_per_s"], ".0f"),
+                             _f(r.get("bw_share_pct"), ".1f"),
                              _f(r.get("tflops"), ".1f"), _f(r["max_abs_diff_vs_triton"], ".2e")],
                   error_word="skipped")
 

@@ -20,9 +20,16 @@ def dynamic_quant(x: Tensor):
 
     scale = amax(|x|) / 127 in float32; xq = clamp(round_half_even(x / scale), -128, 127) with
     the division in float32. A zero row gets scale 0 and xq 0 (divided by 1, never 0/0).
+    Both divisions are tensor by tensor on x's device, so both are correctly rounded: PyTorch's
+    CUDA division by a Python scalar multiplies by its reciprocal instead (BinaryDivTrueKernel),
+    which is one ulp off for some amax and made the codes differ from the triton vendor's on an
+    H200 (docs/gpu.md).
     """
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / 127.0 if xf.shape[-1] else xf.new_zeros(xf.shape[:-1])
+    if xf.shape[-1]:
+        scale = xf.abs().amax(dim=-1) / torch.full((), 127.0, dtype=torch.float32, device=xf.device)
+    else:
+        scale = xf.new_zeros(xf.shape[:-1])
     divisor = torch.where(scale == 0, torch.ones_like(scale), scale)
     xq = torch.round(xf / divisor.unsqueeze(-1)).clamp_(-128, 127).to(torch.int8)
     return xq, scale

@@ -19,6 +19,7 @@ inverse of AWQ's order [0, 2, 4, 6, 1, 3, 5, 7] (the zero points always; the wei
 canonical layout; column_tiled: bits 4 * ((c % 128) // 16) of word c % 16 of tile c // 128).
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -79,14 +80,17 @@ def _unpack_words(words):
 
 
 @triton.jit
-def _w4_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, stride_xm,
+def _w4_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, stride_xm, K_SPLIT,
                      HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, TILED: tl.constexpr, F32: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """BLOCK_K divides G (and so K): each K step is inside one group, its scale a [BLOCK_N] row.
     Canonical words are loaded once per 8 columns ([BLOCK_K, BLOCK_N / 8]) and unpacked in
-    registers; column_tiled ones are gathered per column."""
+    registers; column_tiled ones are gathered per column. Program (m, n, s) walks K from
+    s * K_SPLIT (a multiple of BLOCK_K) for K_SPLIT; with SPLIT it stores its fp32 sum at
+    y_ptr[s, m, n] for _split_sum_kernel (no bias), else the output."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rq = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)  # the tile's words (N is a multiple of 8)
@@ -95,7 +99,8 @@ def _w4_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, strid
     words = N // 8
     q_ok = rq < words
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_begin = pid_k * K_SPLIT
+    for k0 in range(k_begin, tl.minimum(k_begin + K_SPLIT, K), BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         g = k0 // G
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_ok[:, None], other=0.0)
@@ -109,10 +114,28 @@ def _w4_group_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, strid
         else:  # integers up to 15 in magnitude: exact in x's dtype; products exact, fp32 sums
             part = tl.dot(x, w.to(x.dtype))
         acc += part * s[None, :]
+    if SPLIT:
+        out = y_ptr + pid_k.to(tl.int64) * M * N
+        tl.store(out + rm[:, None] * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], cast_to(acc, y_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(p_ptr, b_ptr, y_ptr, MN, N, S, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """y = sum over s = 0..S-1 of p[s] (in that order, fp32) (+ bias), one rounding: p [S, M, N]
+    fp32 -> y [M, N]."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(p_ptr + s * MN + i, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], cast_to(acc, y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(b_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, cast_to(acc, y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -160,10 +183,10 @@ def _w4_kernel(x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, stride_xm,
 
 
 def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
-                        group_size: int) -> Tensor:
+                        group_size: int, *, num_splits: Optional[int] = None) -> Tensor:
     """x [M, K], qweight int32 [K, N/8] or column_tiled [ceil(N/128), K, 16] (k_interleaved: made
     canonical first), scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?, bias [N]?,
-    group_size g -> [M, N] in x's dtype."""
+    group_size g -> [M, N] in x's dtype. `num_splits` overrides the K-split rule (tests)."""
     m, k = x.shape
     n = scale.shape[1]
     x = unit_stride(x)
@@ -182,9 +205,22 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     block_m, block_n, most_k, warps, stages = _group_tiles(m, f32)
     block_k = _group_step(group_size, most_k)
     if block_k:
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _w4_group_kernel[grid](*common, **flags, F32=f32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                               num_warps=warps, num_stages=stages)
+        m_tiles, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
+        if num_splits is None:
+            num_splits = _group_splits(m, k, block_k, m_tiles * n_tiles, _num_sms(x.device))
+        steps = k // block_k
+        per_split = triton.cdiv(steps, max(1, min(num_splits, steps)))
+        splits = triton.cdiv(steps, per_split)  # none left empty
+        split = splits > 1
+        out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split else y
+        common = (*common[:5], out, *common[6:])
+        _w4_group_kernel[(m_tiles, n_tiles, splits)](
+            *common, per_split * block_k, **flags, F32=f32, SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        if split:
+            block = 1024
+            _split_sum_kernel[(triton.cdiv(m * n, block),)](out, common[4], y, m * n, n, splits,
+                                                            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
         return y
     block_m, block_n, block_k = 16, 32, 16  # no register spills on sm_80 / sm_90
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
@@ -201,6 +237,27 @@ def _group_step(group_size: int, most: int) -> int:
             return step
         step //= 2
     return 0
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
+
+
+def _group_splits(m: int, k: int, block_k: int, programs: int, num_sms: int) -> int:
+    """How many K ranges the group kernel's programs split K into. Few rows give few programs
+    (M = 1, N = 11008: 172 on an H200's 132 SMs), each walking all of K: the weight streams at a
+    fraction of HBM's rate. Split until about 4 programs an SM, each range at least 4 K steps,
+    and only while the fp32 partials written and read back (2 * 4 bytes * splits * M * N) stay
+    within a quarter of the weight's K * N / 2 bytes (splits * M <= K / 64). The partials are
+    summed in a fixed order (_split_sum_kernel): deterministic, a different fp32 order than one
+    range. A CPU device counts as one SM."""
+    want = triton.cdiv(4 * num_sms, max(1, programs))
+    by_steps = max(1, (k // block_k) // 4)
+    by_bytes = max(1, k // (64 * max(1, m)))
+    return max(1, min(want, by_steps, by_bytes))
 
 
 def _group_tiles(m: int, f32: bool):
