@@ -4,8 +4,9 @@
 
 Per config and implementation: median kernel time of one call (CUDA events, L2 flushed before
 each call, the host's launch work hidden: gpu_timing.py), the host time of issuing it, achieved
-GB/s = (bytes of K/V read + bytes of q read and out written) / time, and that as a % of the GPU's peak HBM bandwidth (a table by GPU name; otherwise a measured large device
-copy). Prefill also reports TFLOP/s (it is compute bound: GB/s there is only a lower bound).
+GB/s = (bytes of K/V read + bytes of q read and out written) / time, and that as a % of the GPU's
+peak HBM bandwidth (a table by GPU name; otherwise a measured large device copy). Prefill also
+reports TFLOP/s (it is compute bound: GB/s there is only a lower bound).
 LMDeploy is timed as its CUDA backend runs it: `flash_attn_with_kvcache` for decode,
 `flatten_kv_cache` + `flash_attn_varlen_func` for prefill, caches [NB, BS, Hkv, D] ("bshd").
 Every output is checked against the triton vendor's (max |diff| column).

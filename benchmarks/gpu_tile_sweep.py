@@ -9,9 +9,9 @@ The H200 run of 2026-11-27 (docs/gpu.md) left these short of LMDeploy: W4A16 (a 
 then, unmeasured), paged prefill attention (0.53x), fused_moe at prefill (0.70x), and linear_w8a8
 is the newest tile. Each launcher takes its tiles from one function (`_group_tiles`, `_tiles`,
 `_linear_tiles`, and W4A16's K split `_group_splits`); the sweep replaces that function for a
-call, so what is timed is the real launcher with another tile. A configuration the GPU cannot launch (shared memory) is reported as
-such. The table says, per case, the launcher's time, the best alternative and the speedup: what to
-change next, measured.
+call, so what is timed is the real launcher with another tile. A configuration the GPU cannot
+launch (shared memory) is reported as such. The table says, per case, the launcher's time, the
+best alternative and the speedup: what to change next, measured.
 """
 
 from __future__ import annotations
