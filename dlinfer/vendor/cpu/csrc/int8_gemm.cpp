@@ -9,7 +9,9 @@
 //    alongside (vpdpbusd of 0x80 bytes with the same b vector) and subtracted once per output.
 //    vpdpbusd does not saturate (int32 adds wrap) and the subtraction wraps too, so the result is
 //    exact modulo 2**32: exact whenever the true product fits int32.
-//  - AVX-512BW: 32 bytes sign-extended to int16, vpmaddwd (pairs of int16 products, exact in int32).
+//  - int16 (kInt16): bytes sign-extended to int16, vpmaddwd (pairs of int16 products, exact in
+//    int32): 32 bytes a step on AVX-512BW, 16 on an AVX2 build (whose CPUs have no VNNI: vpmaddubsw's
+//    32 products need one operand unsigned and saturate int16 for -128 values, so it is not exact).
 //  - portable C++ (any build): uint32 wrapping sums, the same exactness.
 // From 3 rows of a past 32 KB (K > 32768 / M: the down projections at 1B and 8B shapes), the VNNI
 // path walks K in chunks (few_rows_walk.h), so a's chunk stays in L1: at M = 8 and K = 8192 0.35 ->
@@ -24,7 +26,7 @@
 
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -138,6 +140,44 @@ void tile_vnni_walk(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, in
   }
 }
 
+#elif defined(CPU_CAPABILITY_AVX2)
+
+// tile_avx512's int16 path in 256-bit vectors: 16 bytes of b and of each row of a sign-extended,
+// vpmaddwd, int32 adds (wrapping, as the other paths), 64 bytes of b a step with one prefetch;
+// K's tail past a multiple of 16 in scalar uint32 sums.
+template <int M>
+void tile_avx2(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
+               int64_t ldo) {
+  const int64_t k64 = K - K % 64, kv = K - K % 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* br = b + n * K;
+    __m256i acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+    auto step = [&](int64_t k) __attribute__((always_inline)) {
+      const __m256i bv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(br + k)));
+      for (int m = 0; m < M; ++m) {
+        const __m256i av = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + m * lda + k)));
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(av, bv));
+      }
+    };
+    for (int64_t k = 0; k < k64; k += 64) {
+      __builtin_prefetch(br + k + kPrefetch, 0, 1);
+      step(k);
+      step(k + 16);
+      step(k + 32);
+      step(k + 48);
+    }
+    for (int64_t k = k64; k < kv; k += 16) step(k);
+    for (int m = 0; m < M; ++m) {
+      alignas(32) uint32_t lanes[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[m]);
+      uint32_t s = 0;
+      for (int l = 0; l < 8; ++l) s += lanes[l];
+      for (int64_t k = kv; k < K; ++k) s += static_cast<uint32_t>(static_cast<int32_t>(a[m * lda + k]) * br[k]);
+      out[m * ldo + n] = static_cast<int32_t>(s);
+    }
+  }
+}
 #endif
 
 using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*, int64_t);
@@ -162,19 +202,26 @@ struct Portable {
 };
 #if defined(CPU_CAPABILITY_AVX512)
 template <int M>
-struct Avx512 {
+struct Int16 {
   static constexpr TileFn fn = &tile_avx512<M>;
 };
 template <int M>
 struct Vnni {
   static constexpr TileFn fn = &tile_vnni_walk<M>;
 };
+#elif defined(CPU_CAPABILITY_AVX2)
+template <int M>
+struct Int16 {
+  static constexpr TileFn fn = &tile_avx2<M>;
+};
 #endif
 
 TileFn tile_for(int path, int rows) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (path == kVnni) return pick<Vnni>(rows);
-  if (path == kAvx512) return pick<Avx512>(rows);
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (path == kInt16) return pick<Int16>(rows);
 #endif
   return pick<Portable>(rows);
 }
@@ -183,8 +230,10 @@ TileFn tile_for(int path, int rows) {
 
 int best_int8_path() {
 #if defined(CPU_CAPABILITY_AVX512)
-  static const int best = __builtin_cpu_supports("avx512vnni") ? kVnni : kAvx512;
+  static const int best = __builtin_cpu_supports("avx512vnni") ? kVnni : kInt16;
   return best;
+#elif defined(CPU_CAPABILITY_AVX2)
+  return kInt16;
 #else
   return kPortable;
 #endif

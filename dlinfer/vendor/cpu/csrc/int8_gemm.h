@@ -10,9 +10,10 @@
 
 namespace dlinfer_cpu {
 
-// The int8 dot-product paths, best first. kVnni: AVX-512 VNNI (vpdpbusd, 64 products per
-// instruction); kAvx512: AVX-512BW (sign-extend to int16, vpmaddwd); kPortable: plain C++.
-enum Int8Path : int { kPortable = 0, kAvx512 = 1, kVnni = 2 };
+// The int8 dot-product paths, best last. kVnni: AVX-512 VNNI (vpdpbusd, 64 products per
+// instruction); kInt16: sign-extend to int16, vpmaddwd (AVX-512BW, or AVX2 on an AVX2 build);
+// kPortable: plain C++.
+enum Int8Path : int { kPortable = 0, kInt16 = 1, kVnni = 2 };
 
 // The best path this build and this CPU can run (the build's ISA, then the CPU's VNNI flag).
 int best_int8_path();
