@@ -19,7 +19,7 @@ Kernels (the cpu vendor's functions, as the engine calls them):
   bfloat16 activations as a bf16 checkpoint's model runs them, `--w4-activations float32` for a
   float32 model's; k_interleaved only where the CPU has AVX-512 VNNI);
 - w4-a8: the k_interleaved kernel with 8-bit activations (path 4, what
-  DLINFER_CPU_W4_ACTIVATIONS=int8 runs; AVX-512 VNNI).
+  DLINFER_CPU_W4_ACTIVATIONS=int8 runs; AVX-512 VNNI, or AVX2 alone).
 GB/s counts every byte a call must read (weights, scales, zero points).
 
 `--hot MB` asks what a kernel reads when memory is not the limit: each side's weight is cut to about
@@ -199,9 +199,10 @@ def main(argv=None) -> int:
         if name not in KERNELS:
             parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
     for name in KI_KERNELS:
-        if name in kernels and not wq.VNNI:
-            print(f"{name} skipped: this CPU has no AVX-512 VNNI (the k_interleaved kernel's one-row path)",
-                  file=sys.stderr)
+        runs = wq.INT8_ACTIVATIONS if name == "w4-a8" else wq.VNNI
+        if name in kernels and not runs:
+            print(f"{name} skipped: this CPU has no AVX-512 VNNI (the k_interleaved kernel's one-row path; "
+                  "w4-a8 also runs on an AVX2 build)", file=sys.stderr)
             kernels.remove(name)
     if "cpu" not in dlinfer.vendor.available():
         print("the cpu vendor does not load here", file=sys.stderr)

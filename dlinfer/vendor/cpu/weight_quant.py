@@ -42,6 +42,7 @@ _column_tiled = _kernels.w4_column_tiled
 _k_interleaved = _kernels.w4_k_interleaved
 _w4_matmul_k_interleaved = _kernels.w4_matmul_k_interleaved
 VNNI = _kernels.w4_vnni_available()  # this CPU runs the k_interleaved kernel's VNNI path
+INT8_ACTIVATIONS = _kernels.w4_int8_activations_available()  # ... and its path 4 (VNNI, or an AVX2 build)
 AMX = _kernels.w4_amx_available()  # ... and its AMX path (AMX-INT8, tile state granted by Linux)
 BF16_DOT = _kernels.w4_bf16_dot_available()  # ... and its bfloat16 path (AVX512-BF16, bfloat16 activations)
 KI_MAX_GROUP = 1024  # the k_interleaved kernel's largest group (its int32 sums stay exact)
@@ -119,14 +120,15 @@ def int8_activations() -> bool:
     int8 quantises x first, per row and group of the weight (absmax / 127, round half to even, like
     llama.cpp's q8_0 blocks), and takes the k_interleaved kernel's path 4: one vpdpbusd a line and
     row, 1.7-2.0x path 3's rate from cache at one to eight rows on the Zen 5 VM (docs/design.md,
-    "W4 with 8-bit activations"; the error bound: docs/ops.md). Needs AVX-512 VNNI: asking for it
-    elsewhere is an error."""
+    "W4 with 8-bit activations"; the error bound: docs/ops.md). Needs AVX-512 VNNI, or a CPU with
+    AVX2 alone (vpmaddubsw, the same bits): asking for it elsewhere is an error."""
     choice = envs.get(ACTIVATIONS_ENV) or "native"
     if choice not in ("native", "int8"):
         raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native or int8 (or unset)")
-    if choice == "int8" and not VNNI:
-        raise ValueError(f"{ACTIVATIONS_ENV}=int8: the 8-bit activation kernel needs AVX-512 VNNI, which this CPU "
-                         "(or the kernels' build for it) lacks; unset it to multiply by x at its own precision")
+    if choice == "int8" and not INT8_ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_ENV}=int8: the 8-bit activation kernel needs AVX-512 VNNI (or AVX2 on a CPU "
+                         "without AVX-512), which this CPU (or the kernels' build for it) lacks; unset it to multiply "
+                         "by x at its own precision")
     return choice == "int8"
 
 
@@ -163,9 +165,10 @@ def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> 
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
-    fits = VNNI and k % w4_layouts.KI_BLOCK_K == 0 and integer_kernel_takes(group_size)
+    shape_fits = k % w4_layouts.KI_BLOCK_K == 0 and integer_kernel_takes(group_size)
+    fits = VNNI and shape_fits
     if int8_activations():
-        if choice == "column_tiled" or not fits:
+        if choice == "column_tiled" or not shape_fits:
             why = f"{LAYOUT_ENV}=column_tiled" if choice == "column_tiled" else (
                 f"a weight of K = {k} rows at group size {group_size} (the kernel needs K % 8 == 0, g % 8 == 0 and "
                 f"g <= {KI_MAX_GROUP})")

@@ -27,8 +27,8 @@ def _cpu():
 
 
 def _vnni():
-    if not _cpu().VNNI:
-        pytest.skip("path 4 needs AVX-512 VNNI")
+    if not _cpu().INT8_ACTIVATIONS:
+        pytest.skip("path 4 needs AVX-512 VNNI (or an AVX2 build)")
 
 
 def _kernel(x, packed, scale, offset, group, bias=None, path=INT8):
@@ -208,7 +208,7 @@ def test_ties_round_to_even():
 
 
 def test_path_4_is_refused_without_vnni_or_with_a_bad_number():
-    if _cpu().VNNI:
+    if _cpu().INT8_ACTIVATIONS:
         with pytest.raises(RuntimeError, match="path -1 \\(best\\), 0, 1, 2, 3 or 4, got 5"):
             _kernel(torch.randn(1, 64), torch.zeros(1, 1, 64 * 2 + 64 + 32 * 64, dtype=torch.uint8),
                     torch.ones(1, 64), None, 64, path=5)
@@ -247,9 +247,10 @@ def test_the_setting_picks_the_layout_the_eager_path_and_the_graph_binding(monke
 
 
 def test_the_setting_refuses_a_cpu_without_vnni(monkeypatch):
-    """On any host: the setting is an error where the VNNI kernel does not run."""
+    """On any host: the setting is an error where path 4 does not run (no VNNI on an AVX-512 build,
+    a build below AVX2)."""
     cpu = _cpu()
-    monkeypatch.setattr(cpu, "VNNI", False)
+    monkeypatch.setattr(cpu, "INT8_ACTIVATIONS", False)
     monkeypatch.setenv(ENV, "int8")
     with pytest.raises(ValueError, match="needs AVX-512 VNNI"):
         cpu.layout_for(256, 64)

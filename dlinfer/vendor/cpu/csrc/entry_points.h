@@ -84,7 +84,7 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight);
 
 // quant_w4_int.cpp: W4A16 on the k_interleaved layout (path: -1 the best this CPU runs; the digit
 // paths 0 portable, 1 VNNI, 2 AMX, exact integer dot products with the same bits; 3 bfloat16 x on
-// AVX512-BF16, float32 sums; 4, asked for only: x as 8-bit bytes per row and group on VNNI,
+// AVX512-BF16, float32 sums; 4, asked for only: x as 8-bit bytes per row and group on VNNI or AVX2,
 // quant_w4_a8.cpp).
 at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
                             int64_t group_size);
@@ -92,6 +92,7 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
                                    const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path);
 bool w4_vnni_available();
+bool w4_int8_activations_available();  // path 4: VNNI on an AVX-512 build, or an AVX2 build
 bool w4_amx_available();
 bool w4_bf16_dot_available();
 
@@ -125,6 +126,7 @@ int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, i
   X(w4_k_interleaved) \
   X(w4_matmul_k_interleaved) \
   X(w4_vnni_available) \
+  X(w4_int8_activations_available) \
   X(w4_amx_available) \
   X(w4_bf16_dot_available) \
   X(read_probe)

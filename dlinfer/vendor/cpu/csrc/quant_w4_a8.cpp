@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 namespace dlinfer_cpu {
 namespace w4v {
@@ -180,18 +181,107 @@ kVnniTarget void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_
     for (int64_t m0 = 4; m0 < M; m0 += 4) block_int8<false, S>(w, a, t, m0, std::min<int64_t>(4, M - m0), gi, gi == g0, out);
   }
 }
+#elif defined(CPU_CAPABILITY_AVX2)
+// AVX2 (no VNNI): vpdpbusd's four products a lane as vpmaddubsw (unsigned nibble times signed
+// byte, adjacent pairs summed in int16: |pair| <= 2 * 15 * 128, never saturating) on the low and
+// the high nibbles, the two int16 sums added (|sum| <= 7680), then vpmaddwd by 1 into int32: the
+// same exact integer acc as the VNNI path, so the same D and the same float32 steps after it (the
+// same bits). A line's 16 lanes are two 8-lane halves. Vector by vector over the group's lines (the
+// group's 4 KB stays in L1 across the four vectors), MR rows x 2 halves of int32 accumulators.
+template <typename S>
+inline __m256 scales8(const Layout& w, int64_t t, int64_t gi, int c) {
+  const S* src = w.scales<S>(t, gi) + c;
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm256_loadu_ps(src);
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  }
+}
+
+template <int MR, bool LEAD, typename S, typename Out>
+inline void group_rows_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t gi, bool first,
+                            Out out) {
+  const int64_t per = w.g / kBlockK, K = w.K;
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* const end = w.end() - kLineBytes;
+  const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
+  for (int v = 0; v < w.vectors(t); ++v) {
+    __m256i acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t b = 0; b < per; ++b) {
+      const uint8_t* const line = lines + (b * kVecs + v) * kLineBytes;
+      if (LEAD && v == 0)  // the whole stream kPrefetchBytes on, as the VNNI path
+        for (int u = 0; u < kVecs; ++u)
+          _mm_prefetch(ahead(line, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
+      const int8_t* const xk = a.d + m0 * K + kBlockK * (gi * per + b);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
+        const __m256i lo = _mm256_and_si256(bytes, low);                        // rows k..k+3
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);  // rows k+4..k+7
+        for (int r = 0; r < MR; ++r) {
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(xk + r * K))),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(xk + r * K + 4))));
+          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int c = 16 * v + 8 * h;
+      const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + c)));
+      const __m256 s = scales8<S>(w, t, gi, c);
+      for (int r = 0; r < MR; ++r) {
+        const GroupInt8& q = a.group(m0 + r, gi);
+        const __m256i D = _mm256_sub_epi32(acc[r][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(q.sum)));
+        float* y = out(m0 + r) + c;
+        const __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), _mm256_mul_ps(_mm256_set1_ps(q.scale), s), prev));
+      }
+    }
+  }
+}
+
+template <typename S, typename Out>
+void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+  if (M <= 0) return;
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int64_t rows = std::min<int64_t>(4, M - m0);
+      const bool lead = m0 == 0, first = gi == g0;
+      if (rows == 4) {
+        lead ? group_rows_int8<4, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<4, false, S>(w, a, t, m0, gi, first, out);
+      } else if (rows == 3) {
+        lead ? group_rows_int8<3, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<3, false, S>(w, a, t, m0, gi, first, out);
+      } else if (rows == 2) {
+        lead ? group_rows_int8<2, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<2, false, S>(w, a, t, m0, gi, first, out);
+      } else {
+        lead ? group_rows_int8<1, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<1, false, S>(w, a, t, m0, gi, first, out);
+      }
+    }
+  }
+}
 #endif
 
 }  // namespace
 
+bool int8_path_here() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return vnni_here();
+#elif defined(CPU_CAPABILITY_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
 template <typename S>
 void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, float* y) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   const Int8Rows a = quantise_rows(x, M, w.K, w.g);
   run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) { tile_int8<S>(w, a, t, M, g0, g1, row); });
 #else
   (void)w, (void)x, (void)M, (void)bias, (void)y;
-  TORCH_CHECK(false, "w4_matmul_k_interleaved: path 4 (8-bit activations) needs AVX-512 VNNI");
+  TORCH_CHECK(false, "w4_matmul_k_interleaved: path 4 (8-bit activations) needs AVX-512 VNNI or AVX2");
 #endif
 }
 

@@ -614,8 +614,9 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
               "w4_matmul_k_interleaved: scale in x's dtype or float16");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "w4_matmul_k_interleaved: bias [N]");
   TORCH_CHECK(path >= -1 && path <= w4v::kInt8, "w4_matmul_k_interleaved: path -1 (best), 0, 1, 2, 3 or 4, got ", path);
-  TORCH_CHECK((path != w4v::kVnni && path != w4v::kInt8) || w4v::vnni_here(), "w4_matmul_k_interleaved: path ", path,
-              " (VNNI): this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(path != w4v::kVnni || w4v::vnni_here(), "w4_matmul_k_interleaved: path 1 (VNNI): this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(path != w4v::kInt8 || w4v::int8_path_here(),
+              "w4_matmul_k_interleaved: path 4 (8-bit activations): this CPU has no AVX-512 VNNI (nor is this an AVX2 build)");
   TORCH_CHECK(path != w4v::kAmx || (w4v::amx_here() && w4v::amx_chunk(group_size) > 0),
               "w4_matmul_k_interleaved: path 2 (AMX) cannot run here: it needs AMX-INT8 (with the tile state granted) "
               "and a group size g with g % 64 == 0 or g < 64, got g = ", group_size);
@@ -660,6 +661,7 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
 }
 
 bool w4_vnni_available() { return w4v::vnni_here(); }
+bool w4_int8_activations_available() { return w4v::int8_path_here(); }
 bool w4_amx_available() { return w4v::amx_here(); }
 bool w4_bf16_dot_available() { return w4v::bf16_dot_here(); }
 
@@ -670,6 +672,7 @@ TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
         "int path=-1) -> Tensor");
   m.impl("w4_matmul_k_interleaved", c10::DispatchKey::CPU, &w4_matmul_k_interleaved);
   m.def("w4_vnni_available() -> bool", &w4_vnni_available);
+  m.def("w4_int8_activations_available() -> bool", &w4_int8_activations_available);
   m.def("w4_amx_available() -> bool", &w4_amx_available);
   m.def("w4_bf16_dot_available() -> bool", &w4_bf16_dot_available);
 }

@@ -132,13 +132,24 @@ inline bool group_absmax(const float* x, int64_t g, float& amax) {
   return finite;
 }
 
-// Whether this CPU runs the VNNI paths (1 and 4).
+// Whether this CPU runs the VNNI paths (1, and 4 on an AVX-512 build).
 bool vnni_here();
+// Whether this build and CPU run path 4 (quant_w4_a8.cpp: VNNI on an AVX-512 build, any AVX2 build).
+bool int8_path_here();
 
 // Path 4 (quant_w4_a8.cpp): x [M, K] float32 rows, quantised to 8 bits per row and group, times the
 // weight w -> y [M, N] float32 (+ bias [N]?). S: the scales' type inside the blocks (at::Half or float).
 template <typename S>
 void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, float* y);
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Four digit bytes as one 32-bit lane (vpdpbusd's activation operand; vpmaddubsw's on AVX2).
+inline int32_t four_bytes(const int8_t* d) {
+  int32_t v;
+  std::memcpy(&v, d, sizeof(v));
+  return v;
+}
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 #define kVnniTarget __attribute__((target("avx512f,avx512bw,avx512vnni,avx512dq,fma")))
@@ -159,12 +170,6 @@ kVnniTarget inline __m512i zero_bytes(const Layout& w, int64_t t, int64_t gi, in
   return _mm512_mullo_epi32(zero_vec(w, t, gi, v), _mm512_set1_epi32(0x01010101));
 }
 
-// Four digit bytes as one 32-bit lane (vpdpbusd's activation operand).
-inline int32_t four_bytes(const int8_t* d) {
-  int32_t v;
-  std::memcpy(&v, d, sizeof(v));
-  return v;
-}
 #endif
 
 }  // namespace w4v
