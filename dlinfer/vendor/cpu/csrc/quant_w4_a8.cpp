@@ -206,6 +206,37 @@ inline void group_rows_int8(const Layout& w, const Int8Rows& a, int64_t t, int64
   const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* const end = w.end() - kLineBytes;
   const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
+  if constexpr (MR == 1) {  // one row: the 4 vectors' 8 accumulators fit, so the lines are read in order
+    __m256i acc[kVecs][2];
+    for (int v = 0; v < kVecs; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_si256();
+    for (int64_t b = 0; b < per; ++b) {
+      const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
+      if (LEAD)
+        for (int u = 0; u < kVecs; ++u)
+          _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
+      const int8_t* const xk = a.d + m0 * K + kBlockK * (gi * per + b);
+      const __m256i x03 = _mm256_set1_epi32(four_bytes(xk)), x47 = _mm256_set1_epi32(four_bytes(xk + 4));
+      for (int u = 0; u < 2 * kVecs; ++u) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_of_lines + 32 * u));
+        const __m256i lo = _mm256_and_si256(bytes, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x03), _mm256_maddubs_epi16(hi, x47));
+        acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2], _mm256_madd_epi16(p, ones));
+      }
+    }
+    for (int v = 0; v < w.vectors(t); ++v)
+      for (int h = 0; h < 2; ++h) {
+        const int c = 16 * v + 8 * h;
+        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + c)));
+        const GroupInt8& q = a.group(m0, gi);
+        const __m256i D = _mm256_sub_epi32(acc[v][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(q.sum)));
+        float* y = out(m0) + c;
+        const __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(D),
+                                            _mm256_mul_ps(_mm256_set1_ps(q.scale), scales8<S>(w, t, gi, c)), prev));
+      }
+    return;
+  }
   for (int v = 0; v < w.vectors(t); ++v) {
     __m256i acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
