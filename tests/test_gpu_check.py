@@ -37,8 +37,9 @@ def test_the_dry_run_runs_every_step_and_reports(tmp_path):
     assert not [r for r in ops if "error" in r]
     assert all(r["err"] == "exact" for r in ops if r["op"] == "fill_kv_cache")
     tiles = steps["tiles"]["output"]["rows"]
-    assert {r["function"] for r in tiles} == {"weight_quant._group_tiles", "quant._linear_tiles",
-                                             "attention_prefill._tiles", "moe._tiles"}, tiles
+    assert {r["function"] for r in tiles} == {"weight_quant._group_tiles", "weight_quant._group_splits",
+                                             "quant._linear_tiles", "attention_prefill._tiles", "moe._tiles"}, tiles
+    assert all(isinstance(r.get("triton_host_us"), float) for r in ops), ops  # the host time, measured apart
     # every alternative ran and gave the launcher's own result (the dry run times nothing)
     assert all("us" in c and c["max_abs_diff"] <= 1e-2 for r in tiles for c in r["configs"]), tiles
     engine = steps["engine"]["output"]["models"]["tiny"]
@@ -127,3 +128,16 @@ def test_the_engine_host_profile_names_work_and_leaves_out_waiting():
     assert prof["batch"] == 4 and prof["wall_ms_per_step"] >= 25
     assert ops["aten::dot"]["calls_per_step"] == 40
     assert not [op for op in ops if "sleep" in op]
+
+
+@pytest.mark.triton
+def test_the_kernel_profile_dry_run_runs_every_case():
+    """scripts/gpu_profile.sh (Nsight Compute on the GPU machine) in its CPU dry run: the cases it
+    profiles build and run (interpreted, tiny shapes); ncu itself only runs there."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(["bash", "scripts/gpu_profile.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for case in ("weight_quant_matmul M=1", "weight_quant_matmul M=32", "paged_prefill_attention", "dynamic_quant"):
+        assert f"[gpu_kernel_profile] {case}" in proc.stdout, proc.stdout
+    assert "4 cases ran" in proc.stdout
