@@ -50,7 +50,7 @@ def cases(dev, dry):
            lambda: A.paged_prefill_attention(qa, kc, vc, table, cu, kv, new, hist + new, d ** -0.5, None, out,
                                              "token_major"))
     xq = torch.randn(64 if dry else 4096, 256 if dry else 4096, generator=g, device=dev).to(dtype)
-    yield "dynamic_quant T=4096", lambda: Q.dynamic_quant(xq)
+    yield f"dynamic_quant T={xq.shape[0]}", lambda: Q.dynamic_quant(xq)
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -50,19 +51,25 @@ def device_time(fn, reps: int, device: str, warmup: int = 3) -> float:
     flush = _flush[device]
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    leaked = 0
     for i in range(reps):
         flush.zero_()
         torch.cuda._sleep(BUSY_CYCLES)  # the host's launch work overlaps this, not the interval
         starts[i].record()
         fn()
         ends[i].record()
+        leaked += bool(starts[i].query())  # the GPU reached the start before the host had issued fn
     torch.cuda.synchronize()
+    if leaked:
+        print(f"gpu_timing: in {leaked} of {reps} reps the GPU waited for the host: those intervals hold host "
+              "time (raise BUSY_CYCLES)", file=sys.stderr, flush=True)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
 
 
 def host_time(fn, reps: int, device: str) -> float:
     """Median seconds the host takes to issue one fn() call (launches, allocations, Python), the
-    GPU kept busy so that no call waits for it. CPU (a dry run): the whole call's wall-clock."""
+    GPU kept busy so that no call waits for it (a call that synchronises would count the queued
+    sleeps: none of the timed calls does). CPU (a dry run): the whole call's wall-clock."""
     times = []
     cuda = str(device).startswith("cuda")
     if cuda:

@@ -12,7 +12,7 @@ LMDeploy's sources on the GPU machine). Steps, in order (name: what, budget on t
   attention    paged decode / prefill attention times (bench_triton_attention.py)             50 s
   tiles        tile alternatives of W4A16, W8A8, prefill attention, fused_moe (gpu_tile_sweep.py) 60 s
   engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        200 s
-  conformance_fp16  the same suite in float16, the ops with fp16 paths of their own (FP16_OPS) 60 s
+  conformance_fp16  the same suite in float16, the ops with fp16 paths of their own (FP16_OPS) 100 s
 A step gets min(its budget, the time left before --deadline, counted from the shell script's
 start); one with under 15 s left is skipped. A step past its budget is killed with its whole
 process group (an engine's workers too). gpu_check.json and gpu_check.md are rewritten after every

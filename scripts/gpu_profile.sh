@@ -5,8 +5,8 @@
 # On the lent GPU machine (nothing to carry: it needs torch and Triton, which the image has):
 #   run(command="bash scripts/gpu_profile.sh", timeout_s=240)
 # Results in $OUT (or the first argument): ncu.log (ncu's output: with --log-file the CSV of every
-# section's metrics, one row per metric and kernel, goes there too) and ncu_details.csv (the
-# profiled script's own lines), ncu_metrics.csv (the CSV rows of ncu.log).
+# section's metrics, one row per metric and kernel, goes there too), ncu_metrics.csv (those CSV
+# rows alone) and profiled_output.txt (the profiled script's own lines).
 # Here, first (CPU, interpreter, tiny shapes, no ncu): bash scripts/gpu_profile.sh --dry-run
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,16 +16,16 @@ if [[ "${1:-}" == "--dry-run" ]]; then
 fi
 OUTDIR="${1:-${OUT:-$ROOT/gpu_check_out}}"
 mkdir -p "$OUTDIR"
-NCU="$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+NCU="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | sort -V | tail -1)"
 [[ -x "$NCU" ]] || { echo "gpu_profile: ncu not found" >&2; exit 2; }
 export PYTHONUNBUFFERED=1
 "$NCU" --profile-from-start off --clock-control none \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
   --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
   --csv --page details --log-file "$OUTDIR/ncu.log" \
-  python3 benchmarks/gpu_kernel_profile.py > "$OUTDIR/ncu_details.csv"
+  python3 benchmarks/gpu_kernel_profile.py > "$OUTDIR/profiled_output.txt"
 rc=$?
-echo "gpu_profile: ncu exit $rc; $(wc -l < "$OUTDIR/ncu_details.csv") lines in ncu_details.csv" >&2
+echo "gpu_profile: ncu exit $rc; $(wc -l < "$OUTDIR/profiled_output.txt") lines of the profiled script's output" >&2
 # the headline of each kernel: its name, duration, memory and compute throughput (% of peak)
 grep '^"' "$OUTDIR/ncu.log" > "$OUTDIR/ncu_metrics.csv"
 python3 - "$OUTDIR/ncu_metrics.csv" <<'PY'

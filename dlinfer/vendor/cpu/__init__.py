@@ -47,7 +47,8 @@ NOTES = {
     "silu_and_mul": "C++: fused fp32 silu(gate) * up",
     "dynamic_quant": "C++: one pass per row, fp32 amax / 127, round half to even (bit-identical to torch's)",
     "linear_w8a8": "C++: exact int8 product, AVX-512 VNNI (vpdpbusd, +128 offset and per-row correction) or "
-                   "AVX-512BW or portable at <= 8 rows, oneDNN's int8 GEMM (torch._int_mm) beyond; fp32 scales",
+                   "int16 vpmaddwd (AVX-512BW or AVX2) or portable at <= 8 rows, oneDNN's int8 GEMM "
+                   "(torch._int_mm) beyond; fp32 scales",
     "rms_norm_w8a8": "C++: this vendor's rms_norm row and its quantisation in one pass",
     "add_rms_norm_w8a8": "C++: residual add, rms_norm and quantisation in one pass",
     "fused_moe_w8a8": "C++: per active expert two exact int8 products (linear_w8a8's), fp32 epilogues, silu * up "
@@ -59,9 +60,9 @@ NOTES = {
                            "by vdpbf16ps, fp32 sums, one decode per 4 rows; "
                            "column_tiled: dequantised in registers per 128-column tile, 8 rows per decode, fp32 "
                            "accumulation per group (beyond 4096 rows: float32 blocks dequantised in C++, then BLAS); "
-                           "opt-in (DLINFER_CPU_W4_ACTIVATIONS=int8, k_interleaved on VNNI): x quantised to int8 per "
-                           "row and group, exact int32 sums by vpdpbusd, one fp32 epilogue per group, one decode "
-                           "per 4 rows",
+                           "opt-in (DLINFER_CPU_W4_ACTIVATIONS=int8, k_interleaved on VNNI or AVX2): x quantised to "
+                           "int8 per row and group, exact int32 sums (vpdpbusd, or vpmaddubsw + vpmaddwd), one fp32 "
+                           "epilogue per group, one decode per 4 rows",
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
                           "dequant)",
     "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",

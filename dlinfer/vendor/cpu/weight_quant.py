@@ -8,7 +8,7 @@ weight once per call and never storing it as floats:
   (docs/design.md, "W4A16 as integer dot products"); bfloat16 activations on a CPU with
   AVX512-BF16 and no AMX: the 4-bit weight as bfloat16 integers against x with vdpbf16ps (float32
   sums; its own bits, the same at every M); asked for by DLINFER_CPU_W4_ACTIVATIONS=int8, x
-  quantised to 8 bits per row and group against the nibbles on VNNI (csrc/quant_w4_a8.cpp; its own
+  quantised to 8 bits per row and group against the nibbles on VNNI or AVX2 (csrc/quant_w4_a8.cpp; its own
   bits, the same at every M; `int8_activations`). `repack_weight_quant` gives this layout on
   CPUs with VNNI and AMX-INT8, for bfloat16 models on CPUs with VNNI and AVX512-BF16, and for every
   model under the int8 setting (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
@@ -160,8 +160,9 @@ def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> 
     with column_tiled at one row, ~1.6x faster at four and eight, 1.4-1.6x at prefill sizes
     (docs/benchmarks.md). Elsewhere column_tiled: with VNNI alone, float32 or float16 activations
     take the digit path, slower from two rows on.
-    With $DLINFER_CPU_W4_ACTIVATIONS=int8 (`int8_activations`): k_interleaved whatever the dtype,
-    the layout the 8-bit kernel reads; a weight it cannot take (or column_tiled asked for) is an error."""
+    With $DLINFER_CPU_W4_ACTIVATIONS=int8 (`int8_activations`, on VNNI or an AVX2 build):
+    k_interleaved whatever the dtype, the layout the 8-bit kernel reads; a weight it cannot take
+    (or column_tiled asked for) is an error."""
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")

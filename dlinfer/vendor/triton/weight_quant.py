@@ -131,8 +131,10 @@ def _split_sum_kernel(p_ptr, b_ptr, y_ptr, MN, N, S, HAS_BIAS: tl.constexpr, BLO
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    ptrs = p_ptr + i  # 64-bit addresses: each range's partials MN further on
     for s in range(0, S):
-        acc += tl.load(p_ptr + s * MN + i, mask=ok, other=0.0)
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        ptrs += MN
     if HAS_BIAS:
         acc += tl.load(b_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + i, cast_to(acc, y_ptr.dtype.element_ty), mask=ok)
@@ -186,7 +188,8 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
                         group_size: int, *, num_splits: Optional[int] = None) -> Tensor:
     """x [M, K], qweight int32 [K, N/8] or column_tiled [ceil(N/128), K, 16] (k_interleaved: made
     canonical first), scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?, bias [N]?,
-    group_size g -> [M, N] in x's dtype. `num_splits` overrides the K-split rule (tests)."""
+    group_size g -> [M, N] in x's dtype. `num_splits` overrides the K-split rule (tests; the
+    odd-group fallback kernel never splits)."""
     m, k = x.shape
     n = scale.shape[1]
     x = unit_stride(x)
@@ -209,8 +212,8 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
         if num_splits is None:
             num_splits = _group_splits(m, k, block_k, m_tiles * n_tiles, _num_sms(x.device))
         steps = k // block_k
-        per_split = triton.cdiv(steps, max(1, min(num_splits, steps)))
-        splits = triton.cdiv(steps, per_split)  # none left empty
+        per_split = triton.cdiv(steps, max(1, min(num_splits, steps))) if steps else 0
+        splits = triton.cdiv(steps, per_split) if steps else 1  # none left empty; K = 0: one empty range
         split = splits > 1
         out = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if split else y
         common = (*common[:5], out, *common[6:])
@@ -249,8 +252,8 @@ def _num_sms(device: torch.device) -> int:
 def _group_splits(m: int, k: int, block_k: int, programs: int, num_sms: int) -> int:
     """How many K ranges the group kernel's programs split K into. Few rows give few programs
     (M = 1, N = 11008: 172 on an H200's 132 SMs), each walking all of K: the weight streams at a
-    fraction of HBM's rate. Split until about 4 programs an SM, each range at least 4 K steps,
-    and only while the fp32 partials written and read back (2 * 4 bytes * splits * M * N) stay
+    fraction of HBM's rate. Split until about 4 programs an SM, ranges of at least 4 K steps (the
+    last one may be shorter), and only while the fp32 partials written and read back (2 * 4 bytes * splits * M * N) stay
     within a quarter of the weight's K * N / 2 bytes (splits * M <= K / 64). The partials are
     summed in a fixed order (_split_sum_kernel): deterministic, a different fp32 order than one
     range. A CPU device counts as one SM."""

@@ -207,6 +207,15 @@ def test_ties_round_to_even():
     assert ((away - d).double() @ (qz.double() * s.double())).abs().max() > 100 * (size * 4 * EPS).max()
 
 
+def test_path_4_runs_where_the_build_and_cpu_allow():
+    """VNNI on an AVX-512 build, any AVX2 build, nothing else: a gate that broke would otherwise
+    make every path-4 test here skip."""
+    from dlinfer.vendor.cpu import build
+
+    isa = build.isa()
+    assert _cpu().INT8_ACTIVATIONS == (_cpu().VNNI if isa == "AVX512" else isa == "AVX2")
+
+
 def test_path_4_is_refused_without_vnni_or_with_a_bad_number():
     if _cpu().INT8_ACTIVATIONS:
         with pytest.raises(RuntimeError, match="path -1 \\(best\\), 0, 1, 2, 3 or 4, got 5"):

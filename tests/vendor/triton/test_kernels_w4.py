@@ -57,7 +57,7 @@ def _weights(k, n, group, dtype, zeros, bias, seed):
 @pytest.mark.parametrize("splits", [2, 3, 5])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_split_matches_float64(dtype, splits, tiled):
-    # K = 320 with group 64: 5 groups of 64 / 128-row steps -> 3 splits leave ranges of unequal length
+    # K = 320 with group 64: 5 K steps of 64 rows -> 3 splits leave ranges of unequal length (2, 2, 1)
     k, n, group, m = 320, 136, 64, 3
     qweight, scale, offset, bias = _weights(k, n, group, dtype, zeros=splits != 5, bias=splits != 2, seed=splits)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)).to(dtype)
@@ -82,6 +82,19 @@ def test_more_splits_than_steps_leaves_none_empty():
     args = [t.to(DEVICE) for t in (x, qweight, scale, offset, bias)]
     out = W.weight_quant_matmul(*args, group, num_splits=64)  # 4 K steps at most: 4 ranges
     assert_close(out.cpu(), expected, "weight_quant_matmul")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_empty_k_gives_the_bias_or_zeros(bias):
+    # K = 0: no K step, no split (the rule once divided by zero here); y = bias, or 0
+    n, group = 64, 32
+    x = torch.zeros(2, 0, dtype=torch.bfloat16, device=DEVICE)
+    q = torch.zeros(0, n // 8, dtype=torch.int32, device=DEVICE)
+    s = torch.zeros(0, n, dtype=torch.bfloat16, device=DEVICE)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE) if bias else None
+    out = W.weight_quant_matmul(x, q, s, None, b, group)
+    want = b.expand(2, n) if bias else torch.zeros(2, n, dtype=torch.bfloat16, device=DEVICE)
+    assert torch.equal(out, want)
 
 
 def _compiled_env():

@@ -67,3 +67,36 @@ def test_mla_attention_w8a8_prefill_and_w4_launches_fit_sm80_and_do_not_spill(tm
     assert {r["constexprs"].get("F32") for r in w4} == {"True", "False", None}  # None: the odd-group kernel
     assert {r["constexprs"]["BLOCK_M"] for r in w4} >= {"16", "64", "128"}
     assert all(r["spill_bytes"] == 0 for r in w4), [(r["constexprs"], r["spill_bytes"]) for r in w4]
+
+
+def test_fused_moe_128_row_tiles_fit_and_do_not_spill(tmp_path):
+    """The 128 x 128 tiles fused_moe takes in bf16 / fp16 from 256 pairs an expert (two fp32
+    accumulators in the gate-up kernel): compiled for sm_80 and sm_90 (nothing runs)."""
+    (tmp_path / "rec.py").write_text(
+        "import json, sys, torch\n"
+        f"sys.path.insert(0, {str(REPO / 'scripts')!r})\n"
+        "import triton_targets as T\n"
+        "from dlinfer.vendor.triton import moe as M\n"
+        "rec = T.Recorder()\n"
+        "with rec:\n"
+        "    for dtype in (torch.bfloat16, torch.float16):\n"
+        "        t, e, k, h, i = 512, 2, 2, 256, 128\n"
+        "        x = torch.zeros(t, h, dtype=dtype)\n"
+        "        ids = torch.zeros(t, k, dtype=torch.int64)\n"
+        "        M.fused_moe(x, torch.zeros(e, 2 * i, h, dtype=dtype), torch.zeros(e, h, i, dtype=dtype),\n"
+        "                    torch.ones(t, k), ids, False)\n"
+        "rows = []\n"
+        "for fn, sig, const, opts, consts in rec.launches.values():\n"
+        "    if consts.get('BLOCK_M') != 128:\n"
+        "        continue\n"
+        "    for cc in (80, 90):\n"
+        "        rows.append(dict(kernel=fn.fn.__name__, cc=cc, **T.compile_for(fn, sig, const, opts, cc)))\n"
+        f"open({str(tmp_path / 'rows.json')!r}, 'w').write(json.dumps(rows, default=str))\n")
+    proc = subprocess.run([sys.executable, str(tmp_path / "rec.py")], env=_compiled_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert {r["kernel"] for r in rows} >= {"_moe_gate_up_kernel", "_moe_down_kernel"}, rows
+    assert all(r["ok"] for r in rows), rows
+    spills = [(r["kernel"], r["cc"], r["spill_bytes"]) for r in rows if r["spill_bytes"]]
+    assert not spills, spills

@@ -11,8 +11,11 @@
 // Per group: acc = fma(x[k], float(q - z), acc) for k in order (q - z exact in float), then
 // y = fma(acc, s, y) per group, in float32 (few-tile shapes: over each half of the groups, the
 // two halves then added; see run_rows); bias added, one rounding to x's dtype. Every lane
-// does that arithmetic in that order on every path (AVX-512, portable), so both layouts give
-// identical bits. All rows share each decoded nibble (3-8 rows: in four passes of two nibbles).
+// does that arithmetic in that order on every path (AVX-512, AVX2, portable), so both layouts give
+// identical bits (the vector paths' power-of-two scaling barring float32 overflow past |x| ~ 1e32
+// or subnormal sums: there a row's bits could differ between AVX2's lane loop at two rows and
+// its passes). All rows share each decoded nibble (AVX-512, 3-8 rows: in four passes of two
+// nibbles; AVX2: see its passes below).
 // At one row the decode, not the memory, is the bound (one core decodes ~23 GB/s of packed weight
 // from L2): the group's zero points and scales are vector loads (column_tiled: its columns in
 // nibble order, so a group's 16 scales per nibble are contiguous; canonical: gathers), one row of a

@@ -2,7 +2,8 @@
 // weight_quant_matmul (DLINFER_CPU_W4_ACTIVATIONS=int8; dlinfer/vendor/cpu/weight_quant.py). The
 // k_interleaved weight (quant_w4_ki.h) against x quantised to signed bytes per row and group, the
 // weight's own group: one vpdpbusd a line and row where the digit path spends four, and none of
-// path 3's nibble-to-bfloat16 decode (docs/design.md, "W4 with 8-bit activations").
+// path 3's nibble-to-bfloat16 decode (docs/design.md, "W4 with 8-bit activations"); on an AVX2
+// build vpmaddubsw + vpmaddwd give vpdpbusd's sums (the AVX2 block below).
 //
 // Arithmetic, per row m and group G of g rows of k (the weight's group):
 //   a = max_{k in G} |x[m, k]|; sx = a / 127 and r = 127 / a (float32, each rounded once);
@@ -216,6 +217,7 @@ inline void group_rows_int8(const Layout& w, const Int8Rows& a, int64_t t, int64
           _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
       const int8_t* const xk = a.d + m0 * K + kBlockK * (gi * per + b);
       const __m256i x03 = _mm256_set1_epi32(four_bytes(xk)), x47 = _mm256_set1_epi32(four_bytes(xk + 4));
+#pragma GCC unroll 8  // unrolled, acc[u / 2][u % 2] stays in registers
       for (int u = 0; u < 2 * kVecs; ++u) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_of_lines + 32 * u));
         const __m256i lo = _mm256_and_si256(bytes, low);

@@ -614,7 +614,7 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
               "w4_matmul_k_interleaved: scale in x's dtype or float16");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "w4_matmul_k_interleaved: bias [N]");
   TORCH_CHECK(path >= -1 && path <= w4v::kInt8, "w4_matmul_k_interleaved: path -1 (best), 0, 1, 2, 3 or 4, got ", path);
-  TORCH_CHECK(path != w4v::kVnni || w4v::vnni_here(), "w4_matmul_k_interleaved: path 1 (VNNI): this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(path != w4v::kVnni || w4v::vnni_here(), "w4_matmul_k_interleaved: path 1 (VNNI): this CPU (or this build) has no AVX-512 VNNI");
   TORCH_CHECK(path != w4v::kInt8 || w4v::int8_path_here(),
               "w4_matmul_k_interleaved: path 4 (8-bit activations): this CPU has no AVX-512 VNNI (nor is this an AVX2 build)");
   TORCH_CHECK(path != w4v::kAmx || (w4v::amx_here() && w4v::amx_chunk(group_size) > 0),

@@ -6,7 +6,7 @@
 // returns a checksum (so the loads cannot be optimised away). The buffer is split into `threads`
 // contiguous bands, one per OpenMP thread (as the kernels split a weight's rows); each band into
 // `streams` equal parts that the thread reads in lockstep, 256 bytes of each part per iteration
-// (4 cache lines, 4 independent vector loads), so `streams` sequential streams are in flight per
+// (4 cache lines, 4 independent vector loads; 8 on AVX2), so `streams` sequential streams are in flight per
 // thread. With prefetch_bytes > 0 every line is also prefetched that far ahead in its stream
 // (hint 0: into L1, _MM_HINT_T0; 1: into L2, _MM_HINT_T1). Per vector of 64 bytes the loop does
 // one vpsadbw and one add (the checksum is the sum of every byte, whatever the split), far below
