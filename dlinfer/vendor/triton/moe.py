@@ -22,6 +22,8 @@ fp32 operands use input_precision="ieee" (no TF32); half operands run on tensor 
 fp32 accumulation. Under the interpreter tiles are upcast to fp32 first (exact for half products).
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -227,13 +229,20 @@ def _moe_combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, E, H, stride_wt, stride_
 # ---------------------------------------------------------------- launcher
 
 
-def _tiles(n_pairs: int, num_experts: int, dtype: torch.dtype):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by a simple rule, no autotuning. From
-    256 (token, expert) pairs an expert on average, 128-row tiles: on an H200 (docs/gpu.md, the
-    tiles step) T = 2048, E = 8, top 2 took 768 us with 128 x 128 x 64 against 977 with 64 x 128.
-    float32 keeps 64 rows (two fp32 accumulators of 128 x 128 would crowd the registers)."""
+@functools.lru_cache(maxsize=None)
+def _hopper(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tiles(n_pairs: int, num_experts: int, dtype: torch.dtype, wide: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by a simple rule, no autotuning. `wide`
+    (sm_90 on): from 256 (token, expert) pairs an expert on average, 128-row tiles in bf16 / fp16:
+    on an H200 (docs/gpu.md, the tiles step) T = 2048, E = 8, top 2 took 768 us with 128 x 128 x 64
+    against 977 with 64 x 128, although the gate-up kernel's two 128 x 128 fp32 accumulators spill
+    ~1.4 KB there; on sm_80 they would spill ~15 KB (scripts/triton_targets.py), so 64 rows."""
     avg = n_pairs / num_experts
-    block_m = 16 if avg <= 16 else 32 if avg <= 48 else 64 if avg < 256 or dtype == torch.float32 else 128
+    big = wide and avg >= 256 and dtype != torch.float32
+    block_m = 16 if avg <= 16 else 32 if avg <= 48 else 128 if big else 64
     block_n = 128 if block_m >= 64 else 64
     block_k = 32 if dtype == torch.float32 else 64
     num_warps = 8 if block_m * block_n >= 8192 else 4
@@ -252,7 +261,7 @@ def fused_moe(hidden_states: Tensor, gate_up_weights: Tensor, down_weights: Tens
     if t == 0:
         return out
     n_pairs = t * topk
-    block_m, block_n, block_k, warps, stages = _tiles(n_pairs, num_experts, dtype)
+    block_m, block_n, block_k, warps, stages = _tiles(n_pairs, num_experts, dtype, _hopper(dev))
     upcast = INTERPRET or dtype == torch.float32
     precision = "ieee" if upcast else "tf32"  # "tf32" is the default and unused for half operands
 

@@ -257,14 +257,16 @@ def test_fused_moe_tile_sizes(tokens, experts, topk, block_m):
     assert err < 32 * 2.0**-23 * 4, err
 
 
-def test_fused_moe_128_row_tiles_in_half_precision():
-    """From 256 (token, expert) pairs an expert, bfloat16 / float16 take 128-row tiles (float32
-    keeps 64): the 128-row blocks, their padding and the expert boundaries inside them, against the
-    float64 reference (inputs rounded to bf16 first; the kernel's dots accumulate in fp32)."""
+def test_fused_moe_128_row_tiles_in_half_precision(monkeypatch):
+    """On sm_90 on, from 256 (token, expert) pairs an expert, bfloat16 / float16 take 128-row tiles
+    (float32 and older GPUs keep 64): the 128-row blocks, their padding and the expert boundaries
+    inside them, against the float64 reference (inputs rounded to bf16 first; fp32 dots)."""
     g = _gen(7)
     tokens, experts, topk, h, inter = 300, 2, 2, 40, 24  # 300 pairs an expert: two blocks of 128, one partial
-    assert MOE._tiles(tokens * topk, experts, torch.bfloat16)[0] == 128
-    assert MOE._tiles(tokens * topk, experts, torch.float32)[0] == 64
+    assert MOE._tiles(tokens * topk, experts, torch.bfloat16, wide=True)[0] == 128
+    assert MOE._tiles(tokens * topk, experts, torch.bfloat16, wide=False)[0] == 64
+    assert MOE._tiles(tokens * topk, experts, torch.float32, wide=True)[0] == 64
+    monkeypatch.setattr(MOE, "_hopper", lambda device: True)
     x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
     gate_up = (torch.randn(experts, 2 * inter, h, generator=g) * h**-0.5).to(torch.bfloat16)
     down = (torch.randn(experts, h, inter, generator=g) * inter**-0.5).to(torch.bfloat16)

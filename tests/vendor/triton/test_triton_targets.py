@@ -69,14 +69,16 @@ def test_mla_attention_w8a8_prefill_and_w4_launches_fit_sm80_and_do_not_spill(tm
     assert all(r["spill_bytes"] == 0 for r in w4), [(r["constexprs"], r["spill_bytes"]) for r in w4]
 
 
-def test_fused_moe_128_row_tiles_fit_and_do_not_spill(tmp_path):
-    """The 128 x 128 tiles fused_moe takes in bf16 / fp16 from 256 pairs an expert (two fp32
-    accumulators in the gate-up kernel): compiled for sm_80 and sm_90 (nothing runs)."""
+def test_fused_moe_128_row_tiles_fit_sm90_and_spill_no_more_than_measured(tmp_path):
+    """The 128 x 128 tiles fused_moe takes in bf16 / fp16 on sm_90 from 256 pairs an expert: they
+    fit its shared memory, and their spills stay at what the H200 ran 1.27x faster with (gate-up
+    1368 bytes, down 520, Triton 3.7; sm_80 would spill ~15 KB, so it keeps 64 rows)."""
     (tmp_path / "rec.py").write_text(
         "import json, sys, torch\n"
         f"sys.path.insert(0, {str(REPO / 'scripts')!r})\n"
         "import triton_targets as T\n"
         "from dlinfer.vendor.triton import moe as M\n"
+        "M._hopper = lambda device: True\n"
         "rec = T.Recorder()\n"
         "with rec:\n"
         "    for dtype in (torch.bfloat16, torch.float16):\n"
@@ -89,8 +91,7 @@ def test_fused_moe_128_row_tiles_fit_and_do_not_spill(tmp_path):
         "for fn, sig, const, opts, consts in rec.launches.values():\n"
         "    if consts.get('BLOCK_M') != 128:\n"
         "        continue\n"
-        "    for cc in (80, 90):\n"
-        "        rows.append(dict(kernel=fn.fn.__name__, cc=cc, **T.compile_for(fn, sig, const, opts, cc)))\n"
+        "    rows.append(dict(kernel=fn.fn.__name__, cc=90, **T.compile_for(fn, sig, const, opts, 90)))\n"
         f"open({str(tmp_path / 'rows.json')!r}, 'w').write(json.dumps(rows, default=str))\n")
     proc = subprocess.run([sys.executable, str(tmp_path / "rec.py")], env=_compiled_env(), capture_output=True,
                           text=True, timeout=600)
@@ -98,5 +99,6 @@ def test_fused_moe_128_row_tiles_fit_and_do_not_spill(tmp_path):
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert {r["kernel"] for r in rows} >= {"_moe_gate_up_kernel", "_moe_down_kernel"}, rows
     assert all(r["ok"] for r in rows), rows
-    spills = [(r["kernel"], r["cc"], r["spill_bytes"]) for r in rows if r["spill_bytes"]]
-    assert not spills, spills
+    worst = {"_moe_gate_up_kernel": 2048, "_moe_down_kernel": 1024}  # the measured spills, with headroom
+    over = [(r["kernel"], r["spill_bytes"]) for r in rows if r["spill_bytes"] > worst.get(r["kernel"], 0)]
+    assert not over, over
