@@ -105,6 +105,7 @@ def main(argv=None):
         device, iters, decode_cfgs, prefill_cfgs = torch.device("cuda"), args.iters, DECODE, PREFILL
     from dlinfer.vendor.torch import attention as torch_attn
     from dlinfer.vendor.triton import attention as triton_attn
+    from dlinfer.vendor.triton._common import num_sms
 
     dtype = getattr(torch, args.dtype)
     elt = torch.finfo(dtype).bits // 8
@@ -115,7 +116,7 @@ def main(argv=None):
     results = []
     print(f"{pk['name']}: peak {f'{peak / 1e12:.2f} TB/s' if peak else '-'} ({pk['source']}); dtype {args.dtype}; "
           f"median of {iters} calls" + (", L2 flushed before each" if device.type == "cuda" else "; DRY RUN"))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = num_sms(device)
 
     for name, batch, ctx, hq, hkv, d, bs in decode_cfgs:
         kv_lens = [ctx] * batch

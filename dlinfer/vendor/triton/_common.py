@@ -9,6 +9,8 @@ the interpreter's own conversion) and is a plain `.to` on a GPU. Pure copies (fi
 rotary pass-through dims) move the raw bits and need neither.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,6 +34,15 @@ def cast_to(x, dtype: tl.constexpr):
         return bits.to(tl.float32, bitcast=True).to(dtype)
     else:
         return x.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessors (the launchers' split rules size their grids by it); a CPU
+    (the interpreter) counts as one."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
 
 
 def next_pow2(n: int) -> int:

@@ -27,14 +27,12 @@ the token's own context length, so a too-small max_kv_seq_len never drops keys.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from dlinfer.vendor.kv_layouts import canonical
-from dlinfer.vendor.triton._common import cast_to
+from dlinfer.vendor.triton._common import cast_to, num_sms
 from dlinfer.vendor.triton.attention_common import (
     block_dim,
     dots_in_fp32,
@@ -47,13 +45,6 @@ from dlinfer.vendor.triton.attention_common import (
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
 
 
 def num_kv_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
@@ -218,7 +209,7 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
     block_d, block_dv = block_dim(d), block_dim(dv)
     span = min(max_kv_seq_len, window) if window > 0 else max_kv_seq_len  # the most keys a token sees
     if num_splits is None:
-        num_splits = num_kv_splits(t, hkv, span, _num_sms(query.device))
+        num_splits = num_kv_splits(t, hkv, span, num_sms(query.device))
     is_quant = quant[0] is not None
     fp32 = query.dtype == torch.float32
     num_splits, seg_len, block_n = split_plan(span, num_splits, max(block_d, block_dv), fp32)

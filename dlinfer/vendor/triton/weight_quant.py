@@ -19,7 +19,6 @@ inverse of AWQ's order [0, 2, 4, 6, 1, 3, 5, 7] (the zero points always; the wei
 canonical layout; column_tiled: bits 4 * ((c % 128) // 16) of word c % 16 of tile c // 128).
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -28,7 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dlinfer.vendor import w4_layouts
-from dlinfer.vendor.triton._common import cast_to, unit_stride
+from dlinfer.vendor.triton._common import cast_to, num_sms, unit_stride
 from dlinfer.vendor.triton.attention_common import dots_in_fp32
 
 
@@ -210,7 +209,7 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     if block_k:
         m_tiles, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
         if num_splits is None:
-            num_splits = _group_splits(m, k, block_k, m_tiles * n_tiles, _num_sms(x.device))
+            num_splits = _group_splits(m, k, block_k, m_tiles * n_tiles, num_sms(x.device))
         steps = k // block_k
         per_split = triton.cdiv(steps, max(1, min(num_splits, steps))) if steps else 0
         splits = triton.cdiv(steps, per_split) if steps else 1  # none left empty; K = 0: one empty range
@@ -240,13 +239,6 @@ def _group_step(group_size: int, most: int) -> int:
             return step
         step //= 2
     return 0
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
 
 
 def _group_splits(m: int, k: int, block_k: int, programs: int, num_sms: int) -> int:
