@@ -61,6 +61,18 @@ GroupInt8 quantise_group(const float* x, int64_t g, int8_t* d) {
       vsum = _mm512_add_epi32(vsum, q);
     }
     sum = _mm512_reduce_add_epi32(vsum);
+#elif defined(CPU_CAPABILITY_AVX2)
+    __m256i vsum = _mm256_setzero_si256();
+    for (; k + 8 <= g; k += 8) {  // |q| <= 127: the saturating packs keep every value
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(r)));
+      const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(d + k), _mm_packs_epi16(q16, q16));
+      vsum = _mm256_add_epi32(vsum, q);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    sum = _mm_cvtsi128_si32(s4);
 #endif
     for (; k < g; ++k) {
       const float p = x[k] * r;  // rounded once, as the vector product
@@ -156,9 +168,8 @@ kVnniTarget inline void group_rows_int8(const Layout& w, const Int8Rows& a, int6
   }
 }
 
-// Rows 0..M-1 of tile t over groups g0..g1, group by group (the group's lines stay in L1 while
-// every row block reads them): blocks of 4 rows, then 3, 2 or 1, all four 16-column vectors at a
-// time (each row's bytes broadcast once a line): 16, 12, 16 or 8 accumulators.
+// Rows m0..m0+rows-1 (rows 1..4) of tile t in group gi, all four 16-column vectors at a time (each
+// row's bytes broadcast once a line): 16, 12, 16 or 8 accumulators.
 template <bool LEAD, typename S, typename Out>
 kVnniTarget inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t rows, int64_t gi,
                                    bool first, Out out) {
@@ -174,21 +185,39 @@ kVnniTarget inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t
   }
 }
 
-template <typename S, typename Out>
-kVnniTarget void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
-  if (M <= 0) return;  // (the op returns before calling for M = 0)
-  for (int64_t gi = g0; gi < g1; ++gi) {
-    block_int8<true, S>(w, a, t, 0, std::min<int64_t>(4, M), gi, gi == g0, out);
-    for (int64_t m0 = 4; m0 < M; m0 += 4) block_int8<false, S>(w, a, t, m0, std::min<int64_t>(4, M - m0), gi, gi == g0, out);
-  }
-}
+#define kInt8Target kVnniTarget
 #elif defined(CPU_CAPABILITY_AVX2)
 // AVX2 (no VNNI): vpdpbusd's four products a lane as vpmaddubsw (unsigned nibble times signed
 // byte, adjacent pairs summed in int16: |pair| <= 2 * 15 * 128, never saturating) on the low and
 // the high nibbles, the two int16 sums added (|sum| <= 7680), then vpmaddwd by 1 into int32: the
 // same exact integer acc as the VNNI path, so the same D and the same float32 steps after it (the
-// same bits). A line's 16 lanes are two 8-lane halves. Vector by vector over the group's lines (the
-// group's 4 KB stays in L1 across the four vectors), MR rows x 2 halves of int32 accumulators.
+// same bits). A line's 16 lanes are two 8-lane halves.
+#define kInt8Target
+
+// A line half (32 bytes: 8 columns x 8 rows of k, two nibbles a byte) as its low nibbles (rows
+// k..k+3) and its high ones (rows k+4..k+7), each a byte.
+struct Nibbles {
+  __m256i lo, hi;
+};
+
+inline Nibbles nibbles(const uint8_t* half) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half));
+  return {_mm256_and_si256(bytes, low), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low)};
+}
+
+// The half's 8 int32 sums against one row's bytes k..k+3 (x03) and k+4..k+7 (x47), each broadcast
+// to every 32-bit lane.
+inline __m256i nibble_sums(Nibbles n, __m256i x03, __m256i x47) {
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(n.lo, x03), _mm256_maddubs_epi16(n.hi, x47));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+// Columns c..c+7 of tile t in group gi: the zero points (as int32) and the scales (as float32).
+inline __m256i zeros8(const Layout& w, int64_t t, int64_t gi, int c) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + c)));
+}
+
 template <typename S>
 inline __m256 scales8(const Layout& w, int64_t t, int64_t gi, int c) {
   const S* src = w.scales<S>(t, gi) + c;
@@ -199,98 +228,102 @@ inline __m256 scales8(const Layout& w, int64_t t, int64_t gi, int c) {
   }
 }
 
+// The group's part of 8 outputs of one row (the epilogue of the rule above): y (+)= float(acc -
+// z * S) * (sx * s); `first`: the first group of the range stores instead of adding.
+inline void add_group8(__m256i acc, __m256i z, __m256 s, const GroupInt8& q, bool first, float* y) {
+  const __m256i D = _mm256_sub_epi32(acc, _mm256_mullo_epi32(z, _mm256_set1_epi32(q.sum)));
+  const __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
+  _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), _mm256_mul_ps(_mm256_set1_ps(q.scale), s), prev));
+}
+
+// One row (m0) of tile t in group gi: the four vectors' eight accumulators fit in registers, so the
+// group's lines are read in memory order (the stream's prefetch pattern, as the VNNI path).
+template <bool LEAD, typename S, typename Out>
+inline void group_row_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t gi, bool first,
+                           Out out) {
+  const int64_t per = w.g / kBlockK;
+  const uint8_t* const end = w.end() - kLineBytes;
+  const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
+  __m256i acc[kVecs][2];
+  for (int v = 0; v < kVecs; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_si256();
+  for (int64_t b = 0; b < per; ++b) {
+    const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
+    if (LEAD)
+      for (int u = 0; u < kVecs; ++u) _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
+    const int8_t* const xk = a.d + m0 * w.K + kBlockK * (gi * per + b);
+    const __m256i x03 = _mm256_set1_epi32(four_bytes(xk)), x47 = _mm256_set1_epi32(four_bytes(xk + 4));
+#pragma GCC unroll 8  // unrolled, acc[u / 2][u % 2] stays in registers
+    for (int u = 0; u < 2 * kVecs; ++u)
+      acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2], nibble_sums(nibbles(row_of_lines + 32 * u), x03, x47));
+  }
+  for (int v = 0; v < w.vectors(t); ++v)
+    for (int h = 0; h < 2; ++h) {
+      const int c = 16 * v + 8 * h;
+      add_group8(acc[v][h], zeros8(w, t, gi, c), scales8<S>(w, t, gi, c), a.group(m0, gi), first, out(m0) + c);
+    }
+}
+
+// MR (2..4) rows of tile t in group gi, vector by vector over the group's lines (its 4 KB stays in
+// L1 across the four vectors): MR rows x 2 halves of int32 accumulators.
 template <int MR, bool LEAD, typename S, typename Out>
 inline void group_rows_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t gi, bool first,
                             Out out) {
   const int64_t per = w.g / kBlockK, K = w.K;
-  const __m256i low = _mm256_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
   const uint8_t* const end = w.end() - kLineBytes;
   const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
-  if constexpr (MR == 1) {  // one row: the 4 vectors' 8 accumulators fit, so the lines are read in order
-    __m256i acc[kVecs][2];
-    for (int v = 0; v < kVecs; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_si256();
-    for (int64_t b = 0; b < per; ++b) {
-      const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
-      if (LEAD)
-        for (int u = 0; u < kVecs; ++u)
-          _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
-      const int8_t* const xk = a.d + m0 * K + kBlockK * (gi * per + b);
-      const __m256i x03 = _mm256_set1_epi32(four_bytes(xk)), x47 = _mm256_set1_epi32(four_bytes(xk + 4));
-#pragma GCC unroll 8  // unrolled, acc[u / 2][u % 2] stays in registers
-      for (int u = 0; u < 2 * kVecs; ++u) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_of_lines + 32 * u));
-        const __m256i lo = _mm256_and_si256(bytes, low);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x03), _mm256_maddubs_epi16(hi, x47));
-        acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2], _mm256_madd_epi16(p, ones));
-      }
-    }
-    for (int v = 0; v < w.vectors(t); ++v)
-      for (int h = 0; h < 2; ++h) {
-        const int c = 16 * v + 8 * h;
-        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + c)));
-        const GroupInt8& q = a.group(m0, gi);
-        const __m256i D = _mm256_sub_epi32(acc[v][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(q.sum)));
-        float* y = out(m0) + c;
-        const __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
-        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(D),
-                                            _mm256_mul_ps(_mm256_set1_ps(q.scale), scales8<S>(w, t, gi, c)), prev));
-      }
-    return;
-  }
   for (int v = 0; v < w.vectors(t); ++v) {
     __m256i acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t b = 0; b < per; ++b) {
       const uint8_t* const line = lines + (b * kVecs + v) * kLineBytes;
       if (LEAD && v == 0)  // the whole stream kPrefetchBytes on, as the VNNI path
-        for (int u = 0; u < kVecs; ++u)
-          _mm_prefetch(ahead(line, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
+        for (int u = 0; u < kVecs; ++u) _mm_prefetch(ahead(line, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
       const int8_t* const xk = a.d + m0 * K + kBlockK * (gi * per + b);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
-        const __m256i lo = _mm256_and_si256(bytes, low);                        // rows k..k+3
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);  // rows k+4..k+7
-        for (int r = 0; r < MR; ++r) {
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(xk + r * K))),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(xk + r * K + 4))));
-          acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
-        }
+      __m256i x03[MR], x47[MR];
+      for (int r = 0; r < MR; ++r) {
+        x03[r] = _mm256_set1_epi32(four_bytes(xk + r * K));
+        x47[r] = _mm256_set1_epi32(four_bytes(xk + r * K + 4));
+      }
+      for (int h = 0; h < 2; ++h) {  // each half decoded once for the MR rows
+        const Nibbles n = nibbles(line + 32 * h);
+        for (int r = 0; r < MR; ++r) acc[r][h] = _mm256_add_epi32(acc[r][h], nibble_sums(n, x03[r], x47[r]));
       }
     }
     for (int h = 0; h < 2; ++h) {
       const int c = 16 * v + 8 * h;
-      const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros(t, gi) + c)));
+      const __m256i z = zeros8(w, t, gi, c);
       const __m256 s = scales8<S>(w, t, gi, c);
-      for (int r = 0; r < MR; ++r) {
-        const GroupInt8& q = a.group(m0 + r, gi);
-        const __m256i D = _mm256_sub_epi32(acc[r][h], _mm256_mullo_epi32(z, _mm256_set1_epi32(q.sum)));
-        float* y = out(m0 + r) + c;
-        const __m256 prev = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
-        _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), _mm256_mul_ps(_mm256_set1_ps(q.scale), s), prev));
-      }
+      for (int r = 0; r < MR; ++r) add_group8(acc[r][h], z, s, a.group(m0 + r, gi), first, out(m0 + r) + c);
     }
   }
 }
 
+// Rows m0..m0+rows-1 (rows 1..4) of tile t in group gi, as the VNNI path's block_int8.
+template <bool LEAD, typename S, typename Out>
+inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t rows, int64_t gi, bool first,
+                       Out out) {
+  switch (rows) {
+    case 4:
+      return group_rows_int8<4, LEAD, S>(w, a, t, m0, gi, first, out);
+    case 3:
+      return group_rows_int8<3, LEAD, S>(w, a, t, m0, gi, first, out);
+    case 2:
+      return group_rows_int8<2, LEAD, S>(w, a, t, m0, gi, first, out);
+    default:
+      return group_row_int8<LEAD, S>(w, a, t, m0, gi, first, out);
+  }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Rows 0..M-1 of tile t over groups g0..g1, group by group (the group's lines stay in L1 while
+// every block of up to 4 rows reads them); the first block prefetches the stream.
 template <typename S, typename Out>
-void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
-  if (M <= 0) return;
+kInt8Target void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+  if (M <= 0) return;  // (the op returns before calling for M = 0)
   for (int64_t gi = g0; gi < g1; ++gi) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int64_t rows = std::min<int64_t>(4, M - m0);
-      const bool lead = m0 == 0, first = gi == g0;
-      if (rows == 4) {
-        lead ? group_rows_int8<4, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<4, false, S>(w, a, t, m0, gi, first, out);
-      } else if (rows == 3) {
-        lead ? group_rows_int8<3, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<3, false, S>(w, a, t, m0, gi, first, out);
-      } else if (rows == 2) {
-        lead ? group_rows_int8<2, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<2, false, S>(w, a, t, m0, gi, first, out);
-      } else {
-        lead ? group_rows_int8<1, true, S>(w, a, t, m0, gi, first, out) : group_rows_int8<1, false, S>(w, a, t, m0, gi, first, out);
-      }
-    }
+    block_int8<true, S>(w, a, t, 0, std::min<int64_t>(4, M), gi, gi == g0, out);
+    for (int64_t m0 = 4; m0 < M; m0 += 4) block_int8<false, S>(w, a, t, m0, std::min<int64_t>(4, M - m0), gi, gi == g0, out);
   }
 }
 #endif

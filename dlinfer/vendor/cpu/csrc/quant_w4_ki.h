@@ -123,6 +123,19 @@ inline bool group_absmax(const float* x, int64_t g, float& amax) {
   }
   amax = _mm512_reduce_max_ps(vmax);
   finite = _mm512_cmp_ps_mask(nan_if_not_finite, nan_if_not_finite, _CMP_UNORD_Q) == 0;
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps(), nan_if_not_finite = _mm256_setzero_ps();
+  for (; k + 8 <= g; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, magnitude));
+    nan_if_not_finite = _mm256_add_ps(nan_if_not_finite, _mm256_mul_ps(v, _mm256_setzero_ps()));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  amax = _mm_cvtss_f32(m4);  // a NaN may land here, but then `finite` is false and amax unused
+  finite = _mm256_movemask_ps(_mm256_cmp_ps(nan_if_not_finite, nan_if_not_finite, _CMP_UNORD_Q)) == 0;
 #endif
   for (; k < g; ++k) {
     const float a = std::fabs(x[k]);
