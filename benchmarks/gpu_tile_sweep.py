@@ -5,11 +5,12 @@ the launcher's own output and timed (gpu_timing.device_time: CUDA events, L2 flu
     python benchmarks/gpu_tile_sweep.py [--reps 10] [--json FILE]
     TRITON_INTERPRET=1 python benchmarks/gpu_tile_sweep.py --dry-run     # CPU, tiny, proves the script
 
-The H200 run of 2026-11-27 (docs/gpu.md) left these short of LMDeploy: W4A16 (a rewrite since
-then, unmeasured), paged prefill attention (0.53x), fused_moe at prefill (0.70x), and linear_w8a8
-is the newest tile. Each launcher takes its tiles from one function (`_group_tiles`, `_tiles`,
-`_linear_tiles`, and W4A16's K split `_group_splits`); the sweep replaces that function for a
-call, so what is timed is the real launcher with another tile. A configuration the GPU cannot
+The H200 runs (docs/gpu.md) left these short of LMDeploy: W4A16 at prefill, paged prefill
+attention, fused_moe at prefill, and dynamic_quant at prefill (issue-bound on its division: the
+quotient's two other exact forms are timed here, their codes required equal to the launcher's).
+Each launcher takes its tiles from one function (`_group_tiles`, `_tiles`, `_linear_tiles`,
+W4A16's K split `_group_splits`, the quantisers' `quotient_form`); the sweep replaces that
+function for a call, so what is timed is the real launcher with another tile. A configuration the GPU cannot
 launch (shared memory) is reported as such. The table says, per case, the launcher's time, the
 best alternative and the speedup: what to change next, measured.
 """
@@ -87,6 +88,29 @@ def w8a8_cases(dev, dtype, dry):
                a.numel() + b.numel() + m * n * 2, 2 * m * k * n)
 
 
+def quant_cases(dev, dtype, dry):
+    """dynamic_quant and add_rms_norm_w8a8 with the quotient's other forms (quant.quotient_form):
+    their codes must equal the launcher's exactly (the case's last field)."""
+    from dlinfer.vendor.triton import quant as Q
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    t, h = (8, 256) if dry else (4096, 4096)
+    x = torch.randn(t, h, generator=g, device=dev).to(dtype)
+    r = torch.randn(t, h, generator=g, device=dev).to(dtype)
+    w = torch.rand(h, generator=g, device=dev).to(dtype) + 0.5
+
+    def codes(q_scale):
+        return torch.cat([q_scale[0].float().flatten(), q_scale[1].float().flatten()])
+
+    # (the interpreter's fma is two roundings, so its form 2 is not the GPU's: the dry run takes 1)
+    forms = [1] if dry else [1, 2]
+    yield (f"dynamic_quant T={t} H={h}", Q, "quotient_form", lambda: codes(Q.dynamic_quant(x)), forms,
+           t * h * (x.element_size() + 1) + 4 * t, None, True)
+    yield (f"add_rms_norm_w8a8 T={t} H={h}", Q, "quotient_form",
+           lambda: codes(Q.add_rms_norm_w8a8(x, r, w, 1e-6)), forms, t * h * (3 * x.element_size() + 1) + 4 * t,
+           None, True)
+
+
 def prefill_cases(dev, dtype, dry):
     from bench_triton_attention import paged_setup
 
@@ -136,7 +160,7 @@ def moe_cases(dev, dtype, dry):
 
 
 def sweep(case, reps, dev) -> dict:
-    name, module, fn_name, call, alts, nbytes, flops = case
+    name, module, fn_name, call, alts, nbytes, flops, *exact = case  # exact: alternatives must match bit for bit
     base = call()
     row = {"case": name, "function": f"{module.__name__.rsplit('.', 1)[-1]}.{fn_name}", "configs": []}
     for cfg in [None] + list(alts):
@@ -150,7 +174,8 @@ def sweep(case, reps, dev) -> dict:
             entry["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         row["configs"].append(entry)
     own = row["configs"][0].get("us")
-    ok = [c for c in row["configs"][1:] if "us" in c and c["max_abs_diff"] <= 0.05 * max(1.0, float(base.abs().max()))]
+    limit = 0.0 if exact and exact[0] else 0.05 * max(1.0, float(base.abs().max()))
+    ok = [c for c in row["configs"][1:] if "us" in c and c["max_abs_diff"] <= limit]
     best = min(ok, key=lambda c: c["us"], default=None)
     row["own_us"], row["best"] = own, best
     row["speedup"] = own / best["us"] if best and own else None
@@ -177,7 +202,7 @@ def main(argv=None) -> int:
         dev, reps = torch.device("cuda"), args.reps
     dtype = torch.bfloat16
     rows = []
-    for make in (w4_cases, w8a8_cases, prefill_cases, moe_cases):
+    for make in (w4_cases, w8a8_cases, quant_cases, prefill_cases, moe_cases):
         for case in make(dev, dtype, args.dry_run):
             try:
                 row = sweep(case, reps, dev)

@@ -1,9 +1,26 @@
 """W8A8: dynamic per-token int8 quantisation, RMSNorm fused with it, and the int8 linear.
 
 Quantisation (one program per row, the whole row in one block, as norm.py): fp32 after the load,
-scale = amax / 127 and x / scale both correctly rounded (`tl.div_rn`), round half to even spelled
-out with floor (no libdevice call, the same under the interpreter), clamp to [-128, 127]: the
-torch vendor's bytes and scales exactly.
+scale = amax / 127 correctly rounded (`tl.div_rn`), the quotient x / scale correctly rounded to
+fp32, round half to even, clamp to [-128, 127]: the torch vendor's bytes and scales exactly. The
+quotient has three forms, all giving the correctly rounded fp32 quotient (`quotient_form`):
+  0 div_rn: a correctly rounded division per element, rounding with floor (the H200 found this
+    kernel issue-bound, docs/gpu.md);
+  1 recip64: x times the float64 reciprocal of the scale, in float64, rounded once to fp32. The
+    float64 product is within ~2**-52 (relative) of x / scale, and x / scale for fp32 x and scale
+    is never within 2**-49 of a point halfway between two fp32 values (it is never exactly one: a
+    quotient with 25 significant bits would need a 25-bit x), so rounding the product gives the
+    correctly rounded quotient;
+  2 fma32: Markstein's correction in fp32, y = RN(1 / s), q = RN(x y), r = fma(-q, s, x) (exact),
+    q' = fma(r, y, q) = RN(x / s) (y within half an ulp of 1 / s, q within an ulp of x / s). A scale
+    below 2**-60 is first multiplied by 2**100 (x with it: the same quotient), so that 1 / s and r
+    stay normal; an infinite scale keeps x y (0, or NaN for an infinite x, as x / inf). Exact for
+    |x / s| >= 2**-20; a smaller quotient (code 0 in every form) can end an ulp away, as r then
+    falls below fp32's normal range.
+    Triton's interpreter computes an fma as a product and a sum, each rounded, so under it this
+    form is run with an exact fma patched in (tests/vendor/triton/test_quant_quotients.py).
+Forms 1 and 2 round half to even with 1.5 * 2**23 added and subtracted (|quotient| <= 127.5
+there) and find a NaN row through the same NaN-propagating max that gives amax.
 rms_norm_w8a8 / add_rms_norm_w8a8: norm.py's arithmetic for the row (the norm rounded to the
 activation dtype), then the quantisation of those values, in one program.
 linear_w8a8: program = (BLOCK_M rows, BLOCK_N output channels); int8 tiles into
@@ -29,26 +46,62 @@ def round_half_even(v):
 
 
 @triton.jit
-def quantize(x):
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def quotient(x, d, FORM: tl.constexpr):
+    """x (fp32 block) / d (fp32 scalar, > 0 or +inf), correctly rounded to fp32, by FORM (module
+    docstring)."""
+    if FORM == 1:
+        return (x.to(tl.float64) * (1.0 / d.to(tl.float64))).to(tl.float32)
+    elif FORM == 2:
+        k = tl.where(d < 8.673617379884035e-19, 1.2676506002282294e30, 1.0)  # 2**-60, 2**100
+        xs = x * k
+        ds = d * k
+        y = tl.div_rn(1.0, ds)
+        q = xs * y
+        r = tl.fma(-q, ds, xs)
+        return tl.where(d == float("inf"), q, tl.fma(r, y, q))
+    else:
+        return tl.div_rn(x, tl.zeros_like(x) + d)
+
+
+@triton.jit
+def quantize(x, FORM: tl.constexpr = 0):
     """x: fp32 row block (padding 0) -> (q int8, scale fp32 scalar): dynamic_quant's rule. A row
     holding a NaN gets scale NaN and codes 0 (tl.max, like fmax, would skip the NaN and hide it
-    from the next linear_w8a8)."""
-    amax = tl.max(tl.abs(x), axis=0)
-    has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
+    from the next linear_w8a8). FORM: the quotient's form (module docstring)."""
+    if FORM == 0:
+        amax = tl.max(tl.abs(x), axis=0)
+        has_nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
+    else:
+        amax = tl.reduce(tl.abs(x), 0, _max_keep_nan)
+        has_nan = amax != amax
     scale = tl.where(has_nan, float("nan"), tl.div_rn(amax, 127.0))
     div = tl.where((scale == 0.0) | has_nan, 1.0, scale)
-    q = round_half_even(tl.div_rn(x, tl.zeros_like(x) + div))
+    if FORM == 0:
+        q = round_half_even(quotient(x, div, FORM))
+    else:
+        q = (quotient(x, div, FORM) + 12582912.0) - 12582912.0  # 1.5 * 2**23: ties to even, |q| < 2**22
     q = tl.where(has_nan, 0.0, tl.minimum(tl.maximum(q, -128.0), 127.0))
     return q.to(tl.int8), scale
 
 
+def quotient_form() -> int:
+    """The quotient's form the launchers use (module docstring); benchmarks/gpu_tile_sweep.py
+    replaces this function to time the others. 0 until a GPU has measured 1 and 2."""
+    return 0
+
+
 @triton.jit
-def _dynamic_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, BLOCK_K: tl.constexpr):
+def _dynamic_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, BLOCK_K: tl.constexpr, FORM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = quantize(x)
+    q, scale = quantize(x, FORM)
     tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -60,7 +113,7 @@ def quantize_rows(x: Tensor):
     scale = torch.empty((n,), dtype=torch.float32, device=x.device)
     if n:
         block = next_pow2(k)
-        _dynamic_quant_kernel[(n,)](x, q, scale, x.stride(0), q.stride(0), k, BLOCK_K=block,
+        _dynamic_quant_kernel[(n,)](x, q, scale, x.stride(0), q.stride(0), k, BLOCK_K=block, FORM=quotient_form(),
                                     num_warps=row_warps(block))
     return q, scale
 
@@ -72,7 +125,7 @@ def dynamic_quant(x: Tensor):
 
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, stride_x, stride_r, stride_sum, H, eps,
-                           HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr):
+                           HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, FORM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -87,7 +140,7 @@ def _rms_norm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, sum_ptr, stride_x,
     y = cast_to(x * tl.rsqrt(var + eps), dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = cast_to(y * w, dtype).to(tl.float32)
-    q, scale = quantize(tl.where(mask, normed, 0.0))
+    q, scale = quantize(tl.where(mask, normed, 0.0), FORM)
     tl.store(q_ptr + row * H + cols, q, mask=mask)
     tl.store(s_ptr + row, scale)
 
@@ -102,7 +155,8 @@ def _norm_quant(x: Tensor, r, weight: Tensor, epsilon: float):
         _rms_norm_quant_kernel[(n,)](
             x, r if r is not None else x, unit_stride(weight), q, scale, summed if r is not None else q,
             x.stride(0), r.stride(0) if r is not None else 0, summed.stride(0) if r is not None else 0,
-            h, float(epsilon), HAS_RESIDUAL=r is not None, BLOCK_H=block, num_warps=row_warps(block),
+            h, float(epsilon), HAS_RESIDUAL=r is not None, BLOCK_H=block, FORM=quotient_form(),
+            num_warps=row_warps(block),
         )
     return q, scale, summed
 
