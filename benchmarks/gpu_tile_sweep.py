@@ -7,11 +7,12 @@ the launcher's own output and timed (gpu_timing.device_time: CUDA events, L2 flu
 
 The H200 runs (docs/gpu.md) left these short of LMDeploy: W4A16 at prefill, paged prefill
 attention, fused_moe at prefill, and dynamic_quant at prefill (issue-bound on its division: the
-quotient's two other exact forms are timed here, their codes required equal to the launcher's).
+quotient's two other exact forms are timed here, their codes required equal to the launcher's;
+prefill attention's walk of the fully visible key tiles without a mask likewise, bit for bit).
 Each launcher takes its tiles from one function (`_group_tiles`, `_tiles`, `_linear_tiles`,
-W4A16's K split `_group_splits`, the quantisers' `quotient_form`); the sweep replaces that
-function for a call, so what is timed is the real launcher with another tile. A configuration the GPU cannot
-launch (shared memory) is reported as such. The table says, per case, the launcher's time, the
+W4A16's K split `_group_splits`, the quantisers' `quotient_form`, prefill attention's
+`mask_split`); the sweep replaces that function for a call, so what is timed is the real launcher
+with another tile. A configuration the GPU cannot launch (shared memory) is reported as such. The table says, per case, the launcher's time, the
 best alternative and the speedup: what to change next, measured.
 """
 
@@ -139,6 +140,9 @@ def prefill_cases(dev, dtype, dry):
         flops = sum(4 * n * (h + (n + 1) / 2) * hq * d for h, n in seqs)
         yield (f"paged_prefill_attention {label} Hq {hq} Hkv {hkv} D {d}", P, "_tiles", call,
                alts[:2] if dry else alts, None, flops)
+        # the key tiles every row sees, walked without a mask: the same bits (the last field)
+        yield (f"paged_prefill_attention {label} Hq {hq} Hkv {hkv} D {d}, unmasked tiles", P, "mask_split", call,
+               [True], None, flops, True)
 
 
 def moe_cases(dev, dtype, dry):

@@ -40,7 +40,7 @@ def test_the_dry_run_runs_every_step_and_reports(tmp_path):
     tiles = steps["tiles"]["output"]["rows"]
     assert {r["function"] for r in tiles} == {"weight_quant._group_tiles", "weight_quant._group_splits",
                                              "quant._linear_tiles", "quant.quotient_form", "attention_prefill._tiles",
-                                             "moe._tiles"}, tiles
+                                             "attention_prefill.mask_split", "moe._tiles"}, tiles
     assert all(isinstance(r.get("triton_host_us"), float) for r in ops), ops  # the host time, measured apart
     # every alternative ran and gave the launcher's own result (the dry run times nothing)
     assert all("us" in c and c["max_abs_diff"] <= 1e-2 for r in tiles for c in r["configs"]), tiles

@@ -10,6 +10,9 @@ max / sum, fp32 accumulator). Paged keys are gathered per key through the block 
 block size works (smaller or larger than BLOCK_N). With a sliding window W a row sees only keys
 position - W + 1 .. position: the walk starts at the first key the tile's first row sees, and the
 rest is masked. A soft cap bends the scores before the mask (attention_common.soft_cap).
+With SPLIT (`mask_split`; no window) the walk has two parts: the key tiles that every row of the
+program sees in full (up to its first row's position, on a BLOCK_N boundary) fold their scores in
+without a mask, and only the tiles at the diagonal build and apply one.
 Tiles past a sequence's end exit at once:
 the grid is sized by max_q_seq_len and B (upper bounds), never by values read on the host.
 """
@@ -33,6 +36,49 @@ from dlinfer.vendor.triton.attention_common import (
 
 
 @triton.jit
+def _kv_tile(k_ptr, v_ptr, bt_row, s_btm, start, key_end, q_start, T, M, NB, BS, kvh,
+             s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, dk, dv, k_sc, k_zp, v_sc, v_zp,
+             D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, F32: tl.constexpr,
+             QUANT: tl.constexpr):
+    """Key positions start..start+BLOCK_N-1 -> (pos [N], valid [N], k [N, BLOCK_D], v [N, BLOCK_DV]),
+    gathered through the block table (PAGED) or from packed K/V, dequantised / upcast as the dots
+    take them; invalid keys load 0."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < key_end
+    if PAGED:
+        blk, slot = paged_slots(bt_row, s_btm, pos, valid, BS, M, NB)
+        k_off = blk * s_kb + slot * s_ks
+        v_off = blk * s_vb + slot * s_vs
+    else:
+        key_tok = (q_start + pos).to(tl.int64)
+        valid = valid & (key_tok >= 0) & (key_tok < T)
+        k_off = key_tok * s_ks
+        v_off = key_tok * s_vs
+    k = tl.load(k_ptr + (k_off + kvh * s_kh)[:, None] + dk[None, :] * s_kd,
+                mask=valid[:, None] & (dk < D)[None, :], other=0.0)
+    v = tl.load(v_ptr + (v_off + kvh * s_vh)[:, None] + dv[None, :] * s_vd,
+                mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
+    if QUANT:  # dequantised in registers (F32 is set with QUANT)
+        k = (k.to(tl.float32) - k_zp) * k_sc
+        v = (v.to(tl.float32) - v_zp) * v_sc
+    elif F32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return pos, valid, k, v
+
+
+@triton.jit
+def _scores(q, k, pos, q_pos, qk_scale, softcap, slope, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """q [BLOCK_M, D] . k [BLOCK_N, D] -> scores [BLOCK_M, BLOCK_N] in log2 units (soft cap, ALiBi)."""
+    qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    if SOFTCAP:
+        qk = soft_cap(qk, softcap)
+    if HAS_ALIBI:
+        qk += slope * (pos[None, :] - q_pos[:, None]).to(tl.float32)
+    return qk
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, kvlen_ptr, alibi_ptr, out_ptr, kvq_ptr,
     T, M, NB, BS, HKV, qk_scale, window, softcap,
@@ -44,7 +90,7 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, HAS_ALIBI: tl.constexpr, F32: tl.constexpr, QUANT: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
 ):
     mt = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) causal tiles start first
     b = tl.program_id(1)
@@ -70,9 +116,14 @@ def _prefill_kernel(
                 mask=row_ok[:, None] & (dk < D)[None, :], other=0.0)
     if F32:
         q = q.to(tl.float32)
+    slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(alibi_ptr + h) * 1.4426950408889634
 
+    k_sc = 0.0  # (unused unless QUANT)
+    k_zp = 0.0
+    v_sc = 0.0
+    v_zp = 0.0
     if QUANT:  # int8 caches: per-kv-head scale / zero ([4, Hkv] float32: k_scale, k_zero, v_scale, v_zero)
         k_sc = tl.load(kvq_ptr + kvh)
         k_zp = tl.load(kvq_ptr + HKV + kvh)
@@ -87,33 +138,23 @@ def _prefill_kernel(
     key_begin = 0
     if WINDOW:  # the first key the tile's first row sees, on a BLOCK_N boundary
         key_begin = tl.maximum(kv_len - n + mt * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-    for start in range(key_begin, key_end, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < key_end
-        if PAGED:
-            blk, slot = paged_slots(bt_row, s_btm, pos, valid, BS, M, NB)
-            k_off = blk * s_kb + slot * s_ks
-            v_off = blk * s_vb + slot * s_vs
-        else:
-            key_tok = (q_start + pos).to(tl.int64)
-            valid = valid & (key_tok >= 0) & (key_tok < T)
-            k_off = key_tok * s_ks
-            v_off = key_tok * s_vs
-        k = tl.load(k_ptr + (k_off + kvh * s_kh)[:, None] + dk[None, :] * s_kd,
-                    mask=valid[:, None] & (dk < D)[None, :], other=0.0)
-        v = tl.load(v_ptr + (v_off + kvh * s_vh)[:, None] + dv[None, :] * s_vd,
-                    mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
-        if QUANT:  # dequantised in registers (F32 is set with QUANT)
-            k = (k.to(tl.float32) - k_zp) * k_sc
-            v = (v.to(tl.float32) - v_zp) * v_sc
-        elif F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        if SOFTCAP:
-            qk = soft_cap(qk, softcap)
-        if HAS_ALIBI:
-            qk += slope * (pos[None, :] - q_pos[:, None]).to(tl.float32)
+    full_end = key_begin  # keys key_begin..full_end-1: seen by every row of the tile (SPLIT)
+    if SPLIT and not WINDOW:
+        seen_by_all = tl.minimum(key_end, kv_len - n + mt * BLOCK_M + 1)  # through the first row's position
+        if not PAGED:  # keys past the packed tensor (bad cu_seqlens_q) stay with the masked part
+            seen_by_all = tl.where(q_start >= 0, tl.minimum(seen_by_all, T - q_start), 0)
+        full_end = tl.maximum(seen_by_all // BLOCK_N * BLOCK_N, key_begin)
+        for start in range(key_begin, full_end, BLOCK_N):
+            pos, valid, k, v = _kv_tile(k_ptr, v_ptr, bt_row, s_btm, start, key_end, q_start, T, M, NB, BS, kvh,
+                                        s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, dk, dv, k_sc, k_zp, v_sc,
+                                        v_zp, D, DV, BLOCK_N, PAGED, F32, QUANT)
+            qk = _scores(q, k, pos, q_pos, qk_scale, softcap, slope, SOFTCAP, HAS_ALIBI)
+            m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, F32)
+    for start in range(full_end, key_end, BLOCK_N):
+        pos, valid, k, v = _kv_tile(k_ptr, v_ptr, bt_row, s_btm, start, key_end, q_start, T, M, NB, BS, kvh,
+                                    s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, dk, dv, k_sc, k_zp, v_sc, v_zp,
+                                    D, DV, BLOCK_N, PAGED, F32, QUANT)
+        qk = _scores(q, k, pos, q_pos, qk_scale, softcap, slope, SOFTCAP, HAS_ALIBI)
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
@@ -143,6 +184,12 @@ def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool):
     return block_m, block_n, stages, (8 if fp32 or d_tile > 128 or block_m >= 64 else 4)
 
 
+def mask_split() -> bool:
+    """Whether the kernel walks the keys every row sees without a mask (module docstring). Off
+    until a GPU has timed it: benchmarks/gpu_tile_sweep.py replaces this function to do so."""
+    return False
+
+
 def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slopes, out, ks, vs, hkv,
             m, nb, bs, paged, quant=(None, None, None, None), window=0, softcap=0.0):
     t, hq, d = query.shape
@@ -167,7 +214,8 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
         *query.stride(), *ks, *vs, *bt.stride(), *out.stride(),
         G=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_dim(d),
         BLOCK_DV=block_dim(dv), PAGED=paged, HAS_ALIBI=alibi_slopes is not None,
-        F32=f32, QUANT=is_quant, WINDOW=window > 0, SOFTCAP=softcap > 0, num_warps=warps, num_stages=stages,
+        F32=f32, QUANT=is_quant, WINDOW=window > 0, SOFTCAP=softcap > 0, SPLIT=mask_split(),
+        num_warps=warps, num_stages=stages,
     )
 
 

@@ -256,3 +256,67 @@ def _int64_check():
 def test_int64_cache_offsets():
     """A cache of 2**31+ elements read at its last blocks (int32 offsets would wrap)."""
     _isolated("_int64_check")
+
+
+# ---------------------------------------------------------------- prefill's unmasked key tiles
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["token_major", "head_major"])
+@pytest.mark.parametrize("extra", ["plain", "alibi", "softcap", "int8 cache", "window"])
+def test_prefill_mask_split_gives_the_same_bits(dtype, layout, extra, monkeypatch):
+    """mask_split: the key tiles every row sees skip the mask, which there only ever kept the
+    scores as they were; so the output is the masked walk's, bit for bit, and within tolerance of
+    the fp64 reference. Histories of 100+ keys: at these tiles (32 x 64, fp32 32 x 32) the first
+    program's rows all see its first one or three key tiles."""
+    from dlinfer.vendor.triton import attention_prefill as P
+
+    hq, hkv, d, dv, bs = 4, 2, 64, 64, 16
+    new, hist = [20, 3, 0, 17], [100, 130, 5, 0]
+    bt = paged_batch(new, hist, hq, hkv, d, dv, bs, layout, dtype, torch.int32, seed=11)
+    x = to_dev(bt)
+    kv = torch.tensor(bt["kv"], dtype=torch.int32, device=DEVICE)
+    kwargs = {}
+    if extra == "softcap":
+        kwargs["softcap"] = 5.0
+    if extra == "window":
+        kwargs["window"] = 37
+    kc, vc = x["kc"], x["vc"]
+    if extra == "int8 cache":
+        kc = torch.nan_to_num(kc.float() * 20).clamp(-127, 127).to(torch.int8)
+        vc = torch.nan_to_num(vc.float() * 20).clamp(-127, 127).to(torch.int8)
+        kwargs["quant"] = tuple(torch.full((hkv,), v, device=DEVICE) for v in (0.05, 1.0, 0.05, -2.0))
+    alibi = x["slopes"] if extra == "alibi" else None
+    outs = []
+    for split in (False, True):
+        monkeypatch.setattr(P, "mask_split", lambda split=split: split)
+        out = torch.full((sum(new), hq, dv), float("nan"), dtype=dtype, device=DEVICE)
+        P.paged_prefill(x["query"], kc, vc, x["table"], x["cu"], kv, max(new), max(bt["kv"]), 0.3, alibi, out,
+                        layout, **kwargs)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    if extra in ("plain", "alibi"):
+        assert_close(outs[1], expected(bt, 0.3, extra == "alibi"), dtype, f"split prefill, {extra}")
+    # no cache: the new tokens alone, both walks
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(sum(new), hkv, d, generator=g).to(dtype).to(DEVICE)
+    value = torch.randn(sum(new), hkv, dv, generator=g).to(dtype).to(DEVICE)
+    outs = []
+    for split in (False, True):
+        monkeypatch.setattr(P, "mask_split", lambda split=split: split)
+        out = torch.empty(sum(new), hq, dv, dtype=dtype, device=DEVICE)
+        P.prefill(x["query"], key, value, x["cu"], max(new), 0.3, alibi, out, **{k: v for k, v in kwargs.items()
+                                                                                 if k != "quant"})
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def _bad_metadata_split_check():
+    from dlinfer.vendor.triton import attention_prefill as P
+
+    P.mask_split = lambda: True
+    _bad_metadata_check()
+
+
+def test_bad_metadata_stays_in_bounds_with_the_mask_split():
+    _isolated("_bad_metadata_split_check")
