@@ -10,7 +10,8 @@ LMDeploy's sources on the GPU machine). Steps, in order (name: what, budget on t
   conformance  `python -m dlinfer conformance --vendor triton`, bfloat16, full shapes         170 s
   ops          per-op times vs the torch vendor and LMDeploy's kernels (bench_triton_ops.py)   90 s
   attention    paged decode / prefill attention times (bench_triton_attention.py)             50 s
-  tiles        tile alternatives of W4A16, W8A8, prefill attention, fused_moe (gpu_tile_sweep.py) 60 s
+  tiles        alternatives: tiles of W4A16, W8A8, prefill attention, fused_moe; dynamic_quant's
+               quotient form; prefill attention's unmasked walk (gpu_tile_sweep.py)            90 s
   engine       dlinfer_cuda vs LMDeploy's CUDA backend: tokens, tok/s (gpu_engine.py)        200 s
   conformance_fp16  the same suite in float16, the ops with fp16 paths of their own (FP16_OPS) 100 s
 A step gets min(its budget, the time left before --deadline, counted from the shell script's
@@ -84,7 +85,7 @@ def steps(out: Path, work: Path, dry: bool, tokenizer: str | None, checks: str |
         ("attention", [PY, str(bench / "bench_triton_attention.py"), "--iters", "20", "--json",
                        str(work / "attention.json")] + dry_flag, 50, work / "attention.json"),
         ("tiles", [PY, str(bench / "gpu_tile_sweep.py"), "--reps", "10", "--json", str(work / "tiles.json")]
-         + dry_flag, 60, work / "tiles.json"),
+         + dry_flag, 90, work / "tiles.json"),
         ("engine", engine, 200, work / "engine.json"),
         ("conformance_fp16", *conf[1]),
     ]

@@ -12,7 +12,7 @@ position - W + 1 .. position: the walk starts at the first key the tile's first 
 rest is masked. A soft cap bends the scores before the mask (attention_common.soft_cap).
 With SPLIT (`mask_split`; no window) the walk has two parts: the key tiles that every row of the
 program sees in full (up to its first row's position, on a BLOCK_N boundary) fold their scores in
-without a mask, and only the tiles at the diagonal build and apply one.
+without building the causal mask, and only the tiles at the diagonal build and apply one.
 Tiles past a sequence's end exit at once:
 the grid is sized by max_q_seq_len and B (upper bounds), never by values read on the host.
 """
@@ -149,6 +149,10 @@ def _prefill_kernel(
                                         s_kb, s_ks, s_kh, s_kd, s_vb, s_vs, s_vh, s_vd, dk, dv, k_sc, k_zp, v_sc,
                                         v_zp, D, DV, BLOCK_N, PAGED, F32, QUANT)
             qk = _scores(q, k, pos, q_pos, qk_scale, softcap, slope, SOFTCAP, HAS_ALIBI)
+            # valid is all true here; the select keeps the masked walk's instruction boundary between
+            # the scale's multiply and the max's subtraction, which a GPU compiler would otherwise fuse
+            # into one fma here only (Triton fuses by default): the same bits in both walks
+            qk = tl.where(valid[None, :], qk, float("-inf"))
             m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, F32)
     for start in range(full_end, key_end, BLOCK_N):
         pos, valid, k, v = _kv_tile(k_ptr, v_ptr, bt_row, s_btm, start, key_end, q_start, T, M, NB, BS, kvh,

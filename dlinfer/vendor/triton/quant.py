@@ -3,24 +3,19 @@
 Quantisation (one program per row, the whole row in one block, as norm.py): fp32 after the load,
 scale = amax / 127 correctly rounded (`tl.div_rn`), the quotient x / scale correctly rounded to
 fp32, round half to even, clamp to [-128, 127]: the torch vendor's bytes and scales exactly. The
-quotient has three forms, all giving the correctly rounded fp32 quotient (`quotient_form`):
+quotient has two forms, both giving the correctly rounded fp32 quotient (`quotient_form`):
   0 div_rn: a correctly rounded division per element, rounding with floor (the H200 found this
     kernel issue-bound, docs/gpu.md);
   1 recip64: x times the float64 reciprocal of the scale, in float64, rounded once to fp32. The
     float64 product is within ~2**-52 (relative) of x / scale, and x / scale for fp32 x and scale
     is never within 2**-49 of a point halfway between two fp32 values (it is never exactly one: a
     quotient with 25 significant bits would need a 25-bit x), so rounding the product gives the
-    correctly rounded quotient;
-  2 fma32: Markstein's correction in fp32, y = RN(1 / s), q = RN(x y), r = fma(-q, s, x) (exact),
-    q' = fma(r, y, q) = RN(x / s) (y within half an ulp of 1 / s, q within an ulp of x / s). A scale
-    below 2**-60 is first multiplied by 2**100 (x with it: the same quotient), so that 1 / s and r
-    stay normal; an infinite scale keeps x y (0, or NaN for an infinite x, as x / inf). Exact for
-    |x / s| >= 2**-20; a smaller quotient (code 0 in every form) can end an ulp away, as r then
-    falls below fp32's normal range.
-    Triton's interpreter computes an fma as a product and a sum, each rounded, so under it this
-    form is run with an exact fma patched in (tests/vendor/triton/test_quant_quotients.py).
-Forms 1 and 2 round half to even with 1.5 * 2**23 added and subtracted (|quotient| <= 127.5
-there) and find a NaN row through the same NaN-propagating max that gives amax.
+    correctly rounded quotient (subnormal scales included: they are normal in float64). Form 1
+    rounds half to even with 1.5 * 2**23 added and subtracted (exact for |q| < 2**22; |q| is at most
+    ~190, reached with subnormal scales, before the clamp) and finds a NaN row through the same
+    NaN-propagating max that gives amax.
+An fp32 form (Markstein's correction, y = RN(1 / s), q = RN(x y), two fmas) was tried and dropped:
+q = RN(x RN(1 / s)) can be more than an ulp from x / s, outside what the correction's proof needs.
 rms_norm_w8a8 / add_rms_norm_w8a8: norm.py's arithmetic for the row (the norm rounded to the
 activation dtype), then the quantisation of those values, in one program.
 linear_w8a8: program = (BLOCK_M rows, BLOCK_N output channels); int8 tiles into
@@ -56,14 +51,6 @@ def quotient(x, d, FORM: tl.constexpr):
     docstring)."""
     if FORM == 1:
         return (x.to(tl.float64) * (1.0 / d.to(tl.float64))).to(tl.float32)
-    elif FORM == 2:
-        k = tl.where(d < 8.673617379884035e-19, 1.2676506002282294e30, 1.0)  # 2**-60, 2**100
-        xs = x * k
-        ds = d * k
-        y = tl.div_rn(1.0, ds)
-        q = xs * y
-        r = tl.fma(-q, ds, xs)
-        return tl.where(d == float("inf"), q, tl.fma(r, y, q))
     else:
         return tl.div_rn(x, tl.zeros_like(x) + d)
 
@@ -84,14 +71,14 @@ def quantize(x, FORM: tl.constexpr = 0):
     if FORM == 0:
         q = round_half_even(quotient(x, div, FORM))
     else:
-        q = (quotient(x, div, FORM) + 12582912.0) - 12582912.0  # 1.5 * 2**23: ties to even, |q| < 2**22
+        q = (quotient(x, div, FORM) + 12582912.0) - 12582912.0  # 1.5 * 2**23: ties to even (|q| < 2**22)
     q = tl.where(has_nan, 0.0, tl.minimum(tl.maximum(q, -128.0), 127.0))
     return q.to(tl.int8), scale
 
 
 def quotient_form() -> int:
     """The quotient's form the launchers use (module docstring); benchmarks/gpu_tile_sweep.py
-    replaces this function to time the others. 0 until a GPU has measured 1 and 2."""
+    replaces this function to time form 1. 0 until a GPU has measured it."""
     return 0
 
 

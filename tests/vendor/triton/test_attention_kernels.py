@@ -267,8 +267,9 @@ def test_int64_cache_offsets():
 def test_prefill_mask_split_gives_the_same_bits(dtype, layout, extra, monkeypatch):
     """mask_split: the key tiles every row sees skip the mask, which there only ever kept the
     scores as they were; so the output is the masked walk's, bit for bit, and within tolerance of
-    the fp64 reference. Histories of 100+ keys: at these tiles (32 x 64, fp32 32 x 32) the first
-    program's rows all see its first one or three key tiles."""
+    the fp64 reference. Histories of 100+ keys: at these tiles (32 x 64; fp32 and the int8 cache
+    32 x 32) the first program's rows all see its first 1-2 key tiles (3-4 at 32 keys). Packed K/V:
+    a 150-token sequence, whose second and third programs (128 or 64 rows) see earlier tiles whole."""
     from dlinfer.vendor.triton import attention_prefill as P
 
     hq, hkv, d, dv, bs = 4, 2, 64, 64, 16
@@ -297,25 +298,47 @@ def test_prefill_mask_split_gives_the_same_bits(dtype, layout, extra, monkeypatc
     assert torch.equal(outs[0], outs[1])
     if extra in ("plain", "alibi"):
         assert_close(outs[1], expected(bt, 0.3, extra == "alibi"), dtype, f"split prefill, {extra}")
+    if extra == "int8 cache":
+        return
     # no cache: the new tokens alone, both walks
+    packed = [150, 5]
     g = torch.Generator().manual_seed(3)
-    key = torch.randn(sum(new), hkv, d, generator=g).to(dtype).to(DEVICE)
-    value = torch.randn(sum(new), hkv, dv, generator=g).to(dtype).to(DEVICE)
+    query = torch.randn(sum(packed), hq, d, generator=g).to(dtype).to(DEVICE)
+    key = torch.randn(sum(packed), hkv, d, generator=g).to(dtype).to(DEVICE)
+    value = torch.randn(sum(packed), hkv, dv, generator=g).to(dtype).to(DEVICE)
+    cu = torch.tensor([0, 150, 155], dtype=torch.int32, device=DEVICE)
     outs = []
     for split in (False, True):
         monkeypatch.setattr(P, "mask_split", lambda split=split: split)
-        out = torch.empty(sum(new), hq, dv, dtype=dtype, device=DEVICE)
-        P.prefill(x["query"], key, value, x["cu"], max(new), 0.3, alibi, out, **{k: v for k, v in kwargs.items()
-                                                                                 if k != "quant"})
+        out = torch.empty(sum(packed), hq, dv, dtype=dtype, device=DEVICE)
+        P.prefill(query, key, value, cu, max(packed), 0.3, alibi, out, **kwargs)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+    if extra == "plain":
+        ref = reference(query[:150], key[:150], value[:150], list(range(150)), 0.3, None)
+        assert_close(outs[1][:150], ref, dtype, "split prefill without a cache")
 
 
 def _bad_metadata_split_check():
+    """The checks above with the split, and packed K/V of 4 tokens under cu_seqlens_q claiming 200:
+    the programs past the first would walk keys 0..63 (or more) unmasked but for the split's bound
+    by T - q_start, which leaves them to the masked walk. Those programs store no row, and the
+    interpreter does not fault on a read past a tensor, so what this catches is a wrong write or
+    value; the read bound itself is argued in the kernel."""
     from dlinfer.vendor.triton import attention_prefill as P
 
     P.mask_split = lambda: True
     _bad_metadata_check()
+    hq, hkv, d = 4, 2, 64
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, hq, d, generator=g).to(DEVICE)
+    k, v = torch.randn(4, hkv, d, generator=g).to(DEVICE), torch.randn(4, hkv, d, generator=g).to(DEVICE)
+    buf = torch.full((6, hq, d), 7.0, device=DEVICE)
+    out = buf[1:5]
+    for cu in ([0, 200], [-100, 200]):
+        P.prefill(q, k, v, torch.tensor(cu, dtype=torch.int32, device=DEVICE), 200, d**-0.5, None, out)
+        assert torch.isfinite(out).all()
+        assert (buf[0] == 7).all() and (buf[5] == 7).all()
 
 
 def test_bad_metadata_stays_in_bounds_with_the_mask_split():

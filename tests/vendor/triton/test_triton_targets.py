@@ -102,3 +102,39 @@ def test_fused_moe_128_row_tiles_fit_sm90_and_spill_no_more_than_measured(tmp_pa
     worst = {"_moe_gate_up_kernel": 2048, "_moe_down_kernel": 1024}  # the measured spills, with headroom
     over = [(r["kernel"], r["spill_bytes"]) for r in rows if r["spill_bytes"] > worst.get(r["kernel"], 0)]
     assert not over, over
+
+
+VARIANTS = """
+import sys, torch
+sys.path.insert(0, "scripts")
+import triton_targets as T
+from dlinfer.vendor.triton import attention_prefill as P, quant as Q
+P.mask_split = lambda: True
+Q.quotient_form = lambda: 1
+rec = T.Recorder()
+with rec:
+    x = torch.zeros(4096, 4096, dtype=torch.bfloat16)
+    Q.dynamic_quant(x)
+    Q.add_rms_norm_w8a8(x, x, torch.ones(4096, dtype=torch.bfloat16), 1e-6)
+    q = torch.zeros(2048, 32, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(40, 64, 8, 128, dtype=torch.bfloat16)
+    cu, kv = torch.tensor([0, 2048], dtype=torch.int32), torch.tensor([2048], dtype=torch.int32)
+    P.paged_prefill(q, kc, kc, torch.zeros(1, 40, dtype=torch.int32), cu, kv, 2048, 2048, 0.1, None, q, "token_major")
+    P.prefill(q, q[:, :8], q[:, :8], cu, 2048, 0.1, None, q)
+for fn, sig, const, opts, _ in rec.launches.values():
+    for cc in (90, 80):
+        r = T.compile_for(fn, sig, const, opts, cc)
+        print(fn.__name__, cc, r["ok"], r["spill_bytes"])
+"""
+
+
+def test_the_sweeps_alternatives_compile_for_sm90_and_sm80():
+    """The alternatives only the GPU's tiles step times (quant.quotient_form 1, the prefill's
+    mask_split) at the production shapes: they compile and fit; the quantisers do not spill."""
+    proc = subprocess.run([sys.executable, "-c", VARIANTS], cwd=REPO, env=_compiled_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert {r[0] for r in rows} == {"_dynamic_quant_kernel", "_rms_norm_quant_kernel", "_prefill_kernel"}, rows
+    assert len(rows) == 8 and all(r[2] == "True" for r in rows), rows
+    assert all(r[3] == "0" for r in rows if r[0] != "_prefill_kernel"), rows

@@ -185,14 +185,14 @@ kVnniTarget inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t
   }
 }
 
-#define kInt8Target kVnniTarget
+#define DLINFER_INT8_TARGET kVnniTarget
 #elif defined(CPU_CAPABILITY_AVX2)
 // AVX2 (no VNNI): vpdpbusd's four products a lane as vpmaddubsw (unsigned nibble times signed
 // byte, adjacent pairs summed in int16: |pair| <= 2 * 15 * 128, never saturating) on the low and
 // the high nibbles, the two int16 sums added (|sum| <= 7680), then vpmaddwd by 1 into int32: the
 // same exact integer acc as the VNNI path, so the same D and the same float32 steps after it (the
 // same bits). A line's 16 lanes are two 8-lane halves.
-#define kInt8Target
+#define DLINFER_INT8_TARGET
 
 // A line half (32 bytes: 8 columns x 8 rows of k, two nibbles a byte) as its low nibbles (rows
 // k..k+3) and its high ones (rows k+4..k+7), each a byte.
@@ -319,13 +319,14 @@ inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0
 // Rows 0..M-1 of tile t over groups g0..g1, group by group (the group's lines stay in L1 while
 // every block of up to 4 rows reads them); the first block prefetches the stream.
 template <typename S, typename Out>
-kInt8Target void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+DLINFER_INT8_TARGET void tile_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
   if (M <= 0) return;  // (the op returns before calling for M = 0)
   for (int64_t gi = g0; gi < g1; ++gi) {
     block_int8<true, S>(w, a, t, 0, std::min<int64_t>(4, M), gi, gi == g0, out);
     for (int64_t m0 = 4; m0 < M; m0 += 4) block_int8<false, S>(w, a, t, m0, std::min<int64_t>(4, M - m0), gi, gi == g0, out);
   }
 }
+#undef DLINFER_INT8_TARGET
 #endif
 
 }  // namespace
