@@ -6,7 +6,9 @@ imported with no C++ compiler on PATH: the cpu vendor loads them and passes its 
 (the AVX2 kernels' only run on an AVX-512 machine). Unforced on an AVX-512 CPU the same wheel has
 no module for the ISA torch runs at and says so. A stamp that does not match (edited sources) or
 DLINFER_CPU_PREBUILT=0 sends the vendor back to building, which then fails with a line saying why
-where there is no compiler, and succeeds where there is one."""
+where there is no compiler; the refused module is never imported, so a build that follows registers
+the ops itself (the build path every source checkout takes, tested throughout the suite; a second
+full kernel build here to show it again cost six minutes of CI on a 2-core machine)."""
 
 from __future__ import annotations
 
@@ -108,10 +110,12 @@ def test_the_cpu_vendor_passes_its_conformance_suite_from_the_wheel(installed, t
 
 def test_prebuilt_kernels_refused_for_other_sources_or_on_request(installed, tmp_path):
     """DLINFER_CPU_PREBUILT=0, or a source file that differs from the stamp: the vendor builds
-    instead, and with no compiler says why in its one-line error."""
+    instead, and with no compiler says why in its one-line error. The stamp refuses the module
+    before it is imported: a module loaded and then refused would have registered its
+    torch.ops.dlinfer_cpu schemas, and the build could not register them again."""
     run = _run_without_compiler(installed, ["-c", PROBE], DLINFER_CPU_PREBUILT="0")
     assert "available False" in run.stdout and "no C++ compiler found" in run.stdout, run.stdout
-    assert "DLINFER_CPU_PREBUILT=0" in run.stdout
+    assert "DLINFER_CPU_PREBUILT=0" in run.stdout and "prebuilt imported False" in run.stdout
     edited = tmp_path / "site"
     shutil.copytree(installed, edited)
     norm = edited / "dlinfer" / "vendor" / "cpu" / "csrc" / "norm.cpp"
@@ -120,20 +124,3 @@ def test_prebuilt_kernels_refused_for_other_sources_or_on_request(installed, tmp
     assert "available False" in run.stdout and "built from other sources" in run.stdout, run.stdout
     assert "prebuilt imported False" in run.stdout  # refused from its stamp, never loaded
 
-
-def test_refused_prebuilt_kernels_leave_the_build_free_to_register_the_ops(installed, tmp_path):
-    """Edited sources with a compiler present: the stamp refuses the prebuilt module before it is
-    loaded, so the kernels built here register their ops (a loaded-then-refused module would have
-    registered them first) and run."""
-    edited = tmp_path / "site"
-    shutil.copytree(installed, edited)
-    norm = edited / "dlinfer" / "vendor" / "cpu" / "csrc" / "norm.cpp"
-    norm.write_text(norm.read_text() + "\n// edited\n")
-    code = PROBE + "import torch, dlinfer.ops as ops\nprint('rms_norm', tuple(ops.rms_norm(torch.randn(2, 64), " \
-                   "torch.ones(64), 1e-6).shape))\n"
-    env = dict(os.environ, PYTHONPATH=str(edited), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"), **FORCED)
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=BUILD_TIMEOUT_S)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "origin built" in run.stdout and "prebuilt imported False" in run.stdout, run.stdout
-    assert "rms_norm (2, 64)" in run.stdout, run.stdout

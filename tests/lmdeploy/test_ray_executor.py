@@ -102,12 +102,15 @@ def _ray_pipeline(model_dir, **kwargs):
     return cpu_pipeline(model_dir, tp=2, distributed_executor_backend="ray", **kwargs)
 
 
-@pytest.mark.parametrize("name,eager,channel", [("llama", True, True), ("llama", False, True), ("qwen2", True, True),
-                                                 ("mixtral", True, True), ("llama", True, False)])
+@pytest.mark.parametrize("name,eager,channel", [("llama", True, True), ("llama", False, True),
+                                                 ("mixtral", True, False)])
 def test_tp2_over_ray_gives_hfs_greedy_tokens(name, eager, channel, ray_cluster, model_dir, hf_reference,
                                               monkeypatch):
-    """Steps over the step connections (dlinfer's default), and through LMDeploy's own per-step
-    put and calls (DLINFER_RAY_STEP_CHANNEL=0) on the same actors."""
+    """Steps over the step connections (dlinfer's default), eager and compiled, and through
+    LMDeploy's own per-step put and calls (DLINFER_RAY_STEP_CHANNEL=0) on the same actors, that
+    one with a mixture of experts. What the executor carries does not depend on the model (each
+    model's tp=2 split is test_tensor_parallel.py's, on the mp executor), and each case is an engine
+    with two Ray workers starting: about a minute of CI on a 2-core machine."""
     from dlinfer.framework.lmdeploy_ext.ray_steps import StepChannels
 
     monkeypatch.setenv("DLINFER_RAY_STEP_CHANNEL", "1" if channel else "0")
