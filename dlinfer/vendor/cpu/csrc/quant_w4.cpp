@@ -13,8 +13,7 @@
 // two halves then added; see run_rows); bias added, one rounding to x's dtype. Every lane
 // does that arithmetic in that order on every path (AVX-512, AVX2, portable), so both layouts give
 // identical bits (the vector paths' power-of-two scaling barring float32 overflow past |x| ~ 1e32
-// or subnormal sums: there a row's bits could differ between AVX2's lane loop at two rows and
-// its passes). All rows share each decoded nibble (AVX-512, 3-8 rows: in four passes of two
+// or subnormal sums: there the vector and portable builds could differ). All rows share each decoded nibble (AVX-512, 3-8 rows: in four passes of two
 // nibbles; AVX2: see its passes below).
 // At one row the decode, not the memory, is the bound (one core decodes ~23 GB/s of packed weight
 // from L2): the group's zero points and scales are vector loads (column_tiled: its columns in
@@ -45,8 +44,7 @@ constexpr int kShift[8] = {0, 4, 8, 12, 16, 0, 4, 8};  // 4i' of nibble i (the v
 #define kAlwaysInline inline __attribute__((always_inline))
 
 // The same per-lane arithmetic, lane by lane (std::fma is the fused multiply-add): the portable
-// path, and AVX2's at two rows, where GCC's vectorisation of it beat the passes below (1.67-1.72
-// against 2.03-2.27 ms for 2 x 2048 @ 2048 x 8192 on the Zen 3 EPYC).
+// path. (AVX2 took it at two rows until its passes kept their accumulators in registers.)
 template <int MR>
 inline void group_rows_lanes(const Packed& w, const float* const* xr, int64_t t,
                        int64_t k0, int64_t k1, int rwords, const int32_t* zs, const float* ss, float* ybuf) {
@@ -189,42 +187,57 @@ void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0,
 // vectors, without ternary logic (an and, then an or). A tile's row is two halves of 8 words: half
 // h holds lanes i * 16 + 8h .. + 7 of every nibble i. A pass keeps MR x NI accumulators of one
 // half (AVX2 has 16 vector registers; the zero-point vectors may live in L1): NI = 8 nibbles for
-// 1 row, 2 for 3-4 rows, 1 for 5-8; a group takes 2 * 8 / NI passes over its words, the later
-// ones from L1. Two rows take group_rows_lanes. Measured on a 2-core Zen 3 EPYC (AVX2 only, the
-// median of 20 calls, x [M, 2048] @ [2048, 8192], two alternations): against the lane loop 1.00-1.02
-// vs 1.28-1.32 ms at one row, 4.78-4.80 vs 18.4-18.9 at four, 11.3-11.4 vs 38.0-38.5 at eight.
+// 1 row, 4 for 2 rows, 2 for 3-4 (kRowBlock is 4 here); a group takes 2 * 8 / NI passes over its words, the
+// later ones from L1.
+//
+// Two things GCC needs told (seen in the compiled loop on a 2-core Zen 3 EPYC, one thread, hot
+// weights; x [M, 2048] @ [2048, 1024], a copy of the pass in a micro-benchmark): every loop over the
+// rows and nibbles is unrolled by pragma, so that the accumulator array becomes registers (left
+// to itself, GCC kept the array in memory from 2 rows on and stored all MR x NI accumulators to
+// the stack on every k: 8 stores an iteration at 4 rows, 1.8 -> 3.4 G 256-bit FMAs a second with
+// the pragmas); and a row whose 16 words all hold nibbles (every column_tiled row, a whole
+// canonical tile) is a plain load, not a masked one (vpmaskmovd: 1.8 -> 2.0 G FMAs a second at
+// one row, 1.6 -> 2.6 at eight).
 template <int I, int J, int MR, int NI>
 kAlwaysInline void nibble8(const __m256i lo, const __m256i hi, const __m256i magic, const __m256* zf,
                            const __m256* xb, __m256 (&acc)[MR][NI]) {
   const __m256i bits = _mm256_or_si256(_mm256_and_si256(I < 5 ? lo : hi, _mm256_set1_epi32(15 << kShift[I])), magic);
   const __m256 d = _mm256_sub_ps(_mm256_castsi256_ps(bits), zf[J]);
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) acc[m][J] = _mm256_fmadd_ps(xb[m], d, acc[m][J]);
 }
 
-template <int MR, int I0, int NI, int H>
+template <int MR, int I0, int NI, int H, bool FULL>
 kAlwaysInline void group_pass8(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1,
                                const __m256i mask, const int32_t* zs, const float* ss, float* ybuf) {
   __m256 acc[MR][NI];
   __m256 zf[NI];  // 2^23 + z * 2^(4i')
   const __m256i magic = _mm256_set1_epi32(0x4B000000);
+#pragma GCC unroll 8
   for (int j = 0; j < NI; ++j) {
     const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(zs + (I0 + j) * kTileWords + 8 * H));
     zf[j] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_sllv_epi32(z, _mm256_set1_epi32(kShift[I0 + j])), magic));
   }
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 8
     for (int j = 0; j < NI; ++j) acc[m][j] = _mm256_setzero_ps();
   auto [pf, pf_step] = w.ahead(t, k0, k1);
   for (int64_t k = k0; k < k1; ++k, pf += pf_step) {
     if (I0 == 0 && H == 0) _mm_prefetch(reinterpret_cast<const char*>(pf), _MM_HINT_T0);
-    const __m256i lo = _mm256_maskload_epi32(w.row(t, k) + 8 * H, mask);
+    const int32_t* row = w.row(t, k) + 8 * H;
+    const __m256i lo = FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)) : _mm256_maskload_epi32(row, mask);
     const __m256i hi = _mm256_srli_epi32(lo, 20);
     __m256 xb[MR];
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) xb[m] = _mm256_broadcast_ss(xr[m] + k);
     [&]<int... J>(std::integer_sequence<int, J...>) __attribute__((always_inline)) {
       (nibble8<I0 + J, J, MR, NI>(lo, hi, magic, zf, xb, acc), ...);
     }(std::make_integer_sequence<int, NI>{});
   }
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 8
     for (int j = 0; j < NI; ++j) {
       float* yb = ybuf + m * kTileCols + (I0 + j) * kTileWords + 8 * H;
       const __m256 a = _mm256_mul_ps(acc[m][j], _mm256_set1_ps(1.0f / static_cast<float>(1 << kShift[I0 + j])));
@@ -233,27 +246,29 @@ kAlwaysInline void group_pass8(const Packed& w, const float* const* xr, int64_t 
   }
 }
 
-template <int MR, int NI, int H, int... P>
+template <int MR, int NI, int H, bool FULL, int... P>
 kAlwaysInline void half_passes(const Packed& w, const float* const* xr, int64_t t, int64_t k0, int64_t k1,
                                const __m256i mask, const int32_t* zs, const float* ss, float* ybuf,
                                std::integer_sequence<int, P...>) {
-  (group_pass8<MR, P * NI, NI, H>(w, xr, t, k0, k1, mask, zs, ss, ybuf), ...);
+  (group_pass8<MR, P * NI, NI, H, FULL>(w, xr, t, k0, k1, mask, zs, ss, ybuf), ...);
 }
 
 template <int MR>
 inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
                        int64_t k0, int64_t k1, int rwords, const int32_t* zs, const float* ss, float* ybuf) {
-  if constexpr (MR == 2) {
-    group_rows_lanes<MR>(w, xr, t, k0, k1, rwords, zs, ss, ybuf);
+  constexpr int NI = MR == 1 ? 8 : MR == 2 ? 4 : MR <= 4 ? 2 : 1;
+  constexpr auto passes = std::make_integer_sequence<int, 8 / NI>{};
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  if (rwords == kTileWords) {
+    half_passes<MR, NI, 0, true>(w, xr, t, k0, k1, lane, zs, ss, ybuf, passes);
+    half_passes<MR, NI, 1, true>(w, xr, t, k0, k1, lane, zs, ss, ybuf, passes);
     return;
   }
-  constexpr int NI = MR == 1 ? 8 : MR <= 4 ? 2 : 1;
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  half_passes<MR, NI, 0>(w, xr, t, k0, k1, _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords), lane), zs, ss, ybuf,
-                         std::make_integer_sequence<int, 8 / NI>{});
+  half_passes<MR, NI, 0, false>(w, xr, t, k0, k1, _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords), lane), zs, ss, ybuf,
+                                passes);
   if (rwords > 8)  // a last tile of at most 64 columns has no second half
-    half_passes<MR, NI, 1>(w, xr, t, k0, k1, _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords - 8), lane), zs, ss, ybuf,
-                           std::make_integer_sequence<int, 8 / NI>{});
+    half_passes<MR, NI, 1, false>(w, xr, t, k0, k1, _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords - 8), lane), zs, ss,
+                                  ybuf, passes);
 }
 #else
 // Portable: the lane-by-lane loop (group_rows_lanes, above).
@@ -307,6 +322,9 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
 #else
   for (int64_t gi = g0; gi < g1; ++gi) {
     group_params(p, t, gi, nwords, zs, ss);
+#if defined(CPU_CAPABILITY_AVX2)
+    if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
+#endif
     group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, p.w.row_words(t), zs, ss, ybuf);
   }
 #endif
@@ -319,7 +337,7 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
 
 template <typename T>
 void tile_rows_any(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g1, float* part, int64_t lanes) {
-  switch (std::min(kRowBlock, p.M - m0)) {  // up to 8 rows through one decode of the tile
+  switch (std::min(kRowBlock, p.M - m0)) {  // up to kRowBlock rows through one decode of the tile
     case 1: tile_rows<T, 1>(p, t, m0, g0, g1, part, lanes); break;
     case 2: tile_rows<T, 2>(p, t, m0, g0, g1, part, lanes); break;
     case 3: tile_rows<T, 3>(p, t, m0, g0, g1, part, lanes); break;

@@ -30,7 +30,15 @@ inline constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int64_t kTileWords = 16;
 constexpr int64_t kTileCols = 8 * kTileWords;
 constexpr int64_t kMaxRowsW4 = 4096;  // w4_matmul's limit (weight_quant.py uses the dequantise + BLAS path beyond)
-constexpr int64_t kRowBlock = 8;    // rows sharing one decode of the weight
+// Rows sharing one decode of the weight. AVX2: 4, its 16 registers hold 4 rows x 2 nibbles of
+// accumulators with the broadcast x beside them; at 8 rows (x 1 nibble) they spilled, and two
+// blocks of 4 (the tile decoded twice, its second pass from L2) took 0.96 against 1.7-2.2 ms for
+// x [8, 2048] @ [2048, 1024] on one core of the Zen 3 EPYC.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kRowBlock = 4;
+#else
+constexpr int64_t kRowBlock = 8;
+#endif
 constexpr int64_t kPrefetchRows = 64;  // 4 KB ahead in a tile: 8 rows was ~6% slower on bench_cpu_ops' 49152x576 matrix (2 pairs), equal at the layers' sizes
 
 // 128-column tiles of N = 8 * words output columns (the last one may be partial).
@@ -140,14 +148,61 @@ void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_
   }
 }
 
-// Group gi's scales and zero points of tile t into the cache, a group ahead: each is a row of its
-// own (N scales apart), which the hardware prefetcher does not follow (measured: the 120 GEMVs of
-// a SmolLM2 decode step 2.5 -> 2.2 ms).
+#elif defined(CPU_CAPABILITY_AVX2)
+// AVX2: the same values in 8-lane vectors (the scalar loop below is ~20 operations a lane, 128
+// lanes a group: on a Zen 3 EPYC it cost as much as the group's decode at one row). The zero
+// points are integer nibbles and the scales exact widenings, so nothing rounds differently.
+// column_tiled: the half h of nibble i (lanes i * 16 + 8h ..) takes its zero points from word
+// 2i + h, nibble kNibbleOf[w % 8] of it (shift kShiftOfLane8[w % 8]), its scales from 8
+// contiguous columns; canonical: nibble i of the words in place, the scales gathered (stride 8)
+// from the group's row of the tile widened to float32.
+alignas(32) inline constexpr int32_t kShiftOfLane8[8] = {0, 16, 4, 20, 8, 24, 12, 28};
+
+// 8 scales from src[c] on as float32, zero from src[ncols] on.
 template <typename T>
-inline __attribute__((always_inline)) void prefetch_group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords) {
-  const char* sn = reinterpret_cast<const char*>(p.scale + gi * p.N + 8 * t * kTileWords);
-  for (int64_t b = 0; b < 8 * nwords * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(sn + b, _MM_HINT_T0);
-  if (p.zeros) _mm_prefetch(reinterpret_cast<const char*>(p.zeros + gi * p.w.words + t * kTileWords), _MM_HINT_T0);
+inline __m256 scales8(const T* src, int c, int ncols) {
+  if (c + kLanes <= ncols) return load_vec(src + c);
+  if (c >= ncols) return _mm256_setzero_ps();
+  return load_part(src + c, ncols - c);
+}
+
+template <typename T>
+void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_t* z, float* s) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  alignas(32) int32_t zw[kTileWords];  // the tile's zero-point words, zero past N
+  for (int h = 0; h < 2; ++h) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nwords - 8 * h), lane);
+    const __m256i words = p.zeros ? _mm256_maskload_epi32(p.zeros + gi * p.w.words + t * kTileWords + 8 * h, mask)
+                                  : _mm256_and_si256(mask, _mm256_set1_epi32(static_cast<int32_t>(0x88888888u)));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(zw + 8 * h), words);
+  }
+  const int ncols = 8 * nwords;
+  const T* src = p.scale + gi * p.N + kTileCols * t;
+  const __m256i fifteen = _mm256_set1_epi32(15);
+  if (p.w.tiled) {
+    const __m256i shifts = _mm256_load_si256(reinterpret_cast<const __m256i*>(kShiftOfLane8));
+    for (int i = 0; i < 8; ++i) {
+      for (int h = 0; h < 2; ++h) {
+        const int at = i * kTileWords + 8 * h;
+        const __m256i zp = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(zw[2 * i + h]), shifts), fifteen);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(z + at), zp);
+        _mm256_storeu_ps(s + at, scales8(src, at, ncols));
+      }
+    }
+    return;
+  }
+  alignas(32) float row[kTileCols];
+  for (int c = 0; c < kTileCols; c += kLanes) _mm256_store_ps(row + c, scales8(src, c, ncols));
+  for (int i = 0; i < 8; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      const int at = i * kTileWords + 8 * h;
+      const __m256i words = _mm256_load_si256(reinterpret_cast<const __m256i*>(zw + 8 * h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(z + at), _mm256_and_si256(_mm256_srli_epi32(words, 4 * i), fifteen));
+      const __m256i idx = _mm256_add_epi32(_mm256_slli_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * h)), 3),
+                                           _mm256_set1_epi32(kOrder[i]));
+      _mm256_storeu_ps(s + at, _mm256_i32gather_ps(row, idx, 4));
+    }
+  }
 }
 #else
 template <typename T>
@@ -161,6 +216,18 @@ void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_
       s[i * kTileWords + w] = in ? static_cast<float>(p.scale[gi * p.N + c]) : 0.f;
     }
   }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// Group gi's scales and zero points of tile t into the cache, a group ahead: each is a row of its
+// own (N scales apart), which the hardware prefetcher does not follow (measured: the 120 GEMVs of
+// a SmolLM2 decode step 2.5 -> 2.2 ms).
+template <typename T>
+inline __attribute__((always_inline)) void prefetch_group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords) {
+  const char* sn = reinterpret_cast<const char*>(p.scale + gi * p.N + 8 * t * kTileWords);
+  for (int64_t b = 0; b < 8 * nwords * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(sn + b, _MM_HINT_T0);
+  if (p.zeros) _mm_prefetch(reinterpret_cast<const char*>(p.zeros + gi * p.w.words + t * kTileWords), _MM_HINT_T0);
 }
 #endif
 
