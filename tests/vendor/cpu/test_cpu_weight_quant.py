@@ -150,7 +150,7 @@ def test_a_row_has_the_same_bits_in_any_batch(m, k, n, group, layout):
     x, packed = _repacked(max(m, 17), k, n, group, k + n)
     assert packed[0].dtype == (torch.uint8 if layout == "k_interleaved" else torch.int32)
     whole = _w4(x, packed, group)
-    for rows in (1, 2, 3, 5, 8, 9):  # every row block kind (AVX2: 2 rows take the lane loop, the rest passes)
+    for rows in (1, 2, 3, 5, 8, 9):  # every row block kind (AVX2 blocks 4 rows, the others 8)
         part = _w4(x[:rows].contiguous(), packed, group)
         assert torch.equal(part.view(torch.int32), whole[:rows].view(torch.int32)), rows
 
