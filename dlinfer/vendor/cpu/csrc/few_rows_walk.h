@@ -32,13 +32,13 @@ constexpr int64_t kOneRowXBytes = 32 * 1024;  // x's M rows at most this: the on
 constexpr int64_t kSegmentBytes = 2 * 1024;   // a chunk: this many bytes of each weight row
 constexpr int kBlockRows = 32;                // rows whose accumulators are parked between chunks
 
-// Two weight rows at a time once x's M rows no longer fit in kOneRowXBytes.
+// Two weight rows at a time once x's M rows no longer fit in kOneRowXBytes (element_bytes: x's).
 inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
   return M * K * element_bytes > kOneRowXBytes;
 }
 
 // Elements of K a chunk holds: all of them (kv, the full-step part of K) while x fits in
-// kOneRowXBytes or M <= 2, else kSegmentBytes of a weight row (whole steps, at least one).
+// kOneRowXBytes or M <= 2, else kSegmentBytes of an x row (whole steps, at least one; element_bytes: x's).
 // `step`: the elements one vector step of the kernel's loop takes.
 inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_bytes, int64_t step) {
   if (M <= 2 || M * K * element_bytes <= kOneRowXBytes) return std::max<int64_t>(kv, 1);
@@ -97,14 +97,17 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
 // Splits rows [0, N) of a [N, K] weight into one band per thread (all of them on the calling
 // thread below kMinParallelBytes) and calls walk(b, e, kc, R, Chunked) for each band [b, e): R
 // (1 or 2) and Chunked as std::integral_constant, chosen by x's size (two_weight_rows,
-// walk_chunk); `step`: the elements one vector step of the kernel's loop takes.
+// walk_chunk); `step`: the elements one vector step of the kernel's loop takes. element_bytes:
+// the weight's; x_bytes: x's as the loop reads it, when not the weight's (the 16-bit kernel's
+// portable path reads x widened to float32 at up to 4 rows).
 template <int M, typename Walk>
-inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step, Walk&& walk) {
+inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step, Walk&& walk, int64_t x_bytes = 0) {
+  if (x_bytes == 0) x_bytes = element_bytes;
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max(grain_for(N, N * K * element_bytes), (N + threads - 1) / threads);
   const int64_t kv = K - K % step;
-  const int64_t kc = walk_chunk(M, K, kv, element_bytes, step);
-  const bool two = two_weight_rows(M, K, element_bytes);
+  const int64_t kc = walk_chunk(M, K, kv, x_bytes, step);
+  const bool two = two_weight_rows(M, K, x_bytes);
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
