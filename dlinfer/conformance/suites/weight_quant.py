@@ -53,6 +53,8 @@ CASES = [
     W4Case("b1_t5_k128_n40_g0_nozero", (1, 5), 128, 40, 0, zeros=False, bias=True),
     # one group of 72 rows: no power-of-two K step of 16 or more stays inside a group
     W4Case("m3_k72_n64_g0", (3,), 72, 64, 0),
+    # a last 128-column tile of 12 words: an AVX2 kernel's second 8-word half is partial
+    W4Case("m2_k64_n224_g32", (2,), 64, 224, 32),
     W4Case("m8_k576_n1536_g64", (8,), 576, 1536, 64, small=False),
     W4Case("m33_k4096_n520_g128_bias", (33,), 4096, 520, 128, bias=True, small=False),
     W4Case("m3_k1024_n384_g0", (3,), 1024, 384, 0, small=False),

@@ -6,10 +6,12 @@
 //  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight
 //    row at a time, front to back: one stream a thread, what this CPU reads fastest.
 //  - Past that, two weight rows at a time (each x vector then loaded once for two of them), and
-//    from three rows of x on, K is also cut into chunks of kSegmentBytes of each weight row and the
-//    band into blocks of kBlockRows rows: for each block, chunk by chunk, every row pair's segment
-//    is walked with its accumulators in registers, parked in a small buffer between chunks. x's
-//    chunk (M x 2 KB at most) stays in L1 instead of being reloaded from L2 for every weight vector.
+//    from three rows of x on, K is also cut into chunks of kSegmentBytes of each x row (as many
+//    elements of each weight row) and the band into blocks of kBlockRows rows: for each block,
+//    chunk by chunk, every row pair's segment is walked with its accumulators in registers, parked
+//    in a small buffer between chunks. x's chunk (M x 2 KB at most) stays in L1 instead of being
+//    reloaded from L2 for every weight vector. "x" is x as the loop reads it: the 16-bit kernel's
+//    portable path reads it widened to float32 at up to 4 rows.
 // Each output's float32 lanes add their products in the same order over k in every walk, so the
 // sums are bit-identical whichever is taken. The software prefetch runs `ahead` elements ahead in
 // the walking order: along the row in the unchunked walks (and on into the next rows), a few

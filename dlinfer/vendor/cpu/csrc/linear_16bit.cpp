@@ -1,10 +1,11 @@
 // linear for few rows in bfloat16 / float16: y[M, N] = x[M, K] W[N, K]^T (+ bias), M <= 8.
 //
 // The float32 kernel's loop (linear.cpp: each thread walks a band of W's rows in few_rows_walk.h's
-// order, every W vector used for all M rows of x, a software prefetch 16 KB ahead), with W and x read
-// as 16-bit values, half of float32's bytes: the weights stream as stored, nothing is widened
-// into memory. Sums are float32; each output is rounded once to the activation dtype (round to
-// nearest even), after the bias is added in float32. Two paths, chosen at run time:
+// order, every W vector used for all M rows of x, a software prefetch 16 KB ahead), with W read
+// as 16-bit values, half of float32's bytes: the weights stream as stored, never widened into
+// memory (x is, at up to 4 rows on the portable path: M x K floats, see run_rows). Sums are
+// float32; each output is rounded once to the activation dtype (round to nearest even), after
+// the bias is added in float32. Two paths, chosen at run time:
 //  - AVX512_BF16 (bfloat16 only, AVX-512 builds on CPUs with the flag): vdpbf16ps multiplies 16
 //    pairs of bf16 (exact in float32) and adds both products into 16 float32 lanes; 32 elements
 //    of K per instruction. Like every bf16 dot-product instruction it treats subnormal inputs
@@ -105,7 +106,7 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
 #endif
   // Up to 4 rows, x widened to float32 once (exact), so the loop converts only the weights:
   // converting x in it took 2 operations per x vector and weight row, the FMAs' count (AVX2, Zen
-  // 3 EPYC: 1B gate_up at 4 rows 10.5-11.2 -> 4.7-5.7 ms with this and the unrolled loops). The
+  // 3 EPYC: 1B gate_up at 4 rows 10.5-10.7 -> 4.5-5.9 ms with this and the unrolled loops). The
   // walk is then chosen by x's float32 bytes. From 5 rows on x stays 16-bit: its float32 chunks
   // left the two-row walk's 2 x M sums fewer registers (1B down at 8 rows 3.2-3.7 -> 5.3-6.0 ms).
   if constexpr (M <= 4) {

@@ -13,8 +13,8 @@
 // two halves then added; see run_rows); bias added, one rounding to x's dtype. Every lane
 // does that arithmetic in that order on every path (AVX-512, AVX2, portable), so both layouts give
 // identical bits (the vector paths' power-of-two scaling barring float32 overflow past |x| ~ 1e32
-// or subnormal sums: there the vector and portable builds could differ). All rows share each decoded nibble (AVX-512, 3-8 rows: in four passes of two
-// nibbles; AVX2: see its passes below).
+// or subnormal sums: there the vector and portable builds could differ). All rows share each
+// decoded nibble (AVX-512, 3-8 rows: in four passes of two nibbles; AVX2: see its passes below).
 // At one row the decode, not the memory, is the bound (one core decodes ~23 GB/s of packed weight
 // from L2): the group's zero points and scales are vector loads (column_tiled: its columns in
 // nibble order, so a group's 16 scales per nibble are contiguous; canonical: gathers), one row of a
@@ -196,8 +196,8 @@ void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0,
 // to itself, GCC kept the array in memory from 2 rows on and stored all MR x NI accumulators to
 // the stack on every k: 8 stores an iteration at 4 rows, 1.8 -> 3.4 G 256-bit FMAs a second with
 // the pragmas); and a row whose 16 words all hold nibbles (every column_tiled row, a whole
-// canonical tile) is a plain load, not a masked one (vpmaskmovd: 1.8 -> 2.0 G FMAs a second at
-// one row, 1.6 -> 2.6 at eight).
+// canonical tile) is a plain load, not a masked one (vpmaskmovd, in that micro-benchmark: 1.8 ->
+// 2.0 G FMAs a second at one row, 1.6 -> 2.6 in an 8-row pass).
 template <int I, int J, int MR, int NI>
 kAlwaysInline void nibble8(const __m256i lo, const __m256i hi, const __m256i magic, const __m256* zf,
                            const __m256* xb, __m256 (&acc)[MR][NI]) {
@@ -256,7 +256,7 @@ kAlwaysInline void half_passes(const Packed& w, const float* const* xr, int64_t 
 template <int MR>
 inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
                        int64_t k0, int64_t k1, int rwords, const int32_t* zs, const float* ss, float* ybuf) {
-  constexpr int NI = MR == 1 ? 8 : MR == 2 ? 4 : MR <= 4 ? 2 : 1;
+  constexpr int NI = MR == 1 ? 8 : MR == 2 ? 4 : MR <= 4 ? 2 : 1;  // 5-8 rows: instantiated, never run (kRowBlock)
   constexpr auto passes = std::make_integer_sequence<int, 8 / NI>{};
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   if (rwords == kTileWords) {
