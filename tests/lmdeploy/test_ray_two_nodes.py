@@ -125,7 +125,10 @@ def test_tp2_across_two_ray_nodes_gives_hfs_greedy_tokens(network_namespace, mod
             time.sleep(0.5)
         child = subprocess.run([sys.executable, str(HERE / "ray_two_node_child.py"), str(model_dir("llama")),
                                 str(NEW_TOKENS), *PROMPTS], env=dict(env, RAY_ADDRESS=f"{head_ip}:{port}"),
-                               capture_output=True, text=True, timeout=300)
+                               capture_output=True, text=True, timeout=600)  # 177 s on 2026-11-28; 269 s
+        # alone and > 300 s inside the suite on a fresh 2-core Zen 3 VM on 2026-11-29 (gloo's
+        # "hostname of the client socket cannot be retrieved" in the child's log: name lookups
+        # inside the namespace, not understood yet)
         assert child.returncode == 0, child.stderr[-4000:]
         out = json.loads(child.stdout.strip().splitlines()[-1])
         assert sorted(out["node_ips"]) == [head_ip, node_ip]  # one rank on each node
