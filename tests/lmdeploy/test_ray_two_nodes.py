@@ -10,6 +10,7 @@ and `ip`: skipped, saying why, where either is missing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -83,6 +84,8 @@ def network_namespace():
         _ip("link", "del", outside, check=False)  # takes its peer with it
         _ip("netns", "del", ns, check=False)
         shutil.rmtree(config, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            config.parent.rmdir()  # /etc/netns, if this made it and nothing else is in it
 
 
 def _start_node(argv: list[str], log: Path, env: dict) -> subprocess.Popen:

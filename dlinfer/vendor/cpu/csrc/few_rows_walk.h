@@ -31,7 +31,7 @@
 namespace dlinfer_cpu {
 
 constexpr int64_t kOneRowXBytes = 32 * 1024;  // x's M rows at most this: the one-row walk
-constexpr int64_t kSegmentBytes = 2 * 1024;   // a chunk: this many bytes of each weight row
+constexpr int64_t kSegmentBytes = 2 * 1024;   // a chunk: this many bytes of each x row
 constexpr int kBlockRows = 32;                // rows whose accumulators are parked between chunks
 
 // Two weight rows at a time once x's M rows no longer fit in kOneRowXBytes (element_bytes: x's).
@@ -40,7 +40,8 @@ inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
 }
 
 // Elements of K a chunk holds: all of them (kv, the full-step part of K) while x fits in
-// kOneRowXBytes or M <= 2, else kSegmentBytes of an x row (whole steps, at least one; element_bytes: x's).
+// kOneRowXBytes or M <= 2, else kSegmentBytes of an x row (whole steps, at least one);
+// element_bytes: x's.
 // `step`: the elements one vector step of the kernel's loop takes.
 inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_bytes, int64_t step) {
   if (M <= 2 || M * K * element_bytes <= kOneRowXBytes) return std::max<int64_t>(kv, 1);
@@ -103,7 +104,8 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
 // the weight's; x_bytes: x's as the loop reads it, when not the weight's (the 16-bit kernel's
 // portable path reads x widened to float32 at up to 4 rows).
 template <int M, typename Walk>
-inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step, Walk&& walk, int64_t x_bytes = 0) {
+inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step, Walk&& walk,
+                       int64_t x_bytes = 0) {
   if (x_bytes == 0) x_bytes = element_bytes;
   const int64_t threads = at::get_num_threads();
   const int64_t grain = std::max(grain_for(N, N * K * element_bytes), (N + threads - 1) / threads);

@@ -11,8 +11,9 @@
 //    of K per instruction. Like every bf16 dot-product instruction it treats subnormal inputs
 //    (|v| < 2^-126) as zero.
 //  - portable (any build, bfloat16 and float16): ATen's vectors; x widened to float32 once per
-//    call up to 4 rows, each weight vector widened in registers (bf16: a 16-bit shift; fp16: vcvtph2ps where
-//    the build has F16C), then fmadd: few_rows_portable.h, the loop the float32 kernel runs too.
+//    call up to 4 rows, each weight vector widened in registers (bf16: a 16-bit shift; fp16:
+//    vcvtph2ps where the build has F16C), then fmadd: few_rows_portable.h, the loop the float32
+//    kernel runs too.
 #include "common.h"
 #include "entry_points.h"
 #include "few_rows_portable.h"

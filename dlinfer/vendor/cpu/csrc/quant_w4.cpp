@@ -322,9 +322,7 @@ void tile_rows(const Problem<T>& p, int64_t t, int64_t m0, int64_t g0, int64_t g
 #else
   for (int64_t gi = g0; gi < g1; ++gi) {
     group_params(p, t, gi, nwords, zs, ss);
-#if defined(CPU_CAPABILITY_AVX2)
     if (gi + 1 < g1) prefetch_group_params(p, t, gi + 1, nwords);
-#endif
     group_rows<MR>(p.w, xr, t, gi * p.g, (gi + 1) * p.g, p.w.row_words(t), zs, ss, ybuf);
   }
 #endif

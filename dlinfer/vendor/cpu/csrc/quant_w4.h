@@ -158,12 +158,10 @@ void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_
 // from the group's row of the tile widened to float32.
 alignas(32) inline constexpr int32_t kShiftOfLane8[8] = {0, 16, 4, 20, 8, 24, 12, 28};
 
-// 8 scales from src[c] on as float32, zero from src[ncols] on.
+// 8 scales from src[c] on as float32, zero from src[ncols] on (c and ncols are multiples of 8).
 template <typename T>
 inline __m256 scales8(const T* src, int c, int ncols) {
-  if (c + kLanes <= ncols) return load_vec(src + c);
-  if (c >= ncols) return _mm256_setzero_ps();
-  return load_part(src + c, ncols - c);
+  return c < ncols ? static_cast<__m256>(load_vec(src + c)) : _mm256_setzero_ps();
 }
 
 template <typename T>
@@ -219,17 +217,15 @@ void group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords, int32_
 }
 #endif
 
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // Group gi's scales and zero points of tile t into the cache, a group ahead: each is a row of its
 // own (N scales apart), which the hardware prefetcher does not follow (measured: the 120 GEMVs of
-// a SmolLM2 decode step 2.5 -> 2.2 ms).
+// a SmolLM2 decode step 2.5 -> 2.2 ms). __builtin_prefetch(.., 0, 3): prefetcht0 on x86.
 template <typename T>
 inline __attribute__((always_inline)) void prefetch_group_params(const Problem<T>& p, int64_t t, int64_t gi, int nwords) {
   const char* sn = reinterpret_cast<const char*>(p.scale + gi * p.N + 8 * t * kTileWords);
-  for (int64_t b = 0; b < 8 * nwords * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(sn + b, _MM_HINT_T0);
-  if (p.zeros) _mm_prefetch(reinterpret_cast<const char*>(p.zeros + gi * p.w.words + t * kTileWords), _MM_HINT_T0);
+  for (int64_t b = 0; b < 8 * nwords * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(sn + b, 0, 3);
+  if (p.zeros) __builtin_prefetch(p.zeros + gi * p.w.words + t * kTileWords, 0, 3);
 }
-#endif
 
 inline Packed packed_of(const at::Tensor& qweight, int64_t K, int64_t N) {
   const bool tiled = qweight.dim() == 3;
