@@ -15,11 +15,13 @@ weight once per call and never storing it as floats:
   a decode step's 120 GEMVs 1.19x faster than column_tiled's at one row, 0.96-1.8x per call from 2
   to 512 rows, and closer to the exact result.
 - canonical and column_tiled (`w4_matmul`, csrc/quant_w4.cpp): float32 FMAs on the weight
-  dequantised in registers, 8 rows per decode, up to GEMV_MAX_ROWS rows; more rows: the float32
+  dequantised in registers, 8 rows per decode (4 on AVX2), up to GEMV_MAX_ROWS rows; more rows: the float32
   weight is built a block of 128-column tiles at a time (`w4_dequantise_tiles`, at most
-  _BLOCK_BYTES) and multiplied by BLAS, so the whole float weight never exists (measured on one
-  core of the Zen 5 VM, the register kernel is 2-3x faster than that path at every M from 1 to 512,
-  docs/benchmarks.md, so the switch sits at the kernel's own limit).
+  _BLOCK_BYTES) and multiplied by BLAS, so the whole float weight never exists. The switch is the
+  build's (csrc/quant_w4.h, kMaxRowsW4): 4096 rows on AVX-512 (on one core of the Zen 5 VM the
+  register kernel was 2-3x faster than that path at every M from 1 to 512), 128 on AVX2 (its blocks
+  of 4 rows decode the weight M / 4 times; the BLAS path was 1.0-1.6x faster from 192 rows on, on
+  the Zen 3 EPYC; docs/benchmarks.md).
 `repack_weight_quant` is this vendor's load-time hook; it reads DLINFER_CPU_W4_LAYOUT (auto,
 column_tiled, k_interleaved) when it runs.
 

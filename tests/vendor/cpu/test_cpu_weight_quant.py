@@ -175,3 +175,22 @@ def test_strided_weight_tensors_give_the_dense_ones_bits(m):
         want = ops.weight_quant_matmul(x, qweight, scale, offset, bias, False, group)
         got = ops.weight_quant_matmul(x, strided(qweight), strided(scale), strided(offset), bias, False, group)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_rows_on_either_side_of_the_blas_switch_match_the_reference():
+    """weight_quant_matmul runs the register kernel up to GEMV_MAX_ROWS rows (the build's switch,
+    csrc/quant_w4.h: 128 on AVX2, 4096 otherwise) and dequantise + BLAS past it: the Python side
+    and the kernel agree on the limit, and both sides are within the tolerance table."""
+    from dlinfer.conformance import reference as ref
+    from dlinfer.conformance.compare import assert_close
+    from dlinfer.vendor.cpu import weight_quant as cpu_w4
+
+    k, n, group = 64, 136, 32
+    for m in (cpu_w4.GEMV_MAX_ROWS, cpu_w4.GEMV_MAX_ROWS + 1):
+        g = torch.Generator().manual_seed(m)
+        qweight, scale, offset, bias = weights(W4Case("switch", (m,), k, n, group, True, True), torch.bfloat16, g)
+        x = torch.randn(m, k, generator=g).bfloat16()
+        with dlinfer.vendor.using("cpu"):
+            tiled, scale2, offset2 = ops.repack_weight_quant(qweight, scale, offset, group)
+            out = ops.weight_quant_matmul(x, tiled, scale2, offset2, bias, False, group)
+        assert_close(out, ref.weight_quant_matmul(x, qweight, scale, offset, bias, group), "weight_quant_matmul")

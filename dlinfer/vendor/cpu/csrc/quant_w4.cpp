@@ -26,6 +26,7 @@
 // caller, weight_quant.py, walks N in blocks: never the whole float weight). Measured on one core
 // of the Zen 5 VM, w4_matmul beats that path 2-3x at every M from 1 to 512 (docs/benchmarks.md):
 // 8 rows share each decoded nibble, and the FMAs run from registers like a GEMM micro-kernel's.
+// AVX2 builds switch at 128 rows (quant_w4.h: their blocks of 4 rows decode the weight M / 4 times).
 #include "entry_points.h"
 #include "quant_w4.h"
 
@@ -401,7 +402,8 @@ at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight_in, const at
   const at::Tensor& qweight = d.qweight;
   const at::Tensor& scale = d.scale;
   const std::optional<at::Tensor>& offset = d.offset;
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRowsW4, "w4_matmul: x [M <= 4096, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRowsW4, "w4_matmul: x [M, K] with M <= ", kMaxRowsW4, ", got ",
+              x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(1);
   check_common(scale, offset, K, group_size);
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,

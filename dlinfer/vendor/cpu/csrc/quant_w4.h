@@ -29,7 +29,17 @@ inline constexpr int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 inline constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int64_t kTileWords = 16;
 constexpr int64_t kTileCols = 8 * kTileWords;
-constexpr int64_t kMaxRowsW4 = 4096;  // w4_matmul's limit (weight_quant.py uses the dequantise + BLAS path beyond)
+// w4_matmul's limit: beyond it weight_quant.py multiplies float32 tiles of the weight by BLAS
+// (w4_dequantise_tiles). AVX-512: 4096 (on the Zen 5 VM the register kernel was 2-3x faster than
+// that path at every M from 1 to 512). AVX2: 128, as its blocks of 4 rows decode the weight M / 4
+// times: on the Zen 3 EPYC (2 threads, 1B shapes, both paths alternated in one process) the
+// register kernel was 2.5-12x faster up to 64 rows and 0.7-1.25x at 128, the BLAS path 1.0-1.6x
+// faster from 192 rows on (docs/benchmarks.md). Portable builds: 4096, not measured.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kMaxRowsW4 = 128;
+#else
+constexpr int64_t kMaxRowsW4 = 4096;
+#endif
 // Rows sharing one decode of the weight. AVX2: 4, its 16 registers hold 4 rows x 2 nibbles of
 // accumulators with the broadcast x beside them; at 8 rows (x 1 nibble) they spilled, and two
 // blocks of 4 (the tile decoded twice, its second pass from L2) took 0.96 against 1.7-2.2 ms for
