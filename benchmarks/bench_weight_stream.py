@@ -17,7 +17,9 @@ Kernels (the cpu vendor's functions, as the engine calls them):
 - w8a8: `linear_w8a8` (int8 weights, per-row scales, int8 activations; also the int8 LM head);
 - w4-ct / w4-ki: `weight_quant_matmul` on column_tiled / k_interleaved weights (group 128,
   bfloat16 activations as a bf16 checkpoint's model runs them, `--w4-activations float32` for a
-  float32 model's; k_interleaved only where the CPU has AVX-512 VNNI);
+  float32 model's; k_interleaved only where the CPU has AVX-512 VNNI; past the build's
+  register-kernel limit, 128 rows on AVX2 and 4096 on AVX-512, column_tiled calls time the
+  dequantise + BLAS path, as the engine would run them);
 - w4-a8: the k_interleaved kernel with 8-bit activations (path 4, what
   DLINFER_CPU_W4_ACTIVATIONS=int8 runs; AVX-512 VNNI, or AVX2 alone).
 GB/s counts every byte a call must read (weights, scales, zero points).

@@ -58,8 +58,9 @@ NOTES = {
                            "fixed point, VNNI at one row, AMX tiles beyond, one fp32 epilogue per group; "
                            "(bfloat16 models on VNNI + AVX512-BF16 without AMX): exact products q - z times x "
                            "by vdpbf16ps, fp32 sums, one decode per 4 rows; "
-                           "column_tiled: dequantised in registers per 128-column tile, 8 rows per decode, fp32 "
-                           "accumulation per group (beyond 4096 rows: float32 blocks dequantised in C++, then BLAS); "
+                           "column_tiled: dequantised in registers per 128-column tile, 8 rows per decode (4 on AVX2), "
+                           "fp32 accumulation per group (beyond 4096 rows, 128 on AVX2: float32 blocks dequantised "
+                           "in C++, then BLAS); "
                            "opt-in (DLINFER_CPU_W4_ACTIVATIONS=int8, k_interleaved on VNNI or AVX2): x quantised to "
                            "int8 per row and group, exact int32 sums (vpdpbusd, or vpmaddubsw + vpmaddwd), one fp32 "
                            "epilogue per group, one decode per 4 rows",

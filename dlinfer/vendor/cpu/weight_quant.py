@@ -19,9 +19,10 @@ weight once per call and never storing it as floats:
   weight is built a block of 128-column tiles at a time (`w4_dequantise_tiles`, at most
   _BLOCK_BYTES) and multiplied by BLAS, so the whole float weight never exists. The switch is the
   build's (csrc/quant_w4.h, kMaxRowsW4): 4096 rows on AVX-512 (on one core of the Zen 5 VM the
-  register kernel was 2-3x faster than that path at every M from 1 to 512), 128 on AVX2 (its blocks
-  of 4 rows decode the weight M / 4 times; the BLAS path was 1.0-1.6x faster from 192 rows on, on
-  the Zen 3 EPYC; docs/benchmarks.md).
+  register kernel was 1.9-3x faster than that path from 64 to 512 rows), 128 on AVX2 (its blocks of
+  4 rows decode the weight M / 4 times; on the Zen 3 EPYC register / BLAS time was 0.97-1.59 from
+  192 rows on; docs/notes/cpu-ops.md). So past the switch a row's bits depend on its call having
+  more rows than that.
 `repack_weight_quant` is this vendor's load-time hook; it reads DLINFER_CPU_W4_LAYOUT (auto,
 column_tiled, k_interleaved) when it runs.
 

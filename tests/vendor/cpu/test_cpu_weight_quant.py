@@ -177,20 +177,31 @@ def test_strided_weight_tensors_give_the_dense_ones_bits(m):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def test_rows_on_either_side_of_the_blas_switch_match_the_reference():
+def test_rows_on_either_side_of_the_blas_switch_match_the_reference(monkeypatch):
     """weight_quant_matmul runs the register kernel up to GEMV_MAX_ROWS rows (the build's switch,
-    csrc/quant_w4.h: 128 on AVX2, 4096 otherwise) and dequantise + BLAS past it: the Python side
-    and the kernel agree on the limit, and both sides are within the tolerance table."""
+    csrc/quant_w4.h: 128 on AVX2, 4096 otherwise) and dequantise + BLAS past it: each side takes
+    the path it should, the kernel refuses one row more than its limit, and both sides are within
+    the tolerance table."""
     from dlinfer.conformance import reference as ref
     from dlinfer.conformance.compare import assert_close
     from dlinfer.vendor.cpu import weight_quant as cpu_w4
 
+    monkeypatch.setenv(cpu_w4.LAYOUT_ENV, "column_tiled")  # the register kernel's layout on every CPU
+    monkeypatch.delenv(cpu_w4.ACTIVATIONS_ENV, raising=False)
+    blas_rows = []
+    gemm = cpu_w4._gemm
+    monkeypatch.setattr(cpu_w4, "_gemm", lambda x, *rest: blas_rows.append(x.shape[0]) or gemm(x, *rest))
     k, n, group = 64, 136, 32
-    for m in (cpu_w4.GEMV_MAX_ROWS, cpu_w4.GEMV_MAX_ROWS + 1):
+    limit = cpu_w4.GEMV_MAX_ROWS
+    for m in (limit, limit + 1):
         g = torch.Generator().manual_seed(m)
         qweight, scale, offset, bias = weights(W4Case("switch", (m,), k, n, group, True, True), torch.bfloat16, g)
         x = torch.randn(m, k, generator=g).bfloat16()
         with dlinfer.vendor.using("cpu"):
             tiled, scale2, offset2 = ops.repack_weight_quant(qweight, scale, offset, group)
+            assert tiled.dim() == 3 and tiled.dtype == torch.int32  # column_tiled
             out = ops.weight_quant_matmul(x, tiled, scale2, offset2, bias, False, group)
         assert_close(out, ref.weight_quant_matmul(x, qweight, scale, offset, bias, group), "weight_quant_matmul")
+    assert blas_rows == [limit + 1]
+    with pytest.raises(RuntimeError, match=f"M <= {limit}"):
+        cpu_w4._w4_matmul(x, tiled, scale2, offset2, bias, group)  # limit + 1 rows

@@ -24,9 +24,10 @@
 //
 // Beyond kMaxRowsW4 rows: `w4_dequantise_tiles` (quant_w4_tiles.cpp) gives float32 tiles for a GEMM (the
 // caller, weight_quant.py, walks N in blocks: never the whole float weight). Measured on one core
-// of the Zen 5 VM, w4_matmul beats that path 2-3x at every M from 1 to 512 (docs/benchmarks.md):
-// 8 rows share each decoded nibble, and the FMAs run from registers like a GEMM micro-kernel's.
-// AVX2 builds switch at 128 rows (quant_w4.h: their blocks of 4 rows decode the weight M / 4 times).
+// of the Zen 5 VM, w4_matmul beats that path 1.9-3x from 64 to 512 rows (docs/notes/w4a16-kernels.md):
+// on AVX-512 8 rows share each decoded nibble, and the FMAs run from registers like a GEMM
+// micro-kernel's. AVX2 builds switch at 128 rows (quant_w4.h: their blocks of 4 rows decode the
+// weight M / 4 times).
 #include "entry_points.h"
 #include "quant_w4.h"
 

@@ -30,11 +30,12 @@ inline constexpr int kNibbleOf[8] = {0, 4, 1, 5, 2, 6, 3, 7};
 constexpr int64_t kTileWords = 16;
 constexpr int64_t kTileCols = 8 * kTileWords;
 // w4_matmul's limit: beyond it weight_quant.py multiplies float32 tiles of the weight by BLAS
-// (w4_dequantise_tiles). AVX-512: 4096 (on the Zen 5 VM the register kernel was 2-3x faster than
-// that path at every M from 1 to 512). AVX2: 128, as its blocks of 4 rows decode the weight M / 4
-// times: on the Zen 3 EPYC (2 threads, 1B shapes, both paths alternated in one process) the
-// register kernel was 2.5-12x faster up to 64 rows and 0.7-1.25x at 128, the BLAS path 1.0-1.6x
-// faster from 192 rows on (docs/benchmarks.md). Portable builds: 4096, not measured.
+// (w4_dequantise_tiles). AVX-512: 4096 (on one core of the Zen 5 VM, SmolLM2 shapes, the register
+// kernel was 1.9-3x faster than that path from 64 to 512 rows; not measured on 2 threads or past
+// 512). AVX2: 128, as its blocks of 4 rows decode the weight M / 4 times: on the Zen 3 EPYC (2
+// threads, 1B shapes, both paths alternated in one process) register / BLAS time was 0.08-0.94 up
+// to 64 rows, 0.71-1.25 at 128, 0.97-1.40 at 192 and 1.01-1.59 from 256 to 1024
+// (docs/notes/cpu-ops.md, "AVX2: what bounds W4A16"). Portable builds: 4096, not measured.
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kMaxRowsW4 = 128;
 #else
