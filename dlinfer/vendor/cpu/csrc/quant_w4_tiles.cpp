@@ -49,6 +49,22 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight_in, const at::Tensor& s
               const __m512 d = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_loadu_si512(zs + i * kTileWords)));
               _mm512_storeu_ps(row + i * kTileWords, _mm512_mul_ps(d, _mm512_loadu_ps(ss + i * kTileWords)));
             }
+#elif defined(CPU_CAPABILITY_AVX2)
+            // the same arithmetic in two halves of 8 words (the lanes past rwords read as 0, as below)
+            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            for (int h = 0; h < 2; ++h) {
+              const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords - 8 * h), lane);
+              const __m256i v = _mm256_maskload_epi32(words + 8 * h, live);
+              _Pragma("GCC unroll 8")  // (a #pragma cannot sit inside the dispatch macro)
+              for (int i = 0; i < 8; ++i) {
+                const int c = i * kTileWords + 8 * h;
+                const __m256i q =
+                    _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_set1_epi32(4 * i)), _mm256_set1_epi32(15));
+                const __m256i z = _mm256_load_si256(reinterpret_cast<const __m256i*>(zs + c));
+                const __m256 d = _mm256_cvtepi32_ps(_mm256_sub_epi32(q, z));
+                _mm256_storeu_ps(row + c, _mm256_mul_ps(d, _mm256_load_ps(ss + c)));
+              }
+            }
 #else
             for (int i = 0; i < 8; ++i)
               for (int wd = 0; wd < kTileWords; ++wd) {
