@@ -260,17 +260,14 @@ inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
                        int64_t k0, int64_t k1, int rwords, const int32_t* zs, const float* ss, float* ybuf) {
   constexpr int NI = MR == 1 ? 8 : MR == 2 ? 4 : MR <= 4 ? 2 : 1;  // 5-8 rows: instantiated, never run (kRowBlock)
   constexpr auto passes = std::make_integer_sequence<int, 8 / NI>{};
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  if (rwords == kTileWords) {
-    half_passes<MR, NI, 0, true>(w, xr, t, k0, k1, lane, zs, ss, ybuf, passes);
-    half_passes<MR, NI, 1, true>(w, xr, t, k0, k1, lane, zs, ss, ybuf, passes);
+  if (rwords == kTileWords) {  // plain loads (the mask unused)
+    half_passes<MR, NI, 0, true>(w, xr, t, k0, k1, first_words8(8), zs, ss, ybuf, passes);
+    half_passes<MR, NI, 1, true>(w, xr, t, k0, k1, first_words8(8), zs, ss, ybuf, passes);
     return;
   }
-  half_passes<MR, NI, 0, false>(w, xr, t, k0, k1, _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords), lane), zs, ss, ybuf,
-                                passes);
+  half_passes<MR, NI, 0, false>(w, xr, t, k0, k1, first_words8(rwords), zs, ss, ybuf, passes);
   if (rwords > 8)  // a last tile of at most 64 columns has no second half
-    half_passes<MR, NI, 1, false>(w, xr, t, k0, k1, _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords - 8), lane), zs, ss,
-                                  ybuf, passes);
+    half_passes<MR, NI, 1, false>(w, xr, t, k0, k1, first_words8(rwords - 8), zs, ss, ybuf, passes);
 }
 #else
 // Portable: the lane-by-lane loop (group_rows_lanes, above).

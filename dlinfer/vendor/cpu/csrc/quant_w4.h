@@ -47,6 +47,11 @@ constexpr int64_t kMaxRowsW4 = 4096;
 // x [8, 2048] @ [2048, 1024] on one core of the Zen 3 EPYC.
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kRowBlock = 4;
+// The lanes of an 8-word half row that hold words, as a vpmaskmovd mask: the first n (none for
+// n <= 0, all for n >= 8).
+inline __m256i first_words8(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #else
 constexpr int64_t kRowBlock = 8;
 #endif

@@ -37,6 +37,9 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight_in, const at::Tensor& s
       alignas(64) float ss[kTileCols];
       for (int64_t t = tb; t < te; ++t) {
         const int nwords = p.w.tile_words(t), rwords = p.w.row_words(t);
+#if defined(CPU_CAPABILITY_AVX2)
+        const __m256i live[2] = {first_words8(rwords), first_words8(rwords - 8)};  // the tile's words
+#endif
         for (int64_t gi = 0; gi < K / group_size; ++gi) {
           group_params(p, t, gi, nwords, zs, ss);
           for (int64_t k = gi * group_size; k < (gi + 1) * group_size; ++k) {
@@ -51,10 +54,8 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight_in, const at::Tensor& s
             }
 #elif defined(CPU_CAPABILITY_AVX2)
             // the same arithmetic in two halves of 8 words (the lanes past rwords read as 0, as below)
-            const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
             for (int h = 0; h < 2; ++h) {
-              const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(rwords - 8 * h), lane);
-              const __m256i v = _mm256_maskload_epi32(words + 8 * h, live);
+              const __m256i v = _mm256_maskload_epi32(words + 8 * h, live[h]);
               _Pragma("GCC unroll 8")  // (a #pragma cannot sit inside the dispatch macro)
               for (int i = 0; i < 8; ++i) {
                 const int c = i * kTileWords + 8 * h;
