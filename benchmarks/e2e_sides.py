@@ -40,6 +40,7 @@ ENV_SUFFIXES = {
     "+ct": ("DLINFER_CPU_W4_LAYOUT", "column_tiled", "W4 weights column_tiled"),
     "+unbound": ("DLINFER_GRAPH_BIND", "0", "graph call sites on the op functions"),
     "+a8": ("DLINFER_CPU_W4_ACTIVATIONS", "int8", "8-bit activations for W4"),
+    "+a16": ("DLINFER_CPU_W4_ACTIVATIONS", "int16", "16-bit integer activations for W4"),
 }
 
 

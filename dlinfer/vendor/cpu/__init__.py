@@ -59,11 +59,12 @@ NOTES = {
                            "(bfloat16 models on VNNI + AVX512-BF16 without AMX): exact products q - z times x "
                            "by vdpbf16ps, fp32 sums, one decode per 4 rows; "
                            "column_tiled: dequantised in registers per 128-column tile, 8 rows per decode (4 on AVX2), "
-                           "fp32 accumulation per group (beyond 4096 rows, 128 on AVX2: float32 blocks dequantised "
-                           "in C++, then BLAS); "
+                           "fp32 accumulation per group (beyond 4096 rows, 128 on AVX2, 1 on portable builds: "
+                           "float32 blocks dequantised in C++, then BLAS); "
                            "opt-in (DLINFER_CPU_W4_ACTIVATIONS=int8, k_interleaved on VNNI or AVX2): x quantised to "
                            "int8 per row and group, exact int32 sums (vpdpbusd, or vpmaddubsw + vpmaddwd), one fp32 "
-                           "epilogue per group, one decode per 4 rows",
+                           "epilogue per group, one decode per 4 rows; int16 (AVX2 builds): x as 16-bit integers "
+                           "per row and group (power-of-two step), two rows of bytes through the same sums",
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
                           "dequant)",
     "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",

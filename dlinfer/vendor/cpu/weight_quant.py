@@ -9,11 +9,12 @@ weight once per call and never storing it as floats:
   AVX512-BF16 and no AMX: the 4-bit weight as bfloat16 integers against x with vdpbf16ps (float32
   sums; its own bits, the same at every M); asked for by DLINFER_CPU_W4_ACTIVATIONS=int8, x
   quantised to 8 bits per row and group against the nibbles on VNNI or AVX2 (csrc/quant_w4_a8.cpp; its own
-  bits, the same at every M; `int8_activations`). `repack_weight_quant` gives this layout on
-  CPUs with VNNI and AMX-INT8, for bfloat16 models on CPUs with VNNI and AVX512-BF16, and for every
-  model under the int8 setting (`layout_for`). Measured on the Intel Xeon VM (docs/benchmarks.md):
-  a decode step's 120 GEMVs 1.19x faster than column_tiled's at one row, 0.96-1.8x per call from 2
-  to 512 rows, and closer to the exact result.
+  bits, the same at every M); by =int16 on AVX2 builds, x as 16-bit integers per row and group
+  (the same file; its own bits, the same at every M; `activations`). `repack_weight_quant` gives
+  this layout on CPUs with VNNI and AMX-INT8, for bfloat16 models on CPUs with VNNI and
+  AVX512-BF16, and for every model under either setting (`layout_for`). Measured on the Intel
+  Xeon VM (docs/benchmarks.md): a decode step's 120 GEMVs 1.19x faster than column_tiled's at one
+  row, 0.96-1.8x per call from 2 to 512 rows, and closer to the exact result.
 - canonical and column_tiled (`w4_matmul`, csrc/quant_w4.cpp): float32 FMAs on the weight
   dequantised in registers, 8 rows per decode (4 on AVX2), up to GEMV_MAX_ROWS rows; more rows: the float32
   weight is built a block of 128-column tiles at a time (`w4_dequantise_tiles`, at most
@@ -21,8 +22,10 @@ weight once per call and never storing it as floats:
   build's (csrc/quant_w4.h, kMaxRowsW4): 4096 rows on AVX-512 (on one core of the Zen 5 VM the
   register kernel was 1.9-3x faster than that path from 64 to 512 rows), 128 on AVX2 (its blocks of
   4 rows decode the weight M / 4 times; on the Zen 3 EPYC register / BLAS time was 0.97-1.59 from
-  192 rows on; docs/notes/cpu-ops.md). So past the switch a row's bits depend on its call having
-  more rows than that.
+  192 rows on; docs/notes/cpu-ops.md), 1 on portable builds (their lane loop costs the same per
+  row at every M: BLAS was 1.3-1.9x faster from two rows in a portable build on the Zen 3 EPYC). So
+  past the switch a row's bits depend on its call having more rows than that, and on BLAS's
+  threading (MKL's differ between 1 and 2 threads).
 `repack_weight_quant` is this vendor's load-time hook; it reads DLINFER_CPU_W4_LAYOUT (auto,
 column_tiled, k_interleaved) when it runs.
 
@@ -41,17 +44,24 @@ from dlinfer.vendor.cpu import build
 _kernels = build.module()
 _w4_matmul = _kernels.w4_matmul
 _dequantise_tiles = _kernels.w4_dequantise_tiles
+_ki_dequantise_tiles = _kernels.w4_ki_dequantise_tiles
 _column_tiled = _kernels.w4_column_tiled
 _k_interleaved = _kernels.w4_k_interleaved
 _w4_matmul_k_interleaved = _kernels.w4_matmul_k_interleaved
 VNNI = _kernels.w4_vnni_available()  # this CPU runs the k_interleaved kernel's VNNI path
 INT8_ACTIVATIONS = _kernels.w4_int8_activations_available()  # ... and its path 4 (VNNI, or an AVX2 build)
+INT16_ACTIVATIONS = _kernels.w4_int16_activations_available()  # ... and its path 5 (an AVX2 build)
 AMX = _kernels.w4_amx_available()  # ... and its AMX path (AMX-INT8, tile state granted by Linux)
 BF16_DOT = _kernels.w4_bf16_dot_available()  # ... and its bfloat16 path (AVX512-BF16, bfloat16 activations)
 KI_MAX_GROUP = 1024  # the k_interleaved kernel's largest group (its int32 sums stay exact)
 LAYOUT_ENV = "DLINFER_CPU_W4_LAYOUT"
 ACTIVATIONS_ENV = "DLINFER_CPU_W4_ACTIVATIONS"
 INT8_PATH = 4  # the k_interleaved kernel's path with 8-bit activations (csrc/quant_w4_a8.cpp)
+INT16_PATH = 5  # ... and with 16-bit ones (the same file)
+# Path 5 up to this M; more rows: the k_interleaved weight dequantised + BLAS (`_gemm_k_interleaved`).
+# On the Zen 3 EPYC (2 threads, 1B shapes, alternated in one process) path 5 / BLAS time was 0.76-0.81
+# at 64 rows, 0.52-0.71 at 96, 0.76-0.83 at 128, 0.89-1.10 at 192, 0.88-1.00 at 256, 1.39-1.51 at 512.
+INT16_MAX_ROWS = 256
 GEMV_MAX_ROWS = torch.ops.dlinfer_cpu.w4_max_rows()  # w4_matmul up to this M (the measured switch: see above)
 _BLOCK_BYTES = 2 << 20  # float32 weight bytes per GEMM block of the prefill path
 TILE_COLS = 128
@@ -81,15 +91,37 @@ def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], b
     return out
 
 
+def _gemm_k_interleaved(x: Tensor, qweight: Tensor, n: int, bias: Optional[Tensor], group_size: int) -> Tensor:
+    """x [M, K] @ W -> [M, N] float32 for a k_interleaved W (uint8 [ceil(N/64), K/g, B]),
+    dequantised to float32 a block of 64-column tiles at a time (columns in order)."""
+    m, k = x.shape
+    tiles = qweight.shape[0]
+    xf = x.float()
+    out = torch.empty((m, tiles * w4_layouts.KI_TILE_COLS), dtype=torch.float32)
+    step = max(1, _BLOCK_BYTES // (4 * k * w4_layouts.KI_TILE_COLS))
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        cols = slice(t0 * w4_layouts.KI_TILE_COLS, t1 * w4_layouts.KI_TILE_COLS)
+        out[:, cols] = xf @ _ki_dequantise_tiles(qweight, n, group_size, t0, t1)
+    out = out[:, :n]
+    if bias is not None:
+        out = out + bias.float()
+    return out
+
+
 def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
                         group_size: int) -> Tensor:
     """x [M, K], qweight int32 [K, N/8], column_tiled [ceil(N/128), K, 16] or k_interleaved uint8
     [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
     bias [N]?, group_size g -> [M, N] in x's dtype. On k_interleaved, x at its own precision or,
-    with DLINFER_CPU_W4_ACTIVATIONS=int8, as 8-bit bytes per row and group (`kernel_path`)."""
+    with DLINFER_CPU_W4_ACTIVATIONS=int8 or int16, as 8- or 16-bit integers per row and group
+    (`kernel_path`)."""
     if w4_layouts.is_k_interleaved(qweight):
         if integer_kernel_takes(group_size):  # the kernel reads the blocks in place: dense (a copy if not)
-            return _w4_matmul_k_interleaved(x, qweight.contiguous(), scale, offset, bias, group_size, kernel_path())
+            path = kernel_path()
+            if path == INT16_PATH and x.shape[0] > INT16_MAX_ROWS:
+                return _gemm_k_interleaved(x, qweight.contiguous(), scale.shape[1], bias, group_size).to(x.dtype)
+            return _w4_matmul_k_interleaved(x, qweight.contiguous(), scale, offset, bias, group_size, path)
         qweight = w4_layouts.canonical(qweight, scale.shape[1])  # a group the kernel cannot take (not from our hook)
     if x.shape[0] <= GEMV_MAX_ROWS:  # the kernels make qweight, scale and offset dense (C++, no copy if they are)
         return _w4_matmul(x, qweight, scale, offset, bias, group_size)
@@ -118,27 +150,40 @@ def k_interleaved(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], grou
     return _k_interleaved(qweight, scale, offset, group_size)
 
 
-def int8_activations() -> bool:
-    """$DLINFER_CPU_W4_ACTIVATIONS: native (unset) multiplies the weight by x at its own precision;
+def activations() -> str:
+    """$DLINFER_CPU_W4_ACTIVATIONS: native (unset) multiplies the weight by x at its own precision.
     int8 quantises x first, per row and group of the weight (absmax / 127, round half to even, like
     llama.cpp's q8_0 blocks), and takes the k_interleaved kernel's path 4: one vpdpbusd a line and
     row, 1.7-2.0x path 3's rate from cache at one to eight rows on the Zen 5 VM (docs/design.md,
-    "W4 with 8-bit activations"; the error bound: docs/ops.md). Needs AVX-512 VNNI, or a CPU with
-    AVX2 alone (vpmaddubsw, the same bits): asking for it elsewhere is an error."""
+    "W4 with 8-bit activations"; the error bound: docs/ops.md); it needs AVX-512 VNNI, or a CPU
+    with AVX2 alone (vpmaddubsw, the same bits). int16 takes x as 16-bit integers per row and group
+    (a power-of-two step: a bfloat16 x within 2^6 of its group's largest is exact, no value is off
+    by more than 2^-14 of that largest) and path 5: two vpmaddubsw a line half and row where the
+    float kernel decodes every nibble to float32 (docs/design.md, "W4 with 16-bit activations"); an
+    AVX2 build only so far. Asking for either where it does not run is an error."""
     choice = envs.get(ACTIVATIONS_ENV) or "native"
-    if choice not in ("native", "int8"):
-        raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native or int8 (or unset)")
+    if choice not in ("native", "int8", "int16"):
+        raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native, int8 or int16 (or unset)")
     if choice == "int8" and not INT8_ACTIVATIONS:
         raise ValueError(f"{ACTIVATIONS_ENV}=int8: the 8-bit activation kernel needs AVX-512 VNNI (or AVX2 on a CPU "
                          "without AVX-512), which this CPU (or the kernels' build for it) lacks; unset it to multiply "
                          "by x at its own precision")
-    return choice == "int8"
+    if choice == "int16" and not INT16_ACTIVATIONS:
+        raise ValueError(f"{ACTIVATIONS_ENV}=int16: the 16-bit activation kernel runs on AVX2 builds only (a CPU with "
+                         "AVX2 and no AVX-512; its AVX-512 form is not written yet); unset it to multiply by x at its "
+                         "own precision")
+    return choice
+
+
+def int8_activations() -> bool:
+    """Whether $DLINFER_CPU_W4_ACTIVATIONS asks for 8-bit activations (`activations`)."""
+    return activations() == "int8"
 
 
 def kernel_path() -> int:
-    """The k_interleaved kernel's path for this process's setting: 4 (8-bit activations) or -1
-    (the best path for x at its own precision)."""
-    return INT8_PATH if int8_activations() else -1
+    """The k_interleaved kernel's path for this process's setting: 4 (8-bit activations), 5
+    (16-bit ones) or -1 (the best path for x at its own precision)."""
+    return {"int8": INT8_PATH, "int16": INT16_PATH}.get(activations(), -1)
 
 
 def integer_kernel_takes(group_size: int) -> bool:
@@ -163,20 +208,21 @@ def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> 
     with column_tiled at one row, ~1.6x faster at four and eight, 1.4-1.6x at prefill sizes
     (docs/benchmarks.md). Elsewhere column_tiled: with VNNI alone, float32 or float16 activations
     take the digit path, slower from two rows on.
-    With $DLINFER_CPU_W4_ACTIVATIONS=int8 (`int8_activations`, on VNNI or an AVX2 build):
-    k_interleaved whatever the dtype, the layout the 8-bit kernel reads; a weight it cannot take
-    (or column_tiled asked for) is an error."""
+    With $DLINFER_CPU_W4_ACTIVATIONS=int8 or int16 (`activations`): k_interleaved whatever the
+    dtype, the layout the integer-activation kernels read; a weight they cannot take (or
+    column_tiled asked for) is an error."""
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
     shape_fits = k % w4_layouts.KI_BLOCK_K == 0 and integer_kernel_takes(group_size)
     fits = VNNI and shape_fits
-    if int8_activations():
+    integer = activations()
+    if integer != "native":
         if choice == "column_tiled" or not shape_fits:
             why = f"{LAYOUT_ENV}=column_tiled" if choice == "column_tiled" else (
                 f"a weight of K = {k} rows at group size {group_size} (the kernel needs K % 8 == 0, g % 8 == 0 and "
                 f"g <= {KI_MAX_GROUP})")
-            raise ValueError(f"{ACTIVATIONS_ENV}=int8 needs the k_interleaved layout, which {why} rules out")
+            raise ValueError(f"{ACTIVATIONS_ENV}={integer} needs the k_interleaved layout, which {why} rules out")
         return "k_interleaved"
     if choice == "column_tiled" or not fits:
         return "column_tiled"

@@ -7,10 +7,10 @@ binding."""
 
 import pytest
 import torch
+from support.w4_integer import dequantised as _dequantised
 
 import dlinfer.ops as ops
 import dlinfer.vendor
-from dlinfer.conformance.reference import awq_unpack
 from dlinfer.conformance.suites.weight_quant import W4Case, k_interleave, weights
 
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")
@@ -48,14 +48,6 @@ def _quantised(x, group):
     tiny = r.isinf().expand_as(xf)
     d[tiny] = torch.round(xf.double() * (127.0 / amax.double()))[tiny].float()
     return d.to(torch.int64).view(m, k), (amax / 127.0).squeeze(-1)
-
-
-def _dequantised(qweight, scale, offset, group):
-    """(q - z) int64 [K, N] and s float64 [K/g, N]."""
-    q = awq_unpack(qweight).to(torch.int64)
-    z = awq_unpack(offset).to(torch.int64) if offset is not None else torch.full_like(q[:1], 8)
-    z = z.repeat_interleave(group, 0) if offset is not None else z
-    return q - z, scale.double()
 
 
 def _model(x, qweight, scale, offset, group, bias=None):
@@ -218,9 +210,9 @@ def test_path_4_runs_where_the_build_and_cpu_allow():
 
 def test_path_4_is_refused_without_vnni_or_with_a_bad_number():
     if _cpu().INT8_ACTIVATIONS:
-        with pytest.raises(RuntimeError, match="path -1 \\(best\\), 0, 1, 2, 3 or 4, got 5"):
+        with pytest.raises(RuntimeError, match="path -1 \\(best\\), 0, 1, 2, 3, 4 or 5, got 6"):
             _kernel(torch.randn(1, 64), torch.zeros(1, 1, 64 * 2 + 64 + 32 * 64, dtype=torch.uint8),
-                    torch.ones(1, 64), None, 64, path=5)
+                    torch.ones(1, 64), None, 64, path=6)
     else:
         with pytest.raises(RuntimeError, match="path 4 .*no AVX-512 VNNI"):
             _kernel(torch.randn(1, 64), torch.zeros(1, 1, 64 * 2 + 64 + 32 * 64, dtype=torch.uint8),
@@ -273,7 +265,7 @@ def test_the_setting_refuses_what_it_cannot_do(monkeypatch):
     _vnni()
     cpu = _cpu()
     monkeypatch.setenv(ENV, "int4")
-    with pytest.raises(ValueError, match="DLINFER_CPU_W4_ACTIVATIONS='int4': expected native or int8"):
+    with pytest.raises(ValueError, match="DLINFER_CPU_W4_ACTIVATIONS='int4': expected native, int8 or int16"):
         cpu.layout_for(256, 64)
     monkeypatch.setenv(ENV, "int8")
     with pytest.raises(ValueError, match="K = 96 rows at group size 12"):

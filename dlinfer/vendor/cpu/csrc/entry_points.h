@@ -84,15 +84,18 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight);
 
 // quant_w4_int.cpp: W4A16 on the k_interleaved layout (path: -1 the best this CPU runs; the digit
 // paths 0 portable, 1 VNNI, 2 AMX, exact integer dot products with the same bits; 3 bfloat16 x on
-// AVX512-BF16, float32 sums; 4, asked for only: x as 8-bit bytes per row and group on VNNI or AVX2,
-// quant_w4_a8.cpp).
+// AVX512-BF16, float32 sums; asked for only, quant_w4_a8.cpp: 4, x as 8-bit bytes per row and group
+// on VNNI or AVX2; 5, x as 16-bit integers per row and group on AVX2).
 at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
                             int64_t group_size);
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                                    const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path);
+// quant_w4_ki_tiles.cpp: a k_interleaved weight's float32 tiles t0..t1, [K, (t1 - t0) * 64].
+at::Tensor w4_ki_dequantise_tiles(const at::Tensor& qweight, int64_t N, int64_t group_size, int64_t t0, int64_t t1);
 bool w4_vnni_available();
 bool w4_int8_activations_available();  // path 4: VNNI on an AVX-512 build, or an AVX2 build
+bool w4_int16_activations_available();  // path 5: an AVX2 build
 bool w4_amx_available();
 bool w4_bf16_dot_available();
 
@@ -125,8 +128,10 @@ int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, i
   X(w4_column_tiled) \
   X(w4_k_interleaved) \
   X(w4_matmul_k_interleaved) \
+  X(w4_ki_dequantise_tiles) \
   X(w4_vnni_available) \
   X(w4_int8_activations_available) \
+  X(w4_int16_activations_available) \
   X(w4_amx_available) \
   X(w4_bf16_dot_available) \
   X(read_probe)

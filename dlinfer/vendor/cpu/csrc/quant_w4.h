@@ -35,11 +35,16 @@ constexpr int64_t kTileCols = 8 * kTileWords;
 // 512). AVX2: 128, as its blocks of 4 rows decode the weight M / 4 times: on the Zen 3 EPYC (2
 // threads, 1B shapes, both paths alternated in one process) register / BLAS time was 0.08-0.94 up
 // to 64 rows, 0.71-1.25 at 128, 0.97-1.40 at 192 and 1.01-1.59 from 256 to 1024
-// (docs/notes/cpu-ops.md, "AVX2: what bounds W4A16"). Portable builds: 4096, not measured.
-#if defined(CPU_CAPABILITY_AVX2)
+// (docs/notes/cpu-ops.md, "AVX2: what bounds W4A16"). Portable builds: 1, as their lane loop
+// costs the same per row at every M (a portable build on the Zen 3 EPYC, 2 threads, 1B shapes:
+// ~25 ms a row for a 2048 x 8192 weight; register / BLAS time 0.82-1.78 at one row, 1.33-1.93 at
+// two, 5-64 from 4 to 256 rows; docs/notes/cpu-ops.md, "The portable build's switch").
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kMaxRowsW4 = 4096;
+#elif defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kMaxRowsW4 = 128;
 #else
-constexpr int64_t kMaxRowsW4 = 4096;
+constexpr int64_t kMaxRowsW4 = 1;
 #endif
 // Rows sharing one decode of the weight. AVX2: 4, its 16 registers hold 4 rows x 2 nibbles of
 // accumulators with the broadcast x beside them; at 8 rows (x 1 nibble) they spilled, and two

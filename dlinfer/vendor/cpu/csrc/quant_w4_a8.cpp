@@ -3,7 +3,10 @@
 // k_interleaved weight (quant_w4_ki.h) against x quantised to signed bytes per row and group, the
 // weight's own group: one vpdpbusd a line and row where the digit path spends four, and none of
 // path 3's nibble-to-bfloat16 decode (docs/design.md, "W4 with 8-bit activations"); on an AVX2
-// build vpmaddubsw + vpmaddwd give vpdpbusd's sums (the AVX2 block below).
+// build vpmaddubsw + vpmaddwd give vpdpbusd's sums (the AVX2 block below). Path 5 (AVX2 builds,
+// DLINFER_CPU_W4_ACTIVATIONS=int16; docs/design.md, "W4 with 16-bit activations") takes x as 16-bit
+// integers per row and group (`quantise_group16`, its rule there), two rows of bytes through the
+// same product (`group_row_int16`).
 //
 // Arithmetic, per row m and group G of g rows of k (the weight's group):
 //   a = max_{k in G} |x[m, k]|; sx = a / 127 and r = 127 / a (float32, each rounded once);
@@ -91,7 +94,52 @@ GroupInt8 quantise_group(const float* x, int64_t g, int8_t* d) {
   return {amax / 127.0f, sum};
 }
 
-// The activations of one call: bytes d [M, K] and per (m, group) (sx, S). One allocation.
+// Path 5's rule for one group x[0..g) (docs/design.md, "W4 with 16-bit activations"): e = the
+// exponent of a = max |x| (frexp: a < 2^e), at least -135; X_k = round_half_even(x_k * 2^(14 - e)),
+// |X_k| <= 2^14 (the product is exact: a power of two, in float32 where 2^(14 - e) is one, else in
+// double); the step sx = 2^(e - 14) (a float32, exact: at least 2^-149). Every x_k within a factor
+// 2^6 of a keeps all of a bfloat16's bits, and no X_k is off by more than half a step: |x_k - X_k
+// sx| <= 2^(e - 15) <= a 2^-14. X_k = 256 hi_k + lo_k with lo_k its low byte as signed ([-128,
+// 127]) and hi_k in [-64, 64]: two rows of bytes for the kernels, S = sum_k X_k.
+GroupInt8 quantise_group16(const float* x, int64_t g, int8_t* hi, int8_t* lo) {
+  float amax = 0.f;
+  const bool finite = group_absmax(x, g, amax);
+  if (!finite || amax == 0.f) {
+    std::memset(hi, 0, static_cast<size_t>(g));
+    std::memset(lo, 0, static_cast<size_t>(g));
+    return {finite ? 0.f : std::numeric_limits<float>::quiet_NaN(), 0};
+  }
+  int e = 0;
+  std::frexp(amax, &e);
+  e = std::max(e, -135);
+  int32_t sum = 0;
+  const auto put = [&](int64_t k, int32_t X) {
+    const int8_t low = static_cast<int8_t>(X);  // X mod 256 in [-128, 127]
+    lo[k] = low;
+    hi[k] = static_cast<int8_t>((X - low) >> 8);  // exact
+    sum += X;
+  };
+  int64_t k = 0;
+  if (e >= -113) {  // 2^(14 - e) <= 2^127: a float32
+    const float r = std::ldexp(1.0f, 14 - e);
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    alignas(32) int32_t X[8];
+    for (; k + 8 <= g; k += 8) {  // cvtps2dq: round half to even in the default mode, as nearbyint
+      _mm256_store_si256(reinterpret_cast<__m256i*>(X),
+                         _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(r))));
+      for (int i = 0; i < 8; ++i) put(k + i, X[i]);
+    }
+#endif
+    for (; k < g; ++k) put(k, static_cast<int32_t>(std::nearbyint(x[k] * r)));
+  } else {
+    const double r = std::ldexp(1.0, 14 - e);
+    for (; k < g; ++k) put(k, static_cast<int32_t>(std::nearbyint(static_cast<double>(x[k]) * r)));
+  }
+  return {std::ldexp(1.0f, e - 14), sum};
+}
+
+// The activations of one call: DIG rows of bytes a row of x (DIG = 1, path 4: its bytes; DIG = 2,
+// path 5: hi then lo), d [M * DIG, K], and per (m, group) (sx, S). One allocation.
 struct Int8Rows {
   int64_t G;  // groups a row
   std::unique_ptr<char[]> buffer;
@@ -100,15 +148,20 @@ struct Int8Rows {
   const GroupInt8& group(int64_t m, int64_t gi) const { return groups[m * G + gi]; }
 };
 
+template <int DIG>
 Int8Rows quantise_rows(const float* x, int64_t M, int64_t K, int64_t g) {
   const int64_t G = K / g;
-  const size_t byte_count = static_cast<size_t>((M * K + 63) / 64 * 64);
+  const size_t byte_count = static_cast<size_t>((M * DIG * K + 63) / 64 * 64);
   Int8Rows out{G, std::unique_ptr<char[]>(new char[byte_count + M * G * sizeof(GroupInt8)]), nullptr, nullptr};
   out.d = reinterpret_cast<int8_t*>(out.buffer.get());
   out.groups = reinterpret_cast<GroupInt8*>(out.buffer.get() + byte_count);
   at::parallel_for(0, M, grain_for(M, M * K * 4), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
-      for (int64_t gi = 0; gi < G; ++gi) out.groups[m * G + gi] = quantise_group(x + m * K + gi * g, g, out.d + m * K + gi * g);
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const float* xg = x + m * K + gi * g;
+        int8_t* d = out.d + m * DIG * K + gi * g;
+        out.groups[m * G + gi] = DIG == 1 ? quantise_group(xg, g, d) : quantise_group16(xg, g, d, d + K);
+      }
   });
   return out;
 }
@@ -263,6 +316,42 @@ inline void group_row_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_
     }
 }
 
+// Path 5, one row of x (rows of bytes m0: hi, m0 + 1: lo) of tile t in group gi, the lines in memory
+// order as group_row_int8: per line half the hi bytes' sums times 256 (vpmaddwd by 256: exact in
+// int32) and the lo bytes' sums go to one accumulator, so 8 of them, the integer 256 hi + lo sum.
+template <bool LEAD, typename S, typename Out>
+inline void group_row_int16(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t gi, bool first,
+                            Out out) {
+  const int64_t per = w.g / kBlockK, K = w.K;
+  const uint8_t* const end = w.end() - kLineBytes;
+  const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
+  const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+  __m256i acc[kVecs][2];
+  for (int v = 0; v < kVecs; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_si256();
+  for (int64_t b = 0; b < per; ++b) {
+    const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
+    if (LEAD)
+      for (int u = 0; u < kVecs; ++u) _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
+    const int8_t* const hk = a.d + m0 * K + kBlockK * (gi * per + b);
+    const int8_t* const lk = hk + K;
+    const __m256i h03 = _mm256_set1_epi32(four_bytes(hk)), h47 = _mm256_set1_epi32(four_bytes(hk + 4));
+    const __m256i l03 = _mm256_set1_epi32(four_bytes(lk)), l47 = _mm256_set1_epi32(four_bytes(lk + 4));
+#pragma GCC unroll 8  // unrolled, acc[u / 2][u % 2] stays in registers
+    for (int u = 0; u < 2 * kVecs; ++u) {
+      const Nibbles n = nibbles(row_of_lines + 32 * u);
+      const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(n.lo, h03), _mm256_maddubs_epi16(n.hi, h47));
+      const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(n.lo, l03), _mm256_maddubs_epi16(n.hi, l47));
+      acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2],
+                                           _mm256_add_epi32(_mm256_madd_epi16(ph, by256), _mm256_madd_epi16(pl, by1)));
+    }
+  }
+  for (int v = 0; v < w.vectors(t); ++v)
+    for (int h = 0; h < 2; ++h) {
+      const int c = 16 * v + 8 * h;
+      add_group8(acc[v][h], zeros8(w, t, gi, c), scales8<S>(w, t, gi, c), a.group(m0 / 2, gi), first, out(m0 / 2) + c);
+    }
+}
+
 // MR (2..4) rows of tile t in group gi, vector by vector over the group's lines (its 4 KB stays in
 // L1 across the four vectors): MR rows x 2 halves of int32 accumulators.
 template <int MR, bool LEAD, typename S, typename Out>
@@ -313,6 +402,19 @@ inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0
       return group_row_int8<LEAD, S>(w, a, t, m0, gi, first, out);
   }
 }
+
+// Path 5: rows 0..M-1 of tile t over groups g0..g1, group by group, one row at a time (its lines in
+// memory order: on the Zen 3 EPYC, 2 threads, the 1B shapes' four linears from memory, one row took
+// 0.57-0.63 of column_tiled's float kernel's time this way against 0.92-1.07 vector by vector (its
+// two rows of bytes as group_rows_int8 reads them); four rows 0.66-0.67 against 0.72 in blocks of
+// two rows of x); the first row prefetches the stream.
+template <typename S, typename Out>
+inline void tile_int16(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
+  for (int64_t gi = g0; gi < g1; ++gi) {
+    group_row_int16<true, S>(w, a, t, 0, gi, gi == g0, out);
+    for (int64_t m = 1; m < M; ++m) group_row_int16<false, S>(w, a, t, 2 * m, gi, gi == g0, out);
+  }
+}
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -344,7 +446,7 @@ bool int8_path_here() {
 template <typename S>
 void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, float* y) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  const Int8Rows a = quantise_rows(x, M, w.K, w.g);
+  const Int8Rows a = quantise_rows<1>(x, M, w.K, w.g);
   run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) { tile_int8<S>(w, a, t, M, g0, g1, row); });
 #else
   (void)w, (void)x, (void)M, (void)bias, (void)y;
@@ -354,6 +456,28 @@ void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, flo
 
 template void run_int8<at::Half>(const Layout&, const float*, int64_t, const float*, float*);
 template void run_int8<float>(const Layout&, const float*, int64_t, const float*, float*);
+
+bool int16_path_here() {
+#if defined(CPU_CAPABILITY_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename S>
+void run_int16(const Layout& w, const float* x, int64_t M, const float* bias, float* y) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const Int8Rows a = quantise_rows<2>(x, M, w.K, w.g);
+  run(w, M, bias, y, [&](int64_t t, int64_t g0, int64_t g1, auto row) { tile_int16<S>(w, a, t, M, g0, g1, row); });
+#else
+  (void)w, (void)x, (void)M, (void)bias, (void)y;
+  TORCH_CHECK(false, "w4_matmul_k_interleaved: path 5 (16-bit activations) runs on AVX2 builds only");
+#endif
+}
+
+template void run_int16<at::Half>(const Layout&, const float*, int64_t, const float*, float*);
+template void run_int16<float>(const Layout&, const float*, int64_t, const float*, float*);
 
 }  // namespace w4v
 }  // namespace dlinfer_cpu

@@ -592,7 +592,8 @@ int64_t best_path(bool bf16_x, int64_t M, int64_t group_size) {
 // hold (the hook made them from these scale and offset, which are checked for shape only). path: -1
 // the best this CPU runs with x at its own precision (`best_path`), or 0 portable, 1 VNNI, 2 AMX
 // (the same bits), 3 bfloat16 x on AVX512-BF16 (its own bits), 4 x quantised to 8 bits per row and
-// group on AVX-512 VNNI (quant_w4_a8.cpp; only when asked for); an error where the path cannot run.
+// group on AVX-512 VNNI or AVX2, 5 x as 16-bit integers per row and group on AVX2 builds
+// (quant_w4_a8.cpp; only when asked for); an error where the path cannot run.
 at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale_in,
                                    const std::optional<at::Tensor>& offset_in, const std::optional<at::Tensor>& bias,
                                    int64_t group_size, int64_t path) {
@@ -613,10 +614,14 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   TORCH_CHECK(scale.scalar_type() == x.scalar_type() || scale.scalar_type() == at::kHalf,
               "w4_matmul_k_interleaved: scale in x's dtype or float16");
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N), "w4_matmul_k_interleaved: bias [N]");
-  TORCH_CHECK(path >= -1 && path <= w4v::kInt8, "w4_matmul_k_interleaved: path -1 (best), 0, 1, 2, 3 or 4, got ", path);
+  TORCH_CHECK(path >= -1 && path <= w4v::kInt16, "w4_matmul_k_interleaved: path -1 (best), 0, 1, 2, 3, 4 or 5, got ",
+              path);
   TORCH_CHECK(path != w4v::kVnni || w4v::vnni_here(), "w4_matmul_k_interleaved: path 1 (VNNI): this CPU (or this build) has no AVX-512 VNNI");
   TORCH_CHECK(path != w4v::kInt8 || w4v::int8_path_here(),
               "w4_matmul_k_interleaved: path 4 (8-bit activations): this CPU has no AVX-512 VNNI (nor is this an AVX2 build)");
+  TORCH_CHECK(path != w4v::kInt16 || w4v::int16_path_here(),
+              "w4_matmul_k_interleaved: path 5 (16-bit activations) runs on AVX2 builds only (this one: no AVX2, or "
+              "AVX-512, where it is not written yet)");
   TORCH_CHECK(path != w4v::kAmx || (w4v::amx_here() && w4v::amx_chunk(group_size) > 0),
               "w4_matmul_k_interleaved: path 2 (AMX) cannot run here: it needs AMX-INT8 (with the tile state granted) "
               "and a group size g with g % 64 == 0 or g < 64, got g = ", group_size);
@@ -646,6 +651,8 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
         const float* xf = w4::float_rows(x, x_own, x_keep);
         if (use == w4v::kInt8) {
           w4v::run_int8<S>(w, xf, M, bias_ptr, y.data());
+        } else if (use == w4v::kInt16) {
+          w4v::run_int16<S>(w, xf, M, bias_ptr, y.data());
         } else {
           w4v::run_digits<S>(w, w4v::split_activations(xf, M, K, group_size), M, bias_ptr, y.data(), use);
         }
@@ -662,6 +669,7 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
 
 bool w4_vnni_available() { return w4v::vnni_here(); }
 bool w4_int8_activations_available() { return w4v::int8_path_here(); }
+bool w4_int16_activations_available() { return w4v::int16_path_here(); }
 bool w4_amx_available() { return w4v::amx_here(); }
 bool w4_bf16_dot_available() { return w4v::bf16_dot_here(); }
 
@@ -673,6 +681,7 @@ TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.impl("w4_matmul_k_interleaved", c10::DispatchKey::CPU, &w4_matmul_k_interleaved);
   m.def("w4_vnni_available() -> bool", &w4_vnni_available);
   m.def("w4_int8_activations_available() -> bool", &w4_int8_activations_available);
+  m.def("w4_int16_activations_available() -> bool", &w4_int16_activations_available);
   m.def("w4_amx_available() -> bool", &w4_amx_available);
   m.def("w4_bf16_dot_available() -> bool", &w4_bf16_dot_available);
 }

@@ -1,8 +1,8 @@
 // The k_interleaved layout of W4 weights as the cpu vendor's kernels read it, and what its two
-// kernel files share: quant_w4_int.cpp (16-bit activations: the digit paths 0-2 and path 3) and
-// quant_w4_a8.cpp (path 4: 8-bit activations, opt-in). Layout: dlinfer/vendor/w4_layouts.py;
+// kernel files share: quant_w4_int.cpp (x at its own precision: the digit paths 0-2 and path 3) and
+// quant_w4_a8.cpp (paths 4 and 5: 8-bit and 16-bit integer activations, opt-in). Layout: dlinfer/vendor/w4_layouts.py;
 // contract: docs/ops.md (weight_quant_matmul); design: docs/design.md, "W4A16 as integer dot
-// products" and "W4 with 8-bit activations".
+// products", "W4 with 8-bit activations" and "W4 with 16-bit activations".
 #pragma once
 
 #include "quant_w4.h"
@@ -19,7 +19,7 @@ constexpr int64_t kCols = 64;       // output columns per tile (4 vectors of 16)
 constexpr int kVecs = 4;            // 16-column vectors per tile
 constexpr int64_t kLineBytes = 64;  // one 16-column vector's 8 rows of k: 16 lanes x 4 bytes
 constexpr int64_t kBlockK = 8;      // rows of k per line
-constexpr int64_t kMaxGroup = 1024; // the digit paths' D01 stays inside int32 (quant_w4_int.cpp), path 4's |D| below 2^21
+constexpr int64_t kMaxGroup = 1024; // the digit paths' D01 stays inside int32 (quant_w4_int.cpp), path 4's |D| below 2^21, path 5's below 2^28
 // Lines this far ahead are prefetched into L2 (_MM_HINT_T1): from memory, one call streaming 3.8 MB
 // read at 0.81-0.83 of a float32 sum's rate with T1 against 0.73-0.76 with T0 (at 2-16 KB ahead
 // alike) and 0.58 with none (docs/notes/w4a16-kernels.md; why T0 is slower was not measured:
@@ -67,8 +67,9 @@ inline int64_t block_bytes_of(int64_t g, int64_t scale_bytes) { return param_byt
 constexpr int64_t kSplitBelowTiles = 16;  // 64-column tiles: as quant_w4.cpp's 8 tiles of 128
 
 // The paths: 0-2 give the same bits (the digit paths); 3 (bfloat16 x only) its own; 4 (8-bit
-// activations, opt-in: quant_w4_a8.cpp) its own.
-enum Path : int64_t { kPortable = 0, kVnni = 1, kAmx = 2, kBf16 = 3, kInt8 = 4 };
+// activations, opt-in: quant_w4_a8.cpp) its own; 5 (16-bit activations, opt-in, AVX2 builds:
+// quant_w4_a8.cpp) its own.
+enum Path : int64_t { kPortable = 0, kVnni = 1, kAmx = 2, kBf16 = 3, kInt8 = 4, kInt16 = 5 };
 
 // tile(t, g0, g1, row): tile t's 64 columns over groups g0..g1 for every row m into row(m)[0..64).
 template <typename Tile>
@@ -154,6 +155,13 @@ bool int8_path_here();
 // weight w -> y [M, N] float32 (+ bias [N]?). S: the scales' type inside the blocks (at::Half or float).
 template <typename S>
 void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, float* y);
+
+// Whether this build runs path 5 (quant_w4_a8.cpp: AVX2 builds; not written for AVX-512 yet).
+bool int16_path_here();
+
+// Path 5 (quant_w4_a8.cpp): as run_int8 with x as 16-bit integers per row and group (two bytes).
+template <typename S>
+void run_int16(const Layout& w, const float* x, int64_t M, const float* bias, float* y);
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // Four digit bytes as one 32-bit lane (vpdpbusd's activation operand; vpmaddubsw's on AVX2).
