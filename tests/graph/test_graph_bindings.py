@@ -237,6 +237,9 @@ def test_bound_weight_quant_matmul_gives_the_op_functions_bits():
                 x = torch.randn(rows, k, generator=g).to(dtype)
                 args = (x, packed, scale, offset, None, group)
                 bound = vendor.graph_bindings["weight_quant_matmul"](*args)
+                if packed.dtype == torch.int32 and rows > weight_quant.GEMV_MAX_ROWS:  # portable builds: BLAS
+                    assert bound is None, rows
+                    continue
                 assert bound is not None, (packed.dtype, rows)
                 _same(bound, vendor.ops["weight_quant_matmul"], args)
         x = torch.randn(weight_quant.GEMV_MAX_ROWS + 1, k, generator=g).to(dtype)

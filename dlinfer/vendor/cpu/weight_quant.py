@@ -10,7 +10,8 @@ weight once per call and never storing it as floats:
   sums; its own bits, the same at every M); asked for by DLINFER_CPU_W4_ACTIVATIONS=int8, x
   quantised to 8 bits per row and group against the nibbles on VNNI or AVX2 (csrc/quant_w4_a8.cpp; its own
   bits, the same at every M); by =int16 on AVX2 builds, x as 16-bit integers per row and group
-  (the same file; its own bits, the same at every M; `activations`). `repack_weight_quant` gives
+  (the same file; its own bits, the same at every M up to INT16_MAX_ROWS, then dequantise + BLAS;
+  `activations`). `repack_weight_quant` gives
   this layout on CPUs with VNNI and AMX-INT8, for bfloat16 models on CPUs with VNNI and
   AVX512-BF16, and for every model under either setting (`layout_for`). Measured on the Intel
   Xeon VM (docs/benchmarks.md): a decode step's 120 GEMVs 1.19x faster than column_tiled's at one
@@ -23,7 +24,8 @@ weight once per call and never storing it as floats:
   register kernel was 1.9-3x faster than that path from 64 to 512 rows), 128 on AVX2 (its blocks of
   4 rows decode the weight M / 4 times; on the Zen 3 EPYC register / BLAS time was 0.97-1.59 from
   192 rows on; docs/notes/cpu-ops.md), 1 on portable builds (their lane loop costs the same per
-  row at every M: BLAS was 1.3-1.9x faster from two rows in a portable build on the Zen 3 EPYC). So
+  row at every M: BLAS was 1.3-1.9x faster from two rows in a portable build on the Zen 3 EPYC, and
+  at one row 0.82-1.78x, kept on the register kernel for aarch64, unmeasured: notes/cpu-ops.md). So
   past the switch a row's bits depend on its call having more rows than that, and on BLAS's
   threading (MKL's differ between 1 and 2 threads).
 `repack_weight_quant` is this vendor's load-time hook; it reads DLINFER_CPU_W4_LAYOUT (auto,
@@ -158,9 +160,10 @@ def activations() -> str:
     "W4 with 8-bit activations"; the error bound: docs/ops.md); it needs AVX-512 VNNI, or a CPU
     with AVX2 alone (vpmaddubsw, the same bits). int16 takes x as 16-bit integers per row and group
     (a power-of-two step: a bfloat16 x within 2^6 of its group's largest is exact, no value is off
-    by more than 2^-14 of that largest) and path 5: two vpmaddubsw a line half and row where the
-    float kernel decodes every nibble to float32 (docs/design.md, "W4 with 16-bit activations"); an
-    AVX2 build only so far. Asking for either where it does not run is an error."""
+    by more than 2^-14 of that largest) and path 5: four vpmaddubsw and two vpmaddwd a line half
+    (64 weights) and row, where the float kernel decodes every nibble to float32 (docs/design.md,
+    "W4 with 16-bit activations"), up to INT16_MAX_ROWS rows (then dequantise + BLAS, x
+    unquantised); an AVX2 build only so far. Asking for either where it does not run is an error."""
     choice = envs.get(ACTIVATIONS_ENV) or "native"
     if choice not in ("native", "int8", "int16"):
         raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native, int8 or int16 (or unset)")
