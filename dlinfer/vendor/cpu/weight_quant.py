@@ -70,20 +70,30 @@ TILE_COLS = 128
 _LANE_OF_COLUMN = [0, 4, 1, 5, 2, 6, 3, 7]  # column 8j + r of a word sits in nibble lane r // 2 + 4 * (r % 2)
 
 
+def _blockwise_gemm(x: Tensor, tiles: int, tile_cols: int, dequantise) -> Tensor:
+    """x [M, K] @ W -> [M, tiles * tile_cols] float32, W dequantised to float32 a block of tiles at a
+    time (`dequantise(t0, t1)` -> [K, (t1 - t0) * tile_cols], at most _BLOCK_BYTES), so the whole
+    float weight never exists."""
+    m, k = x.shape
+    xf = x.float()
+    out = torch.empty((m, tiles * tile_cols), dtype=torch.float32)
+    step = max(1, _BLOCK_BYTES // (4 * k * tile_cols))
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        out[:, t0 * tile_cols:t1 * tile_cols] = xf @ dequantise(t0, t1)
+    return out
+
+
 def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], bias: Optional[Tensor],
           group_size: int) -> Tensor:
     """x [M, K] @ W -> [M, N] float32, W dequantised to float32 a block of 128-column tiles at a
     time, in the kernel's lane order; the output columns are put back in order at the end (the
     canonical layout's; column_tiled lanes are in column order)."""
-    m, k = x.shape
+    m = x.shape[0]
     n = scale.shape[1]
     tiles = -(-n // TILE_COLS)
-    xf = x.float()
-    lanes = torch.empty((m, tiles * TILE_COLS), dtype=torch.float32)
-    step = max(1, _BLOCK_BYTES // (4 * k * TILE_COLS))
-    for t0 in range(0, tiles, step):
-        t1 = min(tiles, t0 + step)
-        lanes[:, t0 * TILE_COLS:t1 * TILE_COLS] = xf @ _dequantise_tiles(qweight, scale, offset, group_size, t0, t1)
+    lanes = _blockwise_gemm(x, tiles, TILE_COLS,
+                            lambda t0, t1: _dequantise_tiles(qweight, scale, offset, group_size, t0, t1))
     if w4_layouts.is_column_tiled(qweight):  # lane (t, i, w) holds column 128t + 16i + w: in order
         out = lanes[:, :n]
     else:  # lane (t, i, w) holds column 8 * (16t + w) + ORDER[i]: to (t, w, column-in-word) order
@@ -96,16 +106,8 @@ def _gemm(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optional[Tensor], b
 def _gemm_k_interleaved(x: Tensor, qweight: Tensor, n: int, bias: Optional[Tensor], group_size: int) -> Tensor:
     """x [M, K] @ W -> [M, N] float32 for a k_interleaved W (uint8 [ceil(N/64), K/g, B]),
     dequantised to float32 a block of 64-column tiles at a time (columns in order)."""
-    m, k = x.shape
-    tiles = qweight.shape[0]
-    xf = x.float()
-    out = torch.empty((m, tiles * w4_layouts.KI_TILE_COLS), dtype=torch.float32)
-    step = max(1, _BLOCK_BYTES // (4 * k * w4_layouts.KI_TILE_COLS))
-    for t0 in range(0, tiles, step):
-        t1 = min(tiles, t0 + step)
-        cols = slice(t0 * w4_layouts.KI_TILE_COLS, t1 * w4_layouts.KI_TILE_COLS)
-        out[:, cols] = xf @ _ki_dequantise_tiles(qweight, n, group_size, t0, t1)
-    out = out[:, :n]
+    out = _blockwise_gemm(x, qweight.shape[0], w4_layouts.KI_TILE_COLS,
+                          lambda t0, t1: _ki_dequantise_tiles(qweight, n, group_size, t0, t1))[:, :n]
     if bias is not None:
         out = out + bias.float()
     return out

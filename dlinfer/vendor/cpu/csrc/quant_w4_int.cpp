@@ -607,7 +607,7 @@ at::Tensor w4_matmul_k_interleaved(const at::Tensor& x, const at::Tensor& qweigh
   TORCH_CHECK(group_size % w4v::kBlockK == 0 && group_size <= w4v::kMaxGroup,
               "w4_matmul_k_interleaved: group size a multiple of 8, at most 1024");
   const int64_t B = qweight.size(2);
-  const int64_t sb = B == w4v::block_bytes_of(group_size, 2) ? 2 : B == w4v::block_bytes_of(group_size, 4) ? 4 : 0;
+  const int64_t sb = w4v::scale_bytes_of(B, group_size);
   TORCH_CHECK(qweight.size(0) == w4v::num_tiles(N) && qweight.size(1) * group_size == K && sb != 0,
               "w4_matmul_k_interleaved: qweight [ceil(N/64), K/g, B] with B = ", w4v::block_bytes_of(group_size, 2), " or ",
               w4v::block_bytes_of(group_size, 4), " at g = ", group_size, ", got ", qweight.sizes());

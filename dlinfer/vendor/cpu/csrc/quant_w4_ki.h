@@ -63,6 +63,10 @@ struct Layout {
 
 inline int64_t param_bytes_of(int64_t scale_bytes) { return kCols * scale_bytes + kCols; }
 inline int64_t block_bytes_of(int64_t g, int64_t scale_bytes) { return param_bytes_of(scale_bytes) + g / kBlockK * kVecs * kLineBytes; }
+// The bytes of a scale in blocks of B bytes at group size g: 2 (float16) or 4 (float32); 0 when B is neither's.
+inline int64_t scale_bytes_of(int64_t block_bytes, int64_t g) {
+  return block_bytes == block_bytes_of(g, 2) ? 2 : block_bytes == block_bytes_of(g, 4) ? 4 : 0;
+}
 
 constexpr int64_t kSplitBelowTiles = 16;  // 64-column tiles: as quant_w4.cpp's 8 tiles of 128
 

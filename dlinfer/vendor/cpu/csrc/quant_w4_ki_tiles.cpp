@@ -17,7 +17,7 @@ at::Tensor w4_ki_dequantise_tiles(const at::Tensor& qweight, int64_t N, int64_t 
   TORCH_CHECK(group_size > 0 && group_size % w4v::kBlockK == 0 && group_size <= w4v::kMaxGroup,
               "w4_ki_dequantise_tiles: group size a multiple of 8, at most 1024, got ", group_size);
   const int64_t g = group_size, G = qweight.size(1), B = qweight.size(2), K = G * g, tiles = w4v::num_tiles(N);
-  const int64_t sb = B == w4v::block_bytes_of(g, 2) ? 2 : B == w4v::block_bytes_of(g, 4) ? 4 : 0;
+  const int64_t sb = w4v::scale_bytes_of(B, g);
   TORCH_CHECK(sb != 0 && qweight.size(0) == tiles, "w4_ki_dequantise_tiles: qweight [ceil(N/64), K/g, B] = [", tiles,
               ", K/g, ", w4v::block_bytes_of(g, 2), " or ", w4v::block_bytes_of(g, 4), "] at N = ", N, ", g = ", g,
               ", got ", qweight.sizes());
