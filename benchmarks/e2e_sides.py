@@ -41,6 +41,7 @@ ENV_SUFFIXES = {
     "+unbound": ("DLINFER_GRAPH_BIND", "0", "graph call sites on the op functions"),
     "+a8": ("DLINFER_CPU_W4_ACTIVATIONS", "int8", "8-bit activations for W4"),
     "+a16": ("DLINFER_CPU_W4_ACTIVATIONS", "int16", "16-bit integer activations for W4"),
+    "+native": ("DLINFER_CPU_W4_ACTIVATIONS", "native", "W4 activations at their own precision"),
 }
 
 

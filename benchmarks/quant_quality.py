@@ -1,7 +1,8 @@
 """Perplexity of SmolLM2-135M-Instruct on a held-out local text: float32, RTN 4-bit, AWQ 4-bit and
 SmoothQuant W8A8, the checkpoints written by `python -m dlinfer quantize` (docs/quantize.md).
 
-    .venv/bin/python benchmarks/quant_quality.py [--model DIR] [--runs rtn:64,awq:64,awq:32,smooth_quant,awq-a8:64]
+    .venv/bin/python benchmarks/quant_quality.py [--model DIR]
+        [--runs rtn:64,awq:64,awq:32,smooth_quant,awq-a8:64,awq-a16:64]
         [--text FILE [--text FILE ...]] [--work DIR] [--calib FILE] [--calib-samples N] [--calib-seqlen N]
 
 The quantised models are evaluated as HF transformers running exactly what LMDeploy's CPU engine
@@ -9,7 +10,8 @@ computes (tests/lmdeploy/test_quantized.py checks the greedy tokens are equal): 
 dequantised from the written files, and for SmoothQuant each quantised linear's input
 fake-quantised per token (tests/support/quantized_models.py builds both). A run `rtn-a8` or
 `awq-a8` evaluates that 4-bit checkpoint with its linears' inputs quantised per row and group as
-DLINFER_CPU_W4_ACTIVATIONS=int8 runs them. The held-out texts
+DLINFER_CPU_W4_ACTIVATIONS=int8 runs them; `rtn-a16` / `awq-a16` as int16 (the AVX2 builds' default
+for bfloat16 / float16 models) runs them. The held-out texts
 (benchmarks/data/heldout.txt, 832 tokens, heldout_long.txt, 3942 tokens on other topics, and
 heldout_fresh.txt, 1914 tokens written after the AWQ recipe was fixed and never used to choose it,
 all three written for this project) are not the calibration or tuning texts
@@ -103,12 +105,14 @@ def main(argv=None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="dlinfer-quality-"))
     labels = {"rtn": "RTN 4-bit (W4A16)", "awq": "AWQ 4-bit (W4A16)", "awq-noclip": "AWQ 4-bit, no clipping",
               "smooth_quant": "SmoothQuant W8A8", "rtn-a8": "RTN 4-bit, 8-bit activations",
-              "awq-a8": "AWQ 4-bit, 8-bit activations"}
+              "awq-a8": "AWQ 4-bit, 8-bit activations",
+              "rtn-a16": "RTN 4-bit, 16-bit activations", "awq-a16": "AWQ 4-bit, 16-bit activations"}
     for run in args.runs.split(","):
         method, _, group = run.partition(":")
         group_size = int(group or 64)
-        a8 = method.endswith("-a8")  # the same checkpoint, run with DLINFER_CPU_W4_ACTIVATIONS=int8
-        folder_method = method.removesuffix("-a8")
+        # -a8 / -a16: the same checkpoint, run with DLINFER_CPU_W4_ACTIVATIONS=int8 / int16
+        activations = {"-a8": "int8", "-a16": "int16"}.get(method[method.rfind("-"):], "native")
+        folder_method = method.removesuffix("-a8").removesuffix("-a16")
         dst = work / (f"{args.model.name}-{folder_method}" + (f"-g{group_size}" if method != "smooth_quant" else ""))
         start = time.perf_counter()
         if not dst.exists():
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
         seconds = time.perf_counter() - start
         for head in heads:
             model = FakeQuantReference(dst, int8_head=head == "int8", int4_head=head == "int4",
-                                       int8_activations=a8).model
+                                       activations=activations).model
             ppl = [perplexity(model, one, args.window) for one in ids]
             rows.append((labels[method], f"g{group_size}" if method != "smooth_quant" else "per channel / per token",
                          head, ppl, seconds))

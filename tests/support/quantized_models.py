@@ -119,6 +119,26 @@ def _fake_quant_per_group(group_size: int):
     return hook
 
 
+def _fake_quant_per_group16(group_size: int):
+    """A pre-hook quantising a linear's input as DLINFER_CPU_W4_ACTIVATIONS=int16 does (written from
+    docs/design.md, "W4 with 16-bit activations"): per row and group of `group_size` input channels,
+    e = the exponent of the group's largest |x| (amax < 2^e, at least -135), x -> round-half-even(x *
+    2^(14 - e)) * 2^(e - 14), in float64 (exact: powers of two); all-zero groups stay zero."""
+
+    def hook(module, args):
+        x = args[0]
+        shape = x.shape
+        xd = x.double().reshape(-1, shape[-1] // group_size, group_size)
+        e = torch.frexp(xd.abs().amax(-1, keepdim=True)).exponent.clamp(min=-135).double()
+        xq = torch.round(xd * torch.exp2(14 - e)) * torch.exp2(e - 14)
+        return (xq.to(x.dtype).reshape(shape),) + tuple(args[1:])
+
+    return hook
+
+
+ACTIVATION_HOOKS = {"int8": _fake_quant_per_group, "int16": _fake_quant_per_group16}
+
+
 def head_input_ranges(folder: Path):
     """The float32 [H] ranges a quantised folder's `lm_head_input_absmax.safetensors` holds, or None.
     Read here with safetensors directly (the file's layout: docs/quantize.md)."""
@@ -212,11 +232,11 @@ class FakeQuantReference(HFReference):
     """HF transformers (float32) running the dequantised weights of a quantised folder; for
     SmoothQuant also the per-token fake quantisation of each quantised linear's input; with
     `int8_head` (what DLINFER_LM_HEAD=auto runs for these checkpoints) the int8 LM head's, with
-    `int4_head` (DLINFER_LM_HEAD=int4) the int4 one's; with `int8_activations` (4-bit checkpoints,
-    DLINFER_CPU_W4_ACTIVATIONS=int8) each 4-bit linear's input quantised per row and group (the int4
-    head's too, per group of 32)."""
+    `int4_head` (DLINFER_LM_HEAD=int4) the int4 one's; with `activations` "int8" or "int16" (4-bit
+    checkpoints, DLINFER_CPU_W4_ACTIVATIONS=int8 / int16) each 4-bit linear's input quantised per row
+    and group by that rule (the int4 head's too, per group of 32); "native" leaves them float."""
 
-    def __init__(self, folder: Path, int8_head: bool = True, int4_head: bool = False, int8_activations: bool = False):
+    def __init__(self, folder: Path, int8_head: bool = True, int4_head: bool = False, activations: str = "native"):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config_dict, state = dequantized_state(folder)
@@ -231,15 +251,15 @@ class FakeQuantReference(HFReference):
             for layer in model.model.layers:
                 for linear in layer_linears(config):
                     layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_token)
-        elif int8_activations:
+        elif activations != "native":
             group = json.loads((folder / "config.json").read_text())["quantization_config"]["group_size"]
             for layer in model.model.layers:
                 for linear in layer_linears(config):
-                    layer.get_submodule(linear).register_forward_pre_hook(_fake_quant_per_group(group))
+                    layer.get_submodule(linear).register_forward_pre_hook(ACTIVATION_HOOKS[activations](group))
         if int4_head:
             fake_quant_lm_head_int4(model, head_input_ranges(folder))
-            if int8_activations:  # the int4 head runs weight_quant_matmul too: its input per group of 32
-                model.lm_head.register_forward_pre_hook(_fake_quant_per_group(32))
+            if activations != "native":  # the int4 head runs weight_quant_matmul too: its input per group of 32
+                model.lm_head.register_forward_pre_hook(ACTIVATION_HOOKS[activations](32))
         elif int8_head:
             fake_quant_lm_head(model, head_input_ranges(folder))
         model.generation_config.eos_token_id = None

@@ -63,9 +63,10 @@ NOTES = {
                            "float32 blocks dequantised in C++, then BLAS); "
                            "opt-in (DLINFER_CPU_W4_ACTIVATIONS=int8, k_interleaved on VNNI or AVX2): x quantised to "
                            "int8 per row and group, exact int32 sums (vpdpbusd, or vpmaddubsw + vpmaddwd), one fp32 "
-                           "epilogue per group, one decode per 4 rows; int16 (AVX2 builds): x as 16-bit integers "
-                           "per row and group (power-of-two step), two rows of bytes through the same sums "
-                           "(past 256 rows: the dequantised weight by BLAS)",
+                           "epilogue per group, one decode per 4 rows; int16 (AVX2 builds; their default for bfloat16 "
+                           "and float16 models, k_interleaved): x as 16-bit integers per row and group "
+                           "(power-of-two step), two rows of bytes through the same sums (past 256 rows: the "
+                           "dequantised weight by BLAS)",
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
                           "dequant)",
     "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",

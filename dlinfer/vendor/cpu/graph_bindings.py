@@ -129,8 +129,8 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
         if not (weight_quant.integer_kernel_takes(group_size) and qweight.is_contiguous()):
             return None
         matmul = _k.w4_matmul_k_interleaved
-        path = weight_quant.kernel_path()  # 8-bit activations or the best path for x: read once per call site
-        if path == weight_quant.INT16_PATH and x.shape[0] > weight_quant.INT16_MAX_ROWS:
+        path = weight_quant.k_interleaved_path(x)  # the setting, read once per call site
+        if path is None:
             return None  # the op function's dequantise + BLAS
 
         def weight_quant_matmul_k_interleaved(x, qweight, scale, offset, bias, group_size):

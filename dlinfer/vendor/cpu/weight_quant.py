@@ -9,11 +9,12 @@ weight once per call and never storing it as floats:
   AVX512-BF16 and no AMX: the 4-bit weight as bfloat16 integers against x with vdpbf16ps (float32
   sums; its own bits, the same at every M); asked for by DLINFER_CPU_W4_ACTIVATIONS=int8, x
   quantised to 8 bits per row and group against the nibbles on VNNI or AVX2 (csrc/quant_w4_a8.cpp; its own
-  bits, the same at every M); by =int16 on AVX2 builds, x as 16-bit integers per row and group
-  (the same file; its own bits, the same at every M up to INT16_MAX_ROWS, then dequantise + BLAS;
-  `activations`). `repack_weight_quant` gives
+  bits, the same at every M); on AVX2 builds, for bfloat16 and float16 x by default or by =int16,
+  x as 16-bit integers per row and group (the same file; its own bits, the same at every M up to
+  INT16_MAX_ROWS, then dequantise + BLAS; `activations_for`). `repack_weight_quant` gives
   this layout on CPUs with VNNI and AMX-INT8, for bfloat16 models on CPUs with VNNI and
-  AVX512-BF16, and for every model under either setting (`layout_for`). Measured on the Intel
+  AVX512-BF16, for bfloat16 and float16 models on AVX2 builds, and for every model under int8 or
+  int16 (`layout_for`). Measured on the Intel
   Xeon VM (docs/benchmarks.md): a decode step's 120 GEMVs 1.19x faster than column_tiled's at one
   row, 0.96-1.8x per call from 2 to 512 rows, and closer to the exact result.
 - canonical and column_tiled (`w4_matmul`, csrc/quant_w4.cpp): float32 FMAs on the weight
@@ -117,13 +118,13 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
                         group_size: int) -> Tensor:
     """x [M, K], qweight int32 [K, N/8], column_tiled [ceil(N/128), K, 16] or k_interleaved uint8
     [ceil(N/64), K/g, B], scale [K/g, N] (x's dtype or float16), offset int32 [K/g, N/8]?,
-    bias [N]?, group_size g -> [M, N] in x's dtype. On k_interleaved, x at its own precision or,
-    with DLINFER_CPU_W4_ACTIVATIONS=int8 or int16, as 8- or 16-bit integers per row and group
-    (`kernel_path`)."""
+    bias [N]?, group_size g -> [M, N] in x's dtype. On k_interleaved, x at its own precision or as
+    8- or 16-bit integers per row and group (`activations_for`; past INT16_MAX_ROWS rows 16-bit
+    gives way to dequantise + BLAS: `k_interleaved_path`)."""
     if w4_layouts.is_k_interleaved(qweight):
         if integer_kernel_takes(group_size):  # the kernel reads the blocks in place: dense (a copy if not)
-            path = kernel_path()
-            if path == INT16_PATH and x.shape[0] > INT16_MAX_ROWS:
+            path = k_interleaved_path(x)
+            if path is None:
                 return _gemm_k_interleaved(x, qweight.contiguous(), scale.shape[1], bias, group_size).to(x.dtype)
             return _w4_matmul_k_interleaved(x, qweight.contiguous(), scale, offset, bias, group_size, path)
         qweight = w4_layouts.canonical(qweight, scale.shape[1])  # a group the kernel cannot take (not from our hook)
@@ -155,20 +156,11 @@ def k_interleaved(qweight: Tensor, scale: Tensor, offset: Optional[Tensor], grou
 
 
 def activations() -> str:
-    """$DLINFER_CPU_W4_ACTIVATIONS: native (unset) multiplies the weight by x at its own precision.
-    int8 quantises x first, per row and group of the weight (absmax / 127, round half to even, like
-    llama.cpp's q8_0 blocks), and takes the k_interleaved kernel's path 4: one vpdpbusd a line and
-    row, 1.7-2.0x path 3's rate from cache at one to eight rows on the Zen 5 VM (docs/design.md,
-    "W4 with 8-bit activations"; the error bound: docs/ops.md); it needs AVX-512 VNNI, or a CPU
-    with AVX2 alone (vpmaddubsw, the same bits). int16 takes x as 16-bit integers per row and group
-    (a power-of-two step: a bfloat16 x within 2^6 of its group's largest is exact, no value is off
-    by more than 2^-14 of that largest) and path 5: four vpmaddubsw and two vpmaddwd a line half
-    (64 weights) and row, where the float kernel decodes every nibble to float32 (docs/design.md,
-    "W4 with 16-bit activations"), up to INT16_MAX_ROWS rows (then dequantise + BLAS, x
-    unquantised); an AVX2 build only so far. Asking for either where it does not run is an error."""
-    choice = envs.get(ACTIVATIONS_ENV) or "native"
-    if choice not in ("native", "int8", "int16"):
-        raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected native, int8 or int16 (or unset)")
+    """$DLINFER_CPU_W4_ACTIVATIONS as set: auto (unset), native, int8 or int16 (what each does for a
+    dtype: `activations_for`). Asking for int8 or int16 where it does not run is an error."""
+    choice = envs.get(ACTIVATIONS_ENV) or "auto"
+    if choice not in ("auto", "native", "int8", "int16"):
+        raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected auto, native, int8 or int16 (or unset)")
     if choice == "int8" and not INT8_ACTIVATIONS:
         raise ValueError(f"{ACTIVATIONS_ENV}=int8: the 8-bit activation kernel needs AVX-512 VNNI (or AVX2 on a CPU "
                          "without AVX-512), which this CPU (or the kernels' build for it) lacks; unset it to multiply "
@@ -180,15 +172,47 @@ def activations() -> str:
     return choice
 
 
-def int8_activations() -> bool:
-    """Whether $DLINFER_CPU_W4_ACTIVATIONS asks for 8-bit activations (`activations`)."""
-    return activations() == "int8"
+def int16_by_default(dtype: Optional[torch.dtype]) -> bool:
+    """Whether `auto` takes 16-bit activations for a model (or x) of this dtype: bfloat16 and
+    float16 on builds that run path 5 (AVX2). There x as 16-bit integers loses nothing a 16-bit
+    float would keep within 2^6 of its group's largest value (bfloat16; 2^3 for float16) and meets
+    the tolerance table (the conformance suite passes both dtypes), and the float kernel, bound by
+    its decode on AVX2, is 1.44x slower end to end at the 1B shape (docs/design.md, "W4 with 16-bit
+    activations"). float32 keeps the float kernel: the 16-bit rule misses float32's tolerance."""
+    return INT16_ACTIVATIONS and dtype in (torch.bfloat16, torch.float16)
 
 
-def kernel_path() -> int:
-    """The k_interleaved kernel's path for this process's setting: 4 (8-bit activations), 5
-    (16-bit ones) or -1 (the best path for x at its own precision)."""
-    return {"int8": INT8_PATH, "int16": INT16_PATH}.get(activations(), -1)
+def activations_for(dtype: Optional[torch.dtype]) -> str:
+    """What this process's setting (`activations`) does for x of this dtype: native multiplies the
+    weight by x at its own precision. int8 quantises x first, per row and group of the weight
+    (absmax / 127, round half to even, like llama.cpp's q8_0 blocks), and takes the k_interleaved
+    kernel's path 4: one vpdpbusd a line and row, 1.7-2.0x path 3's rate from cache at one to eight
+    rows on the Zen 5 VM (docs/design.md, "W4 with 8-bit activations"; the error bound: docs/ops.md);
+    it needs AVX-512 VNNI, or a CPU with AVX2 alone (vpmaddubsw, the same bits). int16 takes x as
+    16-bit integers per row and group (a power-of-two step: a bfloat16 x within 2^6 of its group's
+    largest is exact, no value is off by more than 2^-14 of that largest) and path 5: four
+    vpmaddubsw and two vpmaddwd a line half (64 weights) and row, where the float kernel decodes
+    every nibble to float32 (docs/design.md, "W4 with 16-bit activations"), up to INT16_MAX_ROWS
+    rows (then dequantise + BLAS, x unquantised); an AVX2 build only so far. auto: int16 where
+    `int16_by_default`, else native."""
+    choice = activations()
+    if choice == "auto":
+        return "int16" if int16_by_default(dtype) else "native"
+    return choice
+
+
+def kernel_path(dtype: Optional[torch.dtype]) -> int:
+    """The k_interleaved kernel's path for x of this dtype under this process's setting: 4 (8-bit
+    activations), 5 (16-bit ones) or -1 (the best path for x at its own precision)."""
+    return {"int8": INT8_PATH, "int16": INT16_PATH}.get(activations_for(dtype), -1)
+
+
+def k_interleaved_path(x: Tensor) -> Optional[int]:
+    """The path a k_interleaved call on x [M, K] takes (`kernel_path`), or None where the call takes
+    dequantise + BLAS instead (16-bit activations past INT16_MAX_ROWS rows): the one rule for the
+    eager op and the graph binding."""
+    path = kernel_path(x.dtype)
+    return None if path == INT16_PATH and x.shape[0] > INT16_MAX_ROWS else path
 
 
 def integer_kernel_takes(group_size: int) -> bool:
@@ -215,14 +239,18 @@ def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> 
     take the digit path, slower from two rows on.
     With $DLINFER_CPU_W4_ACTIVATIONS=int8 or int16 (`activations`): k_interleaved whatever the
     dtype, the layout the integer-activation kernels read; a weight they cannot take (or
-    column_tiled asked for) is an error."""
+    column_tiled asked for) is an error. Unset (auto), a model whose activations take 16 bits by
+    default (`int16_by_default`: bfloat16 and float16 on AVX2 builds) gets k_interleaved where the
+    shape fits and column_tiled is not asked for (else column_tiled, x at its own precision)."""
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")
     shape_fits = k % w4_layouts.KI_BLOCK_K == 0 and integer_kernel_takes(group_size)
     fits = VNNI and shape_fits
     integer = activations()
-    if integer != "native":
+    if integer == "auto" and int16_by_default(dtype):
+        return "column_tiled" if choice == "column_tiled" or not shape_fits else "k_interleaved"
+    if integer in ("int8", "int16"):
         if choice == "column_tiled" or not shape_fits:
             why = f"{LAYOUT_ENV}=column_tiled" if choice == "column_tiled" else (
                 f"a weight of K = {k} rows at group size {group_size} (the kernel needs K % 8 == 0, g % 8 == 0 and "

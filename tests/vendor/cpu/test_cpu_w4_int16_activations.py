@@ -276,7 +276,7 @@ def test_the_setting_refuses_a_build_without_the_path(monkeypatch):
     with pytest.raises(ValueError, match="int16: the 16-bit activation kernel runs on AVX2 builds only"):
         cpu.layout_for(256, 64)
     with pytest.raises(ValueError, match="int16: the 16-bit activation kernel runs on AVX2 builds only"):
-        cpu.kernel_path()
+        cpu.kernel_path(torch.bfloat16)
 
 
 def test_the_setting_refuses_a_weight_it_cannot_take(monkeypatch):
@@ -352,3 +352,69 @@ def test_rows_past_the_switch_take_dequantise_and_blas(monkeypatch):
         bound = graph_bindings.weight_quant_matmul(x, packed, s, o, bias, group)
         assert (bound is None) == (m > limit)
     assert blas_rows == [limit + 1]
+
+
+@pytest.mark.parametrize("build_has_path_5", [True, False])
+def test_auto_takes_16_bits_for_16_bit_models_where_path_5_runs(build_has_path_5, monkeypatch):
+    """On any host (the rule itself): unset (auto), bfloat16 and float16 x take path 5 on a build
+    that runs it and float32 keeps its own precision; such a model's weights get k_interleaved
+    where the kernel takes the shape and column_tiled is not asked for, else column_tiled with no
+    error (auto never refuses); native keeps every dtype at its own precision."""
+    cpu = _cpu()
+    monkeypatch.setattr(cpu, "INT16_ACTIVATIONS", build_has_path_5)
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
+    half = (torch.bfloat16, torch.float16)
+    assert cpu.activations() == "auto"
+    for dtype in half:
+        assert cpu.kernel_path(dtype) == (INT16 if build_has_path_5 else -1)
+        assert cpu.activations_for(dtype) == ("int16" if build_has_path_5 else "native")
+        assert (cpu.layout_for(256, 64, dtype) == "k_interleaved") == (build_has_path_5 or cpu.VNNI and cpu.AMX)
+        assert cpu.layout_for(96, 12, dtype) == "column_tiled"  # g % 8 != 0: the kernel cannot take it
+    assert cpu.kernel_path(torch.float32) == -1 and cpu.activations_for(torch.float32) == "native"
+    if not cpu.VNNI:
+        assert cpu.layout_for(256, 64, torch.float32) == "column_tiled"
+    monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "column_tiled")
+    assert all(cpu.layout_for(256, 64, dtype) == "column_tiled" for dtype in half)
+    monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT")
+    monkeypatch.setenv(ENV, "native")
+    assert all(cpu.kernel_path(dtype) == -1 for dtype in (*half, torch.float32))
+    if not cpu.VNNI:
+        assert all(cpu.layout_for(256, 64, dtype) == "column_tiled" for dtype in half)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_by_default_16_bit_models_run_path_5_and_float32_ones_the_float_kernel(dtype, monkeypatch):
+    """On an AVX2 build, unset: the hook gives a 16-bit model's weight (scales in its dtype, as
+    LMDeploy loads them) k_interleaved and both the eager op and the graph binding give path 5's
+    bits; a float32 model's weight stays column_tiled, multiplied at float32. native gives the
+    16-bit model the float kernel's column_tiled bits back."""
+    _avx2()
+    from dlinfer.vendor.cpu import graph_bindings
+
+    k, n, group = 256, 200, 64
+    g = torch.Generator().manual_seed(26)
+    qweight, scale, offset, _ = weights(W4Case("default", (3,), k, n, group), dtype, g)
+    x = torch.randn(3, k, generator=g).to(dtype)
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
+    with dlinfer.vendor.using("cpu"):
+        packed, s, o = ops.repack_weight_quant(qweight, scale.to(dtype), offset, group)
+        eager = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
+    bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
+    if dtype == torch.float32:
+        assert packed.dtype == torch.int32  # column_tiled
+        want = torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group)
+    else:
+        assert packed.dtype == torch.uint8  # k_interleaved
+        want = _kernel(x, packed, s, o, group)
+        assert not torch.equal(want, _kernel(x, packed, s, o, group, path=-1))
+    assert torch.equal(eager, want) and torch.equal(bound(x, packed, s, o, None, group), want)
+    if dtype == torch.float32:
+        return
+    monkeypatch.setenv(ENV, "native")
+    with dlinfer.vendor.using("cpu"):
+        packed, s, o = ops.repack_weight_quant(qweight, scale.to(dtype), offset, group)
+        assert packed.dtype == torch.int32
+        assert torch.equal(ops.weight_quant_matmul(x, packed, s, o, None, False, group),
+                           torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group))

@@ -257,16 +257,16 @@ def test_the_setting_refuses_a_cpu_without_vnni(monkeypatch):
     with pytest.raises(ValueError, match="needs AVX-512 VNNI"):
         cpu.layout_for(256, 64)
     with pytest.raises(ValueError, match="needs AVX-512 VNNI"):
-        cpu.kernel_path()
+        cpu.kernel_path(torch.float32)
     monkeypatch.setenv(ENV, "native")
-    assert cpu.kernel_path() == -1
+    assert cpu.kernel_path(torch.float32) == -1 and cpu.kernel_path(torch.bfloat16) == -1
 
 
 def test_the_setting_refuses_what_it_cannot_do(monkeypatch):
     _vnni()
     cpu = _cpu()
     monkeypatch.setenv(ENV, "int4")
-    with pytest.raises(ValueError, match="DLINFER_CPU_W4_ACTIVATIONS='int4': expected native, int8 or int16"):
+    with pytest.raises(ValueError, match="DLINFER_CPU_W4_ACTIVATIONS='int4': expected auto, native, int8 or int16"):
         cpu.layout_for(256, 64)
     monkeypatch.setenv(ENV, "int8")
     with pytest.raises(ValueError, match="K = 96 rows at group size 12"):

@@ -122,9 +122,10 @@ def test_hook_picks_the_layout_the_cpu_runs_best_and_obeys_the_variable(monkeypa
             assert torch.equal(packed, k_interleave(qweight, scale, offset, 32))
         else:
             assert packed.dtype == torch.int32 and packed.dim() == 3
-        # ... and, without AMX, for a bfloat16 model (its scales' dtype) where AVX512-BF16 runs
+        # ... and, without AMX, for a bfloat16 model (its scales' dtype) where AVX512-BF16 runs, or on
+        # an AVX2 build (its default 16-bit activations: test_cpu_w4_int16_activations.py)
         packed = ops.repack_weight_quant(qweight, scale.bfloat16(), offset, 32)[0]
-        ki = cpu.VNNI and (cpu.AMX or cpu.BF16_DOT)
+        ki = cpu.VNNI and (cpu.AMX or cpu.BF16_DOT) or cpu.INT16_ACTIVATIONS
         assert packed.dtype == (torch.uint8 if ki else torch.int32)
         monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "column_tiled")
         assert ops.repack_weight_quant(qweight, scale, offset, 32)[0].dtype == torch.int32

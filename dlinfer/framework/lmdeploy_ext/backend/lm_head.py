@@ -254,9 +254,12 @@ class Int4LMHead(_QuantisedLMHead):
         why_not = int4_refusal(weight)
         if why_not is not None:
             raise ValueError(f"Int4LMHead: {why_not}")
-        scale_dtype = int4_scale_dtype(self.out_dtype, weight)
-        qweight, scales, qzeros = dlinfer.ops.repack_weight_quant(
-            *quantize_groups(weight, INT4_GROUP, scale_dtype, self.importance), group_size=INT4_GROUP)
+        qweight, scales, qzeros = quantize_groups(weight, INT4_GROUP, int4_scale_dtype(self.out_dtype, weight),
+                                                  self.importance)
+        # The hook is given the scales in the head's dtype, as LMDeploy gives a W4 linear's (the cpu
+        # vendor reads the model's dtype from them and stores float16-valued ones as float16 again).
+        qweight, scales, qzeros = dlinfer.ops.repack_weight_quant(qweight, scales.to(self.out_dtype), qzeros,
+                                                                  group_size=INT4_GROUP)
         self.register_buffer("qweight", qweight, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("qzeros", qzeros, persistent=False)
