@@ -11,7 +11,8 @@ dequantised from the written files, and for SmoothQuant each quantised linear's 
 fake-quantised per token (tests/support/quantized_models.py builds both). A run `rtn-a8` or
 `awq-a8` evaluates that 4-bit checkpoint with its linears' inputs quantised per row and group as
 DLINFER_CPU_W4_ACTIVATIONS=int8 runs them; `rtn-a16` / `awq-a16` as int16 (the AVX2 builds' default
-for bfloat16 / float16 models) runs them. The held-out texts
+for bfloat16 models) runs them, at every row count (the engine takes BLAS on float
+inputs past 256 rows instead: these runs round more than it does). The held-out texts
 (benchmarks/data/heldout.txt, 832 tokens, heldout_long.txt, 3942 tokens on other topics, and
 heldout_fresh.txt, 1914 tokens written after the AWQ recipe was fixed and never used to choose it,
 all three written for this project) are not the calibration or tuning texts

@@ -36,8 +36,8 @@ SETTINGS: Tuple[Setting, ...] = (
             "vendor/torch/linear.py, at the first float32 CPU call"),
     Setting("DLINFER_CPU_W4_LAYOUT", "auto", "the layout W4A16 weights are repacked into at load: auto, "
             "column_tiled or k_interleaved", "vendor/cpu/weight_quant.py, at each repack"),
-    Setting("DLINFER_CPU_W4_ACTIVATIONS", "auto", "auto: int16 for bfloat16 and float16 models on AVX2 builds, "
-            "else native; native: W4 weights multiply x at its own precision; int8: x quantised to 8 bits per row "
+    Setting("DLINFER_CPU_W4_ACTIVATIONS", "auto", "auto: int16 for bfloat16 models on AVX2 builds, else "
+            "native; native: W4 weights multiply x at its own precision; int8: x quantised to 8 bits per row "
             "and group first (faster, less exact; needs AVX-512 VNNI, or AVX2 on a CPU without AVX-512, and the "
             "k_interleaved layout); int16: x as 16-bit integers per row and group (a power-of-two step, at most "
             "2^-14 of the group's largest |x| off; past 256 rows BLAS on the dequantised weight instead; AVX2 builds "

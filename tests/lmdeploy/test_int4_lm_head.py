@@ -76,6 +76,36 @@ def test_the_4bit_rule_is_not_the_float_head():
     assert all(torch.equal(a, b) for a, b in zip(rounding, quant_params(weight, GROUP, torch.float16)))
 
 
+@pytest.mark.parametrize("dtype", list(SCALE_DTYPES))
+def test_the_hook_is_given_scales_in_the_heads_dtype(dtype, monkeypatch):
+    """The head hands the vendor's hook its scales in the head's dtype (a float32 head's
+    float16-valued ones as float32), as LMDeploy hands a W4 linear's, so the cpu vendor lays the
+    head out as it would that model's linears: on an AVX2 build a float32 (or float16) head
+    column_tiled (the float kernel) and a bfloat16 one k_interleaved (16-bit activations);
+    float16-valued scales are stored as float16 either way."""
+    import dlinfer.vendor
+
+    if "cpu" not in dlinfer.vendor.available():
+        pytest.skip("the cpu vendor does not load here")
+    from dlinfer.vendor.cpu import weight_quant as cpu_w4
+
+    monkeypatch.delenv("DLINFER_CPU_W4_ACTIVATIONS", raising=False)
+    monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
+    given = []
+    hook = dlinfer.ops.repack_weight_quant
+    monkeypatch.setattr(dlinfer.ops, "repack_weight_quant",
+                        lambda q, s, *a, **k: given.append(s.dtype) or hook(q, s, *a, **k))
+    weight = (torch.randn(72, 192, generator=torch.Generator().manual_seed(8)) * 0.1).to(dtype)
+    with dlinfer.vendor.using("cpu"):
+        head = lm_head.Int4LMHead(weight, None, tied=False)
+    assert given == [dtype]
+    assert head.scales.dtype == SCALE_DTYPES[dtype]
+    ki = cpu_w4.layout_for(192, GROUP, dtype) == "k_interleaved"
+    assert head.qweight.dtype == (torch.uint8 if ki else torch.int32)
+    if cpu_w4.INT16_ACTIVATIONS:
+        assert ki == (dtype == torch.bfloat16)
+
+
 def test_float32_heads_take_float16_scales_unless_they_overflow():
     w = torch.randn(16, 64)
     assert lm_head.int4_scale_dtype(torch.float32, w) == torch.float16

@@ -10,7 +10,8 @@ and `silu_and_mul`, each one call instead of several torch ops, the W8A8 family 
 `fused_moe_w8a8`), W4A16 `weight_quant_matmul` (on the layout its load-time `repack_weight_quant`
 hook makes: k_interleaved, exact integer dot products on AVX-512 VNNI and AMX, where the CPU has
 both, or for a bfloat16 model on VNNI and AVX512-BF16 the nibbles as bfloat16 integers against x
-with vdpbf16ps; column_tiled, 4-bit weights decoded to float32 in registers, elsewhere), flash-style
+with vdpbf16ps, or for a bfloat16 model on an AVX2 build x as 16-bit integers per group;
+column_tiled, 4-bit weights decoded to float32 in registers, elsewhere), flash-style
 `prefill_attention` and `paged_prefill_attention` (the paged cache read in place) and the int8 KV
 cache (read in the decode and paged prefill kernels). The float MoE ops, `linear_w8a8_static` and
 `apply_rotary_pos_emb_interleaved` are the torch vendor's implementations, named as such in the
@@ -61,12 +62,12 @@ NOTES = {
                            "column_tiled: dequantised in registers per 128-column tile, 8 rows per decode (4 on AVX2), "
                            "fp32 accumulation per group (beyond 4096 rows, 128 on AVX2, 1 on portable builds: "
                            "float32 blocks dequantised in C++, then BLAS); "
-                           "opt-in (DLINFER_CPU_W4_ACTIVATIONS=int8, k_interleaved on VNNI or AVX2): x quantised to "
+                           "DLINFER_CPU_W4_ACTIVATIONS=int8 (opt-in; k_interleaved on VNNI or AVX2): x quantised to "
                            "int8 per row and group, exact int32 sums (vpdpbusd, or vpmaddubsw + vpmaddwd), one fp32 "
-                           "epilogue per group, one decode per 4 rows; int16 (AVX2 builds; their default for bfloat16 "
-                           "and float16 models, k_interleaved): x as 16-bit integers per row and group "
-                           "(power-of-two step), two rows of bytes through the same sums (past 256 rows: the "
-                           "dequantised weight by BLAS)",
+                           "epilogue per group, one decode per 4 rows; =int16 (AVX2 builds, where auto, the default, "
+                           "takes it for bfloat16 models; k_interleaved): x as 16-bit integers per row "
+                           "and group (power-of-two step), two rows of bytes through the same sums (past 256 rows: "
+                           "the dequantised weight by BLAS)",
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
                           "dequant)",
     "apply_rotary_pos_emb_interleaved": "the torch vendor's (fp32 adjacent-pair rotation)",

@@ -9,12 +9,13 @@ weight once per call and never storing it as floats:
   AVX512-BF16 and no AMX: the 4-bit weight as bfloat16 integers against x with vdpbf16ps (float32
   sums; its own bits, the same at every M); asked for by DLINFER_CPU_W4_ACTIVATIONS=int8, x
   quantised to 8 bits per row and group against the nibbles on VNNI or AVX2 (csrc/quant_w4_a8.cpp; its own
-  bits, the same at every M); on AVX2 builds, for bfloat16 and float16 x by default or by =int16,
+  bits, the same at every M); on AVX2 builds, for bfloat16 x by default or any x by =int16,
   x as 16-bit integers per row and group (the same file; its own bits, the same at every M up to
   INT16_MAX_ROWS, then dequantise + BLAS; `activations_for`). `repack_weight_quant` gives
   this layout on CPUs with VNNI and AMX-INT8, for bfloat16 models on CPUs with VNNI and
-  AVX512-BF16, for bfloat16 and float16 models on AVX2 builds, and for every model under int8 or
-  int16 (`layout_for`). Measured on the Intel
+  AVX512-BF16, for bfloat16 models on AVX2 builds, and for every model under int8 or int16
+  (`layout_for`); on a CPU without VNNI, x at its own precision on this layout is multiplied by
+  BLAS on the dequantised weight (`k_interleaved_path`). Measured on the Intel
   Xeon VM (docs/benchmarks.md): a decode step's 120 GEMVs 1.19x faster than column_tiled's at one
   row, 0.96-1.8x per call from 2 to 512 rows, and closer to the exact result.
 - canonical and column_tiled (`w4_matmul`, csrc/quant_w4.cpp): float32 FMAs on the weight
@@ -163,23 +164,25 @@ def activations() -> str:
         raise ValueError(f"{ACTIVATIONS_ENV}={choice!r}: expected auto, native, int8 or int16 (or unset)")
     if choice == "int8" and not INT8_ACTIVATIONS:
         raise ValueError(f"{ACTIVATIONS_ENV}=int8: the 8-bit activation kernel needs AVX-512 VNNI (or AVX2 on a CPU "
-                         "without AVX-512), which this CPU (or the kernels' build for it) lacks; unset it to multiply "
-                         "by x at its own precision")
+                         "without AVX-512), which this CPU (or the kernels' build for it) lacks; unset it (or set "
+                         "native) to multiply by x at its own precision")
     if choice == "int16" and not INT16_ACTIVATIONS:
         raise ValueError(f"{ACTIVATIONS_ENV}=int16: the 16-bit activation kernel runs on AVX2 builds only (a CPU with "
-                         "AVX2 and no AVX-512; its AVX-512 form is not written yet); unset it to multiply by x at its "
-                         "own precision")
+                         "AVX2 and no AVX-512; its AVX-512 form is not written yet); unset it (or set native) to "
+                         "multiply by x at its own precision")
     return choice
 
 
 def int16_by_default(dtype: Optional[torch.dtype]) -> bool:
-    """Whether `auto` takes 16-bit activations for a model (or x) of this dtype: bfloat16 and
-    float16 on builds that run path 5 (AVX2). There x as 16-bit integers loses nothing a 16-bit
-    float would keep within 2^6 of its group's largest value (bfloat16; 2^3 for float16) and meets
-    the tolerance table (the conformance suite passes both dtypes), and the float kernel, bound by
-    its decode on AVX2, is 1.44x slower end to end at the 1B shape (docs/design.md, "W4 with 16-bit
-    activations"). float32 keeps the float kernel: the 16-bit rule misses float32's tolerance."""
-    return INT16_ACTIVATIONS and dtype in (torch.bfloat16, torch.float16)
+    """Whether `auto` takes 16-bit activations for a model (or x) of this dtype: bfloat16 on builds
+    that run path 5 (AVX2). There x as 16-bit integers loses nothing bfloat16 would keep within 2^6
+    of its group's largest value and meets the tolerance table (the conformance suite passes), and
+    the float kernel, bound by its decode on AVX2, is 1.3-1.44x slower end to end at the 1B shape
+    (docs/design.md, "W4 with 16-bit activations"). float32 keeps the float kernel (the 16-bit rule
+    misses float32's tolerance), and so does float16: the hook reads the model's dtype from the
+    scales, and float16 scales are also what float32 checkpoints carry (AWQ's), whose float32 x on
+    k_interleaved weights would be slower on AVX2 (no float path there: `k_interleaved_path`)."""
+    return INT16_ACTIVATIONS and dtype == torch.bfloat16
 
 
 def activations_for(dtype: Optional[torch.dtype]) -> str:
@@ -194,7 +197,7 @@ def activations_for(dtype: Optional[torch.dtype]) -> str:
     vpmaddubsw and two vpmaddwd a line half (64 weights) and row, where the float kernel decodes
     every nibble to float32 (docs/design.md, "W4 with 16-bit activations"), up to INT16_MAX_ROWS
     rows (then dequantise + BLAS, x unquantised); an AVX2 build only so far. auto: int16 where
-    `int16_by_default`, else native."""
+    `int16_by_default` (bfloat16 on AVX2 builds), else native."""
     choice = activations()
     if choice == "auto":
         return "int16" if int16_by_default(dtype) else "native"
@@ -209,10 +212,14 @@ def kernel_path(dtype: Optional[torch.dtype]) -> int:
 
 def k_interleaved_path(x: Tensor) -> Optional[int]:
     """The path a k_interleaved call on x [M, K] takes (`kernel_path`), or None where the call takes
-    dequantise + BLAS instead (16-bit activations past INT16_MAX_ROWS rows): the one rule for the
-    eager op and the graph binding."""
+    dequantise + BLAS instead: 16-bit activations past INT16_MAX_ROWS rows, and x at its own
+    precision on a CPU without VNNI (an AVX2 build: there the kernel's only float path is the
+    portable digit loop, 17 ms a 2048 x 8192 call at one row on the Zen 3 VM as BLAS is, and 3-10x
+    slower than BLAS from 4 to 16 rows). The one rule for the eager op and the graph binding."""
     path = kernel_path(x.dtype)
-    return None if path == INT16_PATH and x.shape[0] > INT16_MAX_ROWS else path
+    if path == INT16_PATH and x.shape[0] > INT16_MAX_ROWS or path == -1 and not VNNI:
+        return None
+    return path
 
 
 def integer_kernel_takes(group_size: int) -> bool:
@@ -240,8 +247,8 @@ def layout_for(k: int, group_size: int, dtype: Optional[torch.dtype] = None) -> 
     With $DLINFER_CPU_W4_ACTIVATIONS=int8 or int16 (`activations`): k_interleaved whatever the
     dtype, the layout the integer-activation kernels read; a weight they cannot take (or
     column_tiled asked for) is an error. Unset (auto), a model whose activations take 16 bits by
-    default (`int16_by_default`: bfloat16 and float16 on AVX2 builds) gets k_interleaved where the
-    shape fits and column_tiled is not asked for (else column_tiled, x at its own precision)."""
+    default (`int16_by_default`: bfloat16 on AVX2 builds) gets k_interleaved where the shape fits
+    and column_tiled is not asked for (else column_tiled, x at its own precision)."""
     choice = envs.get(LAYOUT_ENV) or "auto"
     if choice not in ("auto", "column_tiled", "k_interleaved"):
         raise ValueError(f"{LAYOUT_ENV}={choice!r}: expected auto, column_tiled or k_interleaved (or unset)")

@@ -355,40 +355,39 @@ def test_rows_past_the_switch_take_dequantise_and_blas(monkeypatch):
 
 
 @pytest.mark.parametrize("build_has_path_5", [True, False])
-def test_auto_takes_16_bits_for_16_bit_models_where_path_5_runs(build_has_path_5, monkeypatch):
-    """On any host (the rule itself): unset (auto), bfloat16 and float16 x take path 5 on a build
-    that runs it and float32 keeps its own precision; such a model's weights get k_interleaved
+def test_auto_takes_16_bits_for_bfloat16_models_where_path_5_runs(build_has_path_5, monkeypatch):
+    """On any host (the rule itself): unset (auto), bfloat16 x takes path 5 on a build that runs it,
+    float32 and float16 keep their own precision; a bfloat16 model's weights get k_interleaved
     where the kernel takes the shape and column_tiled is not asked for, else column_tiled with no
     error (auto never refuses); native keeps every dtype at its own precision."""
     cpu = _cpu()
     monkeypatch.setattr(cpu, "INT16_ACTIVATIONS", build_has_path_5)
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
-    half = (torch.bfloat16, torch.float16)
     assert cpu.activations() == "auto"
-    for dtype in half:
-        assert cpu.kernel_path(dtype) == (INT16 if build_has_path_5 else -1)
-        assert cpu.activations_for(dtype) == ("int16" if build_has_path_5 else "native")
-        assert (cpu.layout_for(256, 64, dtype) == "k_interleaved") == (build_has_path_5 or cpu.VNNI and cpu.AMX)
-        assert cpu.layout_for(96, 12, dtype) == "column_tiled"  # g % 8 != 0: the kernel cannot take it
-    assert cpu.kernel_path(torch.float32) == -1 and cpu.activations_for(torch.float32) == "native"
-    if not cpu.VNNI:
-        assert cpu.layout_for(256, 64, torch.float32) == "column_tiled"
+    assert cpu.kernel_path(torch.bfloat16) == (INT16 if build_has_path_5 else -1)
+    assert cpu.activations_for(torch.bfloat16) == ("int16" if build_has_path_5 else "native")
+    by_bf16_path = cpu.VNNI and cpu.BF16_DOT  # the layout's own bfloat16 path (AVX-512)
+    want = build_has_path_5 or cpu.VNNI and (cpu.AMX or by_bf16_path)
+    assert (cpu.layout_for(256, 64, torch.bfloat16) == "k_interleaved") == want
+    assert cpu.layout_for(96, 12, torch.bfloat16) == "column_tiled"  # g % 8 != 0: the kernel cannot take it
+    for dtype in (torch.float32, torch.float16):
+        assert cpu.kernel_path(dtype) == -1 and cpu.activations_for(dtype) == "native"
+        assert (cpu.layout_for(256, 64, dtype) == "k_interleaved") == (cpu.VNNI and cpu.AMX)
     monkeypatch.setenv("DLINFER_CPU_W4_LAYOUT", "column_tiled")
-    assert all(cpu.layout_for(256, 64, dtype) == "column_tiled" for dtype in half)
+    assert cpu.layout_for(256, 64, torch.bfloat16) == "column_tiled"
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT")
     monkeypatch.setenv(ENV, "native")
-    assert all(cpu.kernel_path(dtype) == -1 for dtype in (*half, torch.float32))
-    if not cpu.VNNI:
-        assert all(cpu.layout_for(256, 64, dtype) == "column_tiled" for dtype in half)
+    assert all(cpu.kernel_path(dtype) == -1 for dtype in (torch.bfloat16, torch.float16, torch.float32))
+    assert (cpu.layout_for(256, 64, torch.bfloat16) == "k_interleaved") == bool(cpu.VNNI and (cpu.AMX or by_bf16_path))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_by_default_16_bit_models_run_path_5_and_float32_ones_the_float_kernel(dtype, monkeypatch):
-    """On an AVX2 build, unset: the hook gives a 16-bit model's weight (scales in its dtype, as
+def test_by_default_bfloat16_models_run_path_5_and_others_the_float_kernel(dtype, monkeypatch):
+    """On an AVX2 build, unset: the hook gives a bfloat16 model's weight (scales in its dtype, as
     LMDeploy loads them) k_interleaved and both the eager op and the graph binding give path 5's
-    bits; a float32 model's weight stays column_tiled, multiplied at float32. native gives the
-    16-bit model the float kernel's column_tiled bits back."""
+    bits; float32 and float16 models' weights stay column_tiled, multiplied at their own
+    precision. native gives the bfloat16 model the float kernel's column_tiled bits back."""
     _avx2()
     from dlinfer.vendor.cpu import graph_bindings
 
@@ -402,15 +401,15 @@ def test_by_default_16_bit_models_run_path_5_and_float32_ones_the_float_kernel(d
         packed, s, o = ops.repack_weight_quant(qweight, scale.to(dtype), offset, group)
         eager = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
     bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
-    if dtype == torch.float32:
-        assert packed.dtype == torch.int32  # column_tiled
-        want = torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group)
-    else:
+    if dtype == torch.bfloat16:
         assert packed.dtype == torch.uint8  # k_interleaved
         want = _kernel(x, packed, s, o, group)
         assert not torch.equal(want, _kernel(x, packed, s, o, group, path=-1))
+    else:
+        assert packed.dtype == torch.int32  # column_tiled
+        want = torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group)
     assert torch.equal(eager, want) and torch.equal(bound(x, packed, s, o, None, group), want)
-    if dtype == torch.float32:
+    if dtype != torch.bfloat16:
         return
     monkeypatch.setenv(ENV, "native")
     with dlinfer.vendor.using("cpu"):
@@ -418,3 +417,33 @@ def test_by_default_16_bit_models_run_path_5_and_float32_ones_the_float_kernel(d
         assert packed.dtype == torch.int32
         assert torch.equal(ops.weight_quant_matmul(x, packed, s, o, None, False, group),
                            torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group))
+
+
+def test_without_vnni_x_at_its_own_precision_on_k_interleaved_takes_blas(monkeypatch):
+    """An AVX2 build (no VNNI): a k_interleaved weight met by x at its own precision (native set
+    after the hook ran, or float16 scales handed over for a float32 model under =int16's layout)
+    is multiplied by BLAS on the dequantised weight, not the portable digit loop, in the eager op;
+    the graph binding leaves the call site to the op function. Within the tolerance table."""
+    _avx2()
+    from dlinfer.conformance import reference as ref
+    from dlinfer.conformance.compare import assert_close
+    from dlinfer.vendor.cpu import graph_bindings
+
+    cpu = _cpu()
+    assert not cpu.VNNI
+    k, n, group = 256, 200, 64
+    g = torch.Generator().manual_seed(27)
+    blas_rows = []
+    gemm = cpu._gemm_k_interleaved
+    monkeypatch.setattr(cpu, "_gemm_k_interleaved", lambda x, *rest: blas_rows.append(x.shape[0]) or gemm(x, *rest))
+    for setting, dtype in (("native", torch.bfloat16), ("auto", torch.float32), ("auto", torch.float16)):
+        monkeypatch.setenv(ENV, setting)
+        qweight, scale, offset, bias = weights(W4Case("blas", (2,), k, n, group, True, True), dtype, g)
+        packed = k_interleave(qweight, scale, offset, group)
+        x = torch.randn(2, k, generator=g).to(dtype)
+        blas_rows.clear()
+        with dlinfer.vendor.using("cpu"):
+            out = ops.weight_quant_matmul(x, packed, scale, offset, bias, False, group)
+        assert blas_rows == [2]
+        assert_close(out, ref.weight_quant_matmul(x, qweight, scale, offset, bias, group), "weight_quant_matmul")
+        assert graph_bindings.weight_quant_matmul(x, packed, scale, offset, bias, group) is None

@@ -222,7 +222,8 @@ def test_path_4_is_refused_without_vnni_or_with_a_bad_number():
 
 def test_the_setting_picks_the_layout_the_eager_path_and_the_graph_binding(monkeypatch):
     """int8: a float32 model's weights are k_interleaved too (auto keeps column_tiled for them
-    without AMX), and both the eager op and the graph binding give path 4's bits; native: path -1's."""
+    without AMX), and both the eager op and the graph binding give path 4's bits; native: path -1's
+    (on AVX2, without VNNI, dequantise + BLAS)."""
     _vnni()
     from dlinfer.vendor.cpu import graph_bindings
 
@@ -242,10 +243,14 @@ def test_the_setting_picks_the_layout_the_eager_path_and_the_graph_binding(monke
     assert not torch.equal(want, _kernel(x, packed, s, o, group, path=-1))  # the setting matters here
     monkeypatch.setenv(ENV, "native")
     with dlinfer.vendor.using("cpu"):
-        assert torch.equal(ops.weight_quant_matmul(x, packed, s, o, None, False, group),
-                           _kernel(x, packed, s, o, group, path=-1))
+        native = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
     bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
-    assert torch.equal(bound(x, packed, s, o, None, group), _kernel(x, packed, s, o, group, path=-1))
+    if _cpu().VNNI:
+        assert torch.equal(native, _kernel(x, packed, s, o, group, path=-1))
+        assert torch.equal(bound(x, packed, s, o, None, group), _kernel(x, packed, s, o, group, path=-1))
+    else:  # AVX2: dequantise + BLAS, not the portable digit loop (test_cpu_w4_int16_activations.py)
+        assert torch.equal(native, _cpu()._gemm_k_interleaved(x, packed, n, None, group))
+        assert bound is None
 
 
 def test_the_setting_refuses_a_cpu_without_vnni(monkeypatch):

@@ -115,6 +115,7 @@ def test_hook_picks_the_layout_the_cpu_runs_best_and_obeys_the_variable(monkeypa
     g = torch.Generator().manual_seed(3)
     qweight, scale, offset, _ = weights(W4Case("hook", (1,), 96, 136, 32), torch.float32, g)
     cpu = _cpu()
+    monkeypatch.delenv("DLINFER_CPU_W4_ACTIVATIONS", raising=False)
     with dlinfer.vendor.using("cpu"):
         monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)  # auto: k_interleaved with VNNI and AMX
         packed = ops.repack_weight_quant(qweight, scale, offset, 32)[0]
