@@ -109,6 +109,8 @@ def _vendor_lines() -> list:
             extra = f" kernels={build.isa()} ({build.module_name()})"
         lines.append(f"  {name:<10} ok      devices={','.join(vendor.device_types)} "
                      f"kv_layouts={','.join(vendor.kv_layouts)} ops={len(vendor.ops)}/{len(OP_NAMES)}{extra}")
+        if name == "cpu":
+            lines.append(_w4_activations_line())
     try:
         with warnings.catch_warnings():  # the lines above already say which vendor failed and why
             warnings.filterwarnings("ignore", message="dlinfer: vendor .* cannot load")
@@ -118,6 +120,22 @@ def _vendor_lines() -> list:
     if os.environ.get("TRITON_INTERPRET"):
         lines.append(f"  TRITON_INTERPRET={os.environ['TRITON_INTERPRET']}")
     return lines
+
+
+def _w4_activations_line() -> str:
+    """What the cpu vendor's W4 kernels do with each activation dtype under this process's
+    DLINFER_CPU_W4_ACTIVATIONS (its default, auto, depends on the build: docs/settings.md)."""
+    import torch
+
+    from dlinfer.vendor.cpu import weight_quant
+
+    try:
+        setting = weight_quant.activations()
+        per_dtype = ", ".join(f"{str(d).removeprefix('torch.')} {weight_quant.activations_for(d)}"
+                              for d in (torch.bfloat16, torch.float16, torch.float32))
+    except ValueError as exc:
+        return f"             w4 activations: {_one_line(exc)}"
+    return f"             w4 activations ({weight_quant.ACTIVATIONS_ENV}={setting}): {per_dtype}"
 
 
 def _settings_lines() -> list:

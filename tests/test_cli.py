@@ -36,6 +36,21 @@ def test_env_report_lists_versions_vendors_devices(report):
     assert re.search(rf"^  torch +ok .* ops={len(OP_NAMES)}/{len(OP_NAMES)}$", report, re.M), report
 
 
+def test_env_report_says_what_w4_does_with_each_activation_dtype(report):
+    """The cpu vendor's line is followed by what DLINFER_CPU_W4_ACTIVATIONS (unset: auto) does
+    with each dtype: bfloat16 as 16-bit integers where the build runs path 5, else at its own
+    precision."""
+    import dlinfer.vendor
+
+    if "cpu" not in dlinfer.vendor.available():
+        pytest.skip("the cpu vendor does not load here")
+    from dlinfer.vendor.cpu import weight_quant
+
+    bf16 = "int16" if weight_quant.INT16_ACTIVATIONS else "native"
+    want = rf"^ +w4 activations \(DLINFER_CPU_W4_ACTIVATIONS=auto\): bfloat16 {bf16}, float16 native, float32 native$"
+    assert re.search(want, report, re.M), report
+
+
 def test_env_report_gives_the_read_bandwidth_probe(report):
     line = re.search(r"^  read bw: +(\d+\.\d) GB/s \((\d+) threads x (\d+) streams, (.*); (\d+) configurations tried\)",
                      report, re.M)
