@@ -39,6 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # support.quantized_models (the fake-quant references)
 sys.path.insert(0, str(ROOT / "scripts"))             # smollm2 (builds the float folder from the GGUF)
 
+# run-name suffix -> DLINFER_CPU_W4_ACTIVATIONS the same checkpoint is evaluated under
+ACTIVATION_SUFFIXES = {"-a8": "int8", "-a16": "int16"}
+
 
 def perplexity(model, ids, window: int) -> float:
     import torch
@@ -111,9 +114,9 @@ def main(argv=None) -> int:
     for run in args.runs.split(","):
         method, _, group = run.partition(":")
         group_size = int(group or 64)
-        # -a8 / -a16: the same checkpoint, run with DLINFER_CPU_W4_ACTIVATIONS=int8 / int16
-        activations = {"-a8": "int8", "-a16": "int16"}.get(method[method.rfind("-"):], "native")
-        folder_method = method.removesuffix("-a8").removesuffix("-a16")
+        suffix = next((s for s in ACTIVATION_SUFFIXES if method.endswith(s)), "")
+        activations = ACTIVATION_SUFFIXES.get(suffix, "native")
+        folder_method = method.removesuffix(suffix)
         dst = work / (f"{args.model.name}-{folder_method}" + (f"-g{group_size}" if method != "smooth_quant" else ""))
         start = time.perf_counter()
         if not dst.exists():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.engine_helpers import assert_matches_hf, cpu_pipeline, greedy_generate
+from support.engine_helpers import assert_matches_hf, cpu_pipeline, first_difference, greedy_generate
 from support.quantized_models import FakeQuantReference, quantized_model
 
 import dlinfer.ops
@@ -164,8 +164,8 @@ def test_a_bfloat16_w4_engine_takes_16_bit_activations_by_default_on_avx2(eager,
             assert not eager or set(weights) == {torch.uint8}, set(weights)
     reference = FakeQuantReference(folder, int8_head=True).model
     for i, (a, b) in enumerate(zip(results["auto"], results["native"])):
-        d = next((j for j, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
-        if d is None:
+        d = first_difference(a.token_ids, b.token_ids)
+        if d == len(a.token_ids):  # both NEW_TOKENS long: equal
             continue
         with torch.inference_mode():
             logits = reference(torch.tensor([a.input_ids + a.token_ids[:d]])).logits[0, -1].double()

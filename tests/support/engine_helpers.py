@@ -131,9 +131,10 @@ def assert_matches_hf(results: Sequence[Generated], reference: HFReference, max_
         assert res.token_ids == expected, (
             f"prompt {i} ({len(res.input_ids)} tokens): LMDeploy on CPU differs from HF\n"
             f"  lmdeploy: {res.token_ids}\n  hf:       {expected}\n"
-            f"  first difference at new token {_first_difference(res.token_ids, expected)}"
+            f"  first difference at new token {first_difference(res.token_ids, expected)}"
         )
 
 
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first index where two token lists differ (the shorter one's length if one is a prefix of the other)."""
     return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
