@@ -1,9 +1,11 @@
 """The few-row linears' walks over the weights (csrc/few_rows_walk.h), float32 and 16-bit: one
-weight row at a time while x's rows fit in 32 KB, else two, and from three rows of x on K in chunks
-of 2 KB of each weight row with the sums parked between chunks. The shapes here take every walk
-(chunked from M = 3 for float32 at these K, from M = 3 or 4 for 16-bit): K with and without a tail
-(part of a vector), N not a multiple of the row pair or of the 32-row block, a one-row weight, and
-a thread's band of more than one block (one thread) or split in two (two threads).
+weight row at a time while x's rows fit in 32 KB, else two (on AVX2 builds also at up to four rows
+with K >= 2048: two chains of FMAs a row of x), and from three rows of x on K in chunks of 2 KB of
+each weight row with the sums parked between chunks. The shapes here take every walk (chunked from
+M = 3 for float32 at these K, from M = 3 or 4 for 16-bit; at K = 2051 on AVX2 builds two rows at a
+time at up to four rows, one at a time at 5-7 rows of 16-bit x): K with and without a tail (part
+of a vector), N not a multiple of the row pair or of the 32-row block, a one-row weight, and a
+thread's band of more than one block (one thread) or split in two (two threads).
 
 - parity against a float64 product within the tolerance table's bound for `linear`;
 - a row's bits are the same in any call: alone (M = 1: the one-row or the two-row walk) and among
@@ -19,8 +21,8 @@ from dlinfer.conformance.tolerances import tolerance
 
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="cpu vendor cannot load here")
 
-# (K, N): K tails of 7, 4, 3 and 5 elements, none at 8192; N odd, even, past two blocks, one row
-SHAPES = [(1031, 67), (4100, 35), (8227, 66), (4133, 1), (8192, 70)]
+# (K, N): K tails of 7, 4, 3, 5 and 3 elements, none at 8192; N odd, even, past two blocks, one row
+SHAPES = [(1031, 67), (4100, 35), (8227, 66), (4133, 1), (8192, 70), (2051, 67)]
 
 
 def _ops():

@@ -36,6 +36,28 @@ def _kernel(x, packed, scale, offset, group, bias=None, path=INT16):
     return torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(x, packed, scale, offset, bias, group, path)
 
 
+def _eager_and_bound(x, qweight, scale, offset, group):
+    """Repacks the weight through the cpu vendor's hook under the current settings, then multiplies
+    x by it through the eager op and through the graph binding: (packed, s, o, eager, bound)."""
+    from dlinfer.vendor.cpu import graph_bindings
+
+    with dlinfer.vendor.using("cpu"):
+        packed, s, o = ops.repack_weight_quant(qweight, scale, offset, group)
+        eager = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
+    bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
+    return packed, s, o, eager, bound(x, packed, s, o, None, group)
+
+
+@pytest.fixture
+def blas_rows(monkeypatch):
+    """The rows of each call the cpu vendor sends to dequantise + BLAS (`_gemm_k_interleaved`)."""
+    cpu = _cpu()
+    rows = []
+    gemm = cpu._gemm_k_interleaved
+    monkeypatch.setattr(cpu, "_gemm_k_interleaved", lambda x, *rest: rows.append(x.shape[0]) or gemm(x, *rest))
+    return rows
+
+
 def _quantised(x, group):
     """x [M, K] -> (X int64 [M, K], step float64 [M, G]): e = the exponent of each group's largest
     |x| (amax < 2^e), at least -135; X = round-half-even(x * 2^(14 - e)) (exact in float64: a power
@@ -249,21 +271,16 @@ def test_the_setting_picks_the_layout_the_eager_path_and_the_graph_binding(monke
     """int16: a float32 model's weights are k_interleaved, and the eager op and the graph binding
     give path 5's bits (not path -1's, nor path 4's)."""
     _avx2()
-    from dlinfer.vendor.cpu import graph_bindings
-
     k, n, group = 256, 200, 64
     g = torch.Generator().manual_seed(21)
     qweight, scale, offset, _ = weights(W4Case("setting", (2,), k, n, group), torch.float32, g)
     x = torch.randn(2, k, generator=g)
     monkeypatch.setenv(ENV, "int16")
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
-    with dlinfer.vendor.using("cpu"):
-        packed, s, o = ops.repack_weight_quant(qweight, scale, offset, group)
-        assert packed.dtype == torch.uint8  # k_interleaved
-        eager = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
-    bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
+    packed, s, o, eager, bound = _eager_and_bound(x, qweight, scale, offset, group)
+    assert packed.dtype == torch.uint8  # k_interleaved
     want = _kernel(x, packed, s, o, group)
-    assert torch.equal(eager, want) and torch.equal(bound(x, packed, s, o, None, group), want)
+    assert torch.equal(eager, want) and torch.equal(bound, want)
     assert not torch.equal(want, _kernel(x, packed, s, o, group, path=-1))
     assert not torch.equal(want, _kernel(x, packed, s, o, group, path=4))
 
@@ -321,7 +338,7 @@ def test_the_k_interleaved_dequantise_refuses_bad_arguments():
         torch.ops.dlinfer_cpu.w4_ki_dequantise_tiles(packed, 129, 64, 0, 1)
 
 
-def test_rows_past_the_switch_take_dequantise_and_blas(monkeypatch):
+def test_rows_past_the_switch_take_dequantise_and_blas(blas_rows, monkeypatch):
     """Under int16, weight_quant_matmul runs path 5 up to INT16_MAX_ROWS rows and the k_interleaved
     weight dequantised + BLAS past it (the graph binding leaves such call sites to the op
     function): each side takes its path, and both are within the tolerance table. The BLAS path's
@@ -335,9 +352,6 @@ def test_rows_past_the_switch_take_dequantise_and_blas(monkeypatch):
     monkeypatch.setenv(ENV, "int16")
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
     monkeypatch.setattr(cpu, "_BLOCK_BYTES", 4 * 64 * 64)  # one tile a block at K = 64
-    blas_rows = []
-    gemm = cpu._gemm_k_interleaved
-    monkeypatch.setattr(cpu, "_gemm_k_interleaved", lambda x, *rest: blas_rows.append(x.shape[0]) or gemm(x, *rest))
     k, n, group = 64, 136, 32
     limit = cpu.INT16_MAX_ROWS
     for m in (limit, limit + 1):
@@ -389,18 +403,13 @@ def test_by_default_bfloat16_models_run_path_5_and_others_the_float_kernel(dtype
     bits; float32 and float16 models' weights stay column_tiled, multiplied at their own
     precision. native gives the bfloat16 model the float kernel's column_tiled bits back."""
     _avx2()
-    from dlinfer.vendor.cpu import graph_bindings
-
     k, n, group = 256, 200, 64
     g = torch.Generator().manual_seed(26)
     qweight, scale, offset, _ = weights(W4Case("default", (3,), k, n, group), dtype, g)
     x = torch.randn(3, k, generator=g).to(dtype)
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
-    with dlinfer.vendor.using("cpu"):
-        packed, s, o = ops.repack_weight_quant(qweight, scale.to(dtype), offset, group)
-        eager = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
-    bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
+    packed, s, o, eager, bound = _eager_and_bound(x, qweight, scale.to(dtype), offset, group)
     if dtype == torch.bfloat16:
         assert packed.dtype == torch.uint8  # k_interleaved
         want = _kernel(x, packed, s, o, group)
@@ -408,18 +417,17 @@ def test_by_default_bfloat16_models_run_path_5_and_others_the_float_kernel(dtype
     else:
         assert packed.dtype == torch.int32  # column_tiled
         want = torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group)
-    assert torch.equal(eager, want) and torch.equal(bound(x, packed, s, o, None, group), want)
+    assert torch.equal(eager, want) and torch.equal(bound, want)
     if dtype != torch.bfloat16:
         return
     monkeypatch.setenv(ENV, "native")
-    with dlinfer.vendor.using("cpu"):
-        packed, s, o = ops.repack_weight_quant(qweight, scale.to(dtype), offset, group)
-        assert packed.dtype == torch.int32
-        assert torch.equal(ops.weight_quant_matmul(x, packed, s, o, None, False, group),
-                           torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group))
+    packed, s, o, eager, bound = _eager_and_bound(x, qweight, scale.to(dtype), offset, group)
+    assert packed.dtype == torch.int32
+    want = torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group)
+    assert torch.equal(eager, want) and torch.equal(bound, want)
 
 
-def test_without_vnni_x_at_its_own_precision_on_k_interleaved_takes_blas(monkeypatch):
+def test_without_vnni_x_at_its_own_precision_on_k_interleaved_takes_blas(blas_rows, monkeypatch):
     """An AVX2 build (no VNNI): a k_interleaved weight met by x at its own precision (native set
     after the hook ran, or float16 scales handed over for a float32 model under =int16's layout)
     is multiplied by BLAS on the dequantised weight, not the portable digit loop, in the eager op;
@@ -433,9 +441,6 @@ def test_without_vnni_x_at_its_own_precision_on_k_interleaved_takes_blas(monkeyp
     assert not cpu.VNNI
     k, n, group = 256, 200, 64
     g = torch.Generator().manual_seed(27)
-    blas_rows = []
-    gemm = cpu._gemm_k_interleaved
-    monkeypatch.setattr(cpu, "_gemm_k_interleaved", lambda x, *rest: blas_rows.append(x.shape[0]) or gemm(x, *rest))
     for setting, dtype in (("native", torch.bfloat16), ("auto", torch.float32), ("auto", torch.float16)):
         monkeypatch.setenv(ENV, setting)
         qweight, scale, offset, bias = weights(W4Case("blas", (2,), k, n, group, True, True), dtype, g)

@@ -5,9 +5,10 @@
 // Every weight vector is used for all M rows of x, so x's M rows are read once per weight vector.
 //  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight
 //    row at a time, front to back: one stream a thread, what this CPU reads fastest.
-//  - Past that, two weight rows at a time (each x vector then loaded once for two of them), and
-//    from three rows of x on, K is also cut into chunks of kSegmentBytes of each x row (as many
-//    elements of each weight row) and the band into blocks of kBlockRows rows: for each block,
+//  - Past that (and on AVX2 builds at up to 4 rows with K >= 2048: two_chains), two weight rows at
+//    a time (each x vector then loaded once for two of them), and from three rows of x on (x past
+//    kOneRowXBytes), K is also cut into chunks of kSegmentBytes of each x row (as many elements
+//    of each weight row) and the band into blocks of kBlockRows rows: for each block,
 //    chunk by chunk, every row pair's segment is walked with its accumulators in registers, parked
 //    in a small buffer between chunks. x's chunk (M x 2 KB at most) stays in L1 instead of being
 //    reloaded from L2 for every weight vector. "x" is x as the loop reads it: the 16-bit kernel's
@@ -38,6 +39,26 @@ constexpr int kBlockRows = 32;                // rows whose accumulators are par
 inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
   return M * K * element_bytes > kOneRowXBytes;
 }
+
+// On AVX2 builds also at up to kChainRows rows of x with K >= kChainK. With 8 float32 lanes a
+// vector, one weight row at a time leaves each output one chain of dependent FMAs, one FMA a weight
+// vector (8 elements: 16 bytes of a 16-bit weight), which bounds the loop at the FMA's latency
+// whatever M is: on the Zen 3 EPYC, one thread with the weight in L2 (1024 x 128), one row of x,
+// bfloat16 read 8.0-8.6 GB/s (and as much at two rows) and float32 17-18, against 15-20 and 40-42
+// with two weight rows (two chains a row of x). From memory (2 threads, alternated in one process) two rows read 1.06-1.23x
+// one at K = 2048 to 8192 (the 1B shapes, M = 1, 2, 4), 1.03-1.07x at K = 1536, 0.92-0.95x at K <=
+// 1024 (SmolLM2's 576: its rows are short; docs/notes/cpu-ops.md, "Two FMA chains on AVX2"). Up to
+// four rows: 2 x M sums, with the two weight vectors and x's, fit AVX2's 16 registers. The sums'
+// bits do not depend on the walk, so neither do the outputs'. AVX-512 builds (16 lanes, and
+// vdpbf16ps's 32 elements an instruction) keep one row, measured fastest there.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr int64_t kChainK = 2048;
+constexpr int64_t kChainRows = 4;
+#else
+constexpr int64_t kChainK = 0;  // never
+constexpr int64_t kChainRows = 0;
+#endif
+inline bool two_chains(int64_t M, int64_t K) { return M <= kChainRows && kChainK > 0 && K >= kChainK; }
 
 // Elements of K a chunk holds: all of them (kv, the full-step part of K) while x fits in
 // kOneRowXBytes or M <= 2, else kSegmentBytes of an x row (whole steps, at least one);
@@ -100,9 +121,9 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
 // Splits rows [0, N) of a [N, K] weight into one band per thread (all of them on the calling
 // thread below kMinParallelBytes) and calls walk(b, e, kc, R, Chunked) for each band [b, e): R
 // (1 or 2) and Chunked as std::integral_constant, chosen by x's size (two_weight_rows,
-// walk_chunk); `step`: the elements one vector step of the kernel's loop takes. element_bytes:
-// the weight's; x_bytes: x's as the loop reads it, when not the weight's (the 16-bit kernel's
-// portable path reads x widened to float32 at up to 4 rows).
+// walk_chunk) and, on AVX2 builds, by K (two_chains); `step`: the elements one vector step of
+// the kernel's loop takes. element_bytes: the weight's; x_bytes: x's as the loop reads it, when
+// not the weight's (the 16-bit kernel's portable path reads x widened to float32 at up to 4 rows).
 template <int M, typename Walk>
 inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step, Walk&& walk,
                        int64_t x_bytes = 0) {
@@ -111,7 +132,7 @@ inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step
   const int64_t grain = std::max(grain_for(N, N * K * element_bytes), (N + threads - 1) / threads);
   const int64_t kv = K - K % step;
   const int64_t kc = walk_chunk(M, K, kv, x_bytes, step);
-  const bool two = two_weight_rows(M, K, x_bytes);
+  const bool two = two_weight_rows(M, K, x_bytes) || two_chains(M, K);
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
