@@ -2,8 +2,8 @@
 weight row at a time while x's rows fit in 32 KB, else two (on AVX2 builds also at up to four rows
 with K >= 2048: two chains of FMAs a row of x), and from three rows of x on K in chunks of 2 KB of
 each weight row with the sums parked between chunks. The shapes here take every walk (chunked from
-M = 3 for float32 at these K, from M = 3 or 4 for 16-bit; at K = 2051 on AVX2 builds two rows at a
-time at up to four rows, one at a time at 5-7 rows of 16-bit x): K with and without a tail (part
+M = 3 for float32 at K >= 4100, from M = 3 or 4 for 16-bit; at K = 2051 on AVX2 builds two rows at
+a time at up to four rows, one at a time at 5-7 rows of 16-bit x): K with and without a tail (part
 of a vector), N not a multiple of the row pair or of the 32-row block, a one-row weight, and a
 thread's band of more than one block (one thread) or split in two (two threads).
 

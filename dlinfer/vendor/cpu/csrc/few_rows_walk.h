@@ -45,12 +45,15 @@ inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
 // vector (8 elements: 16 bytes of a 16-bit weight), which bounds the loop at the FMA's latency
 // whatever M is: on the Zen 3 EPYC, one thread with the weight in L2 (1024 x 128), one row of x,
 // bfloat16 read 8.0-8.6 GB/s (and as much at two rows) and float32 17-18, against 15-20 and 40-42
-// with two weight rows (two chains a row of x). From memory (2 threads, alternated in one process) two rows read 1.06-1.23x
-// one at K = 2048 to 8192 (the 1B shapes, M = 1, 2, 4), 1.03-1.07x at K = 1536, 0.92-0.95x at K <=
-// 1024 (SmolLM2's 576: its rows are short; docs/notes/cpu-ops.md, "Two FMA chains on AVX2"). Up to
-// four rows: 2 x M sums, with the two weight vectors and x's, fit AVX2's 16 registers. The sums'
-// bits do not depend on the walk, so neither do the outputs'. AVX-512 builds (16 lanes, and
-// vdpbf16ps's 32 elements an instruction) keep one row, measured fastest there.
+// with two weight rows (two chains a row of x). From memory (2 threads, the two walks alternated
+// in one process), two rows / one: bfloat16 1.03-1.23x and float32 1.05-1.12x at K = 2048 to 8192
+// (1B decode steps' linears 1.06-1.18x at M = 1, 2, 4), 1.04-1.07x at K = 1536, 0.92 at K = 576
+// (SmolLM2's steps, K = 576 and 1536 both on two rows, 0.85-0.98x: kept on one row); numbers in
+// docs/notes/cpu-ops.md, "Two FMA chains on AVX2". Up to four rows: 2 x M sums, with the two
+// weight vectors and x's, fit AVX2's 16 registers. The sums' bits do not depend on the walk, so
+// neither do the outputs'. AVX-512 builds (16 lanes, and vdpbf16ps's 32 elements an instruction)
+// keep one row: at one row of x, one weight row at a time read 0.85-0.98 of the probe against two
+// rows' 0.75-0.82 on the Zen 5 VM (docs/notes/cpu-ops.md, "One weight row at a time").
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kChainK = 2048;
 constexpr int64_t kChainRows = 4;
