@@ -8,7 +8,7 @@ graph binding."""
 
 import pytest
 import torch
-from support.w4_integer import dequantised
+from support.w4_integer import dequantised, eager_and_bound
 
 import dlinfer.ops as ops
 import dlinfer.vendor
@@ -34,18 +34,6 @@ def _avx2():
 
 def _kernel(x, packed, scale, offset, group, bias=None, path=INT16):
     return torch.ops.dlinfer_cpu.w4_matmul_k_interleaved(x, packed, scale, offset, bias, group, path)
-
-
-def _eager_and_bound(x, qweight, scale, offset, group):
-    """Repacks the weight through the cpu vendor's hook under the current settings, then multiplies
-    x by it through the eager op and through the graph binding: (packed, s, o, eager, bound)."""
-    from dlinfer.vendor.cpu import graph_bindings
-
-    with dlinfer.vendor.using("cpu"):
-        packed, s, o = ops.repack_weight_quant(qweight, scale, offset, group)
-        eager = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
-    bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
-    return packed, s, o, eager, bound(x, packed, s, o, None, group)
 
 
 @pytest.fixture
@@ -277,7 +265,7 @@ def test_the_setting_picks_the_layout_the_eager_path_and_the_graph_binding(monke
     x = torch.randn(2, k, generator=g)
     monkeypatch.setenv(ENV, "int16")
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
-    packed, s, o, eager, bound = _eager_and_bound(x, qweight, scale, offset, group)
+    packed, s, o, eager, bound = eager_and_bound(x, qweight, scale, offset, group)
     assert packed.dtype == torch.uint8  # k_interleaved
     want = _kernel(x, packed, s, o, group)
     assert torch.equal(eager, want) and torch.equal(bound, want)
@@ -409,7 +397,7 @@ def test_by_default_bfloat16_models_run_path_5_and_others_the_float_kernel(dtype
     x = torch.randn(3, k, generator=g).to(dtype)
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
-    packed, s, o, eager, bound = _eager_and_bound(x, qweight, scale.to(dtype), offset, group)
+    packed, s, o, eager, bound = eager_and_bound(x, qweight, scale.to(dtype), offset, group)
     if dtype == torch.bfloat16:
         assert packed.dtype == torch.uint8  # k_interleaved
         want = _kernel(x, packed, s, o, group)
@@ -421,7 +409,7 @@ def test_by_default_bfloat16_models_run_path_5_and_others_the_float_kernel(dtype
     if dtype != torch.bfloat16:
         return
     monkeypatch.setenv(ENV, "native")
-    packed, s, o, eager, bound = _eager_and_bound(x, qweight, scale.to(dtype), offset, group)
+    packed, s, o, eager, bound = eager_and_bound(x, qweight, scale.to(dtype), offset, group)
     assert packed.dtype == torch.int32
     want = torch.ops.dlinfer_cpu.w4_matmul(x, packed, s, o, None, group)
     assert torch.equal(eager, want) and torch.equal(bound, want)

@@ -8,6 +8,7 @@ binding."""
 import pytest
 import torch
 from support.w4_integer import dequantised as _dequantised
+from support.w4_integer import eager_and_bound
 
 import dlinfer.ops as ops
 import dlinfer.vendor
@@ -233,13 +234,10 @@ def test_the_setting_picks_the_layout_the_eager_path_and_the_graph_binding(monke
     x = torch.randn(2, k, generator=g)
     monkeypatch.setenv(ENV, "int8")
     monkeypatch.delenv("DLINFER_CPU_W4_LAYOUT", raising=False)
-    with dlinfer.vendor.using("cpu"):
-        packed, s, o = ops.repack_weight_quant(qweight, scale, offset, group)
-        assert packed.dtype == torch.uint8  # k_interleaved
-        eager = ops.weight_quant_matmul(x, packed, s, o, None, False, group)
-    bound = graph_bindings.weight_quant_matmul(x, packed, s, o, None, group)
+    packed, s, o, eager, bound = eager_and_bound(x, qweight, scale, offset, group)
+    assert packed.dtype == torch.uint8  # k_interleaved
     want = _kernel(x, packed, s, o, group)
-    assert torch.equal(eager, want) and torch.equal(bound(x, packed, s, o, None, group), want)
+    assert torch.equal(eager, want) and torch.equal(bound, want)
     assert not torch.equal(want, _kernel(x, packed, s, o, group, path=-1))  # the setting matters here
     monkeypatch.setenv(ENV, "native")
     with dlinfer.vendor.using("cpu"):

@@ -54,14 +54,13 @@ inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
 // neither do the outputs'. AVX-512 builds (16 lanes, and vdpbf16ps's 32 elements an instruction)
 // keep one row: at one row of x, one weight row at a time read 0.85-0.98 of the probe against two
 // rows' 0.75-0.82 on the Zen 5 VM (docs/notes/cpu-ops.md, "One weight row at a time").
-#if defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kChainK = 2048;
+#if defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kChainRows = 4;
 #else
-constexpr int64_t kChainK = 0;  // never
-constexpr int64_t kChainRows = 0;
+constexpr int64_t kChainRows = 0;  // never (the walks run M >= 1)
 #endif
-inline bool two_chains(int64_t M, int64_t K) { return M <= kChainRows && kChainK > 0 && K >= kChainK; }
+inline bool two_chains(int64_t M, int64_t K) { return M <= kChainRows && K >= kChainK; }
 
 // Elements of K a chunk holds: all of them (kv, the full-step part of K) while x fits in
 // kOneRowXBytes or M <= 2, else kSegmentBytes of an x row (whole steps, at least one);
