@@ -1,11 +1,14 @@
 """The few-row linears' walks over the weights (csrc/few_rows_walk.h), float32 and 16-bit: one
-weight row at a time while x's rows fit in 32 KB, else two (on AVX2 builds also at up to four rows
-with K >= 2048: two chains of FMAs a row of x), and from three rows of x on K in chunks of 2 KB of
-each weight row with the sums parked between chunks. The shapes here take every walk (chunked from
-M = 3 for float32 at K >= 4100, from M = 3 or 4 for 16-bit; at K = 2051 on AVX2 builds two rows at
-a time at up to four rows, one at a time at 5-7 rows of 16-bit x): K with and without a tail (part
-of a vector), N not a multiple of the row pair or of the 32-row block, a one-row weight, and a
-thread's band of more than one block (one thread) or split in two (two threads).
+weight row at a time while x's rows fit in 32 KB, else two (adjacent rows; on AVX2 builds at up to
+four rows of x at any K, two rows half the band apart: two chains of FMAs a row of x, each over a
+long stream), and from three rows of x on K in chunks of 2 KB of each weight row with the sums
+parked between chunks. The shapes here take every walk (chunked from M = 3 for float32 at K >= 4100,
+from M = 3 or 4 for 16-bit; on AVX2 builds the far pair at up to four rows, unchunked, and one row
+at a time at 5-8 rows of 16-bit x at K <= 1031, 5-7 at K = 2051): K with and without a tail (part
+of a vector), short rows (K = 131, 576), N not a multiple of the row pair or of the 32-row block, a
+band of an odd number of rows (the far pair's remainder row), a one-row weight, and a thread's band
+of more than one block (one thread) or split in two (two threads). On an AVX-512 build the far pair
+is not compiled, so this file checks it only where the kernels build for AVX2.
 
 - parity against a float64 product within the tolerance table's bound for `linear`;
 - a row's bits are the same in any call: alone (M = 1: the one-row or the two-row walk) and among
@@ -21,8 +24,9 @@ from dlinfer.conformance.tolerances import tolerance
 
 pytestmark = pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="cpu vendor cannot load here")
 
-# (K, N): K tails of 7, 4, 3, 5 and 3 elements, none at 8192; N odd, even, past two blocks, one row
-SHAPES = [(1031, 67), (4100, 35), (8227, 66), (4133, 1), (8192, 70), (2051, 67)]
+# (K, N): K tails of 7, 4, 3, 5, 3 and 3 elements, none at 8192 and 576; N odd, even, past two blocks,
+# one row, five (pairs (0, 2), (1, 3) and row 4 alone on AVX2)
+SHAPES = [(1031, 67), (4100, 35), (8227, 66), (4133, 1), (8192, 70), (2051, 67), (131, 5), (576, 515)]
 
 
 def _ops():

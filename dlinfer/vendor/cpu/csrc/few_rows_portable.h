@@ -33,7 +33,7 @@ void walk_portable(const X* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t
   const int64_t nr = n0 + (n1 - n0) / R * R;
   walk_rows<M, R, Chunked, Vec>(
       w, K, kv, kc, kFewRowsPrefetchBytes / static_cast<int64_t>(sizeof(T)), n0, nr,
-      [&](Vec* parked, int64_t n, int64_t k0, int64_t k1, const T* pf, bool first, bool last) {
+      [&](Vec* parked, int64_t n, int64_t gap, int64_t k0, int64_t k1, const T* pf, bool first, bool last) {
         Vec acc[R * M];
 #pragma GCC unroll 16
         for (int j = 0; j < R * M; ++j) acc[j] = first ? Vec(0.f) : parked[j];
@@ -42,8 +42,8 @@ void walk_portable(const X* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t
           Vec wv[R];
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            __builtin_prefetch(pf + r * K + k, 0, 1);
-            wv[r] = load_vec(wr + r * K + k);
+            __builtin_prefetch(pf + r * gap * K + k, 0, 1);
+            wv[r] = load_vec(wr + r * gap * K + k);
           }
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) {
@@ -59,13 +59,13 @@ void walk_portable(const X* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const Vec wt = kv < K ? load_part(wr + r * K + kv, K - kv) : Vec(0.f);
+          const Vec wt = kv < K ? load_part(wr + r * gap * K + kv, K - kv) : Vec(0.f);
 #pragma GCC unroll 8
           for (int m = 0; m < M; ++m) {
             Vec& a = acc[r * M + m];
             if (kv < K) a = at::vec::fmadd(wt, load_part(x + m * ldx + kv, K - kv), a);
             const float s = at::vec::vec_reduce_all<float>([](Vec& u, Vec& v) { return u + v; }, a);
-            y[m * N + n + r] = static_cast<T>(bias.add<T>(s, n + r));
+            y[m * N + n + r * gap] = static_cast<T>(bias.add<T>(s, n + r * gap));
           }
         }
       });

@@ -5,14 +5,15 @@
 // Every weight vector is used for all M rows of x, so x's M rows are read once per weight vector.
 //  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight
 //    row at a time, front to back: one stream a thread, what this CPU reads fastest.
-//  - Past that (and on AVX2 builds at up to 4 rows with K >= 2048: two_chains), two weight rows at
-//    a time (each x vector then loaded once for two of them), and from three rows of x on (x past
-//    kOneRowXBytes), K is also cut into chunks of kSegmentBytes of each x row (as many elements
-//    of each weight row) and the band into blocks of kBlockRows rows: for each block,
-//    chunk by chunk, every row pair's segment is walked with its accumulators in registers, parked
-//    in a small buffer between chunks. x's chunk (M x 2 KB at most) stays in L1 instead of being
-//    reloaded from L2 for every weight vector. "x" is x as the loop reads it: the 16-bit kernel's
-//    portable path reads it widened to float32 at up to 4 rows.
+//  - Past that (and on AVX2 builds at up to 4 rows of x: two_chains), two weight rows at a time
+//    (each x vector then loaded once for two of them; on AVX2 builds, unchunked, two rows half the
+//    band apart: kPairsApart), and from three rows of x on (x past kOneRowXBytes), K is also cut
+//    into chunks of kSegmentBytes of each x row (as many elements of each weight row) and the band
+//    into blocks of kBlockRows rows: for each block, chunk by chunk, every row pair's segment is
+//    walked with its accumulators in registers, parked in a small buffer between chunks. x's chunk
+//    (M x 2 KB at most) stays in L1 instead of being reloaded from L2 for every weight vector.
+//    "x" is x as the loop reads it: the 16-bit kernel's portable path reads it widened to float32
+//    at up to 4 rows.
 // Each output's float32 lanes add their products in the same order over k in every walk, so the
 // sums are bit-identical whichever is taken. The software prefetch runs `ahead` elements ahead in
 // the walking order: along the row in the unchunked walks (and on into the next rows), a few
@@ -40,27 +41,31 @@ inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
   return M * K * element_bytes > kOneRowXBytes;
 }
 
-// On AVX2 builds also at up to kChainRows rows of x with K >= kChainK. With 8 float32 lanes a
-// vector, one weight row at a time leaves each output one chain of dependent FMAs, one FMA a weight
-// vector (8 elements: 16 bytes of a 16-bit weight), which bounds the loop at the FMA's latency
-// whatever M is: on the Zen 3 EPYC, one thread with the weight in L2 (1024 x 128), one row of x,
-// bfloat16 read 8.0-8.6 GB/s (and as much at two rows) and float32 17-18, against 15-20 and 40-42
-// with two weight rows (two chains a row of x). From memory (2 threads, the two walks alternated
-// in one process), two rows / one: bfloat16 1.03-1.23x and float32 1.05-1.12x at K = 2048 to 8192
-// (1B decode steps' linears 1.06-1.18x at M = 1, 2, 4), 1.04-1.07x at K = 1536, 0.92 at K = 576
-// (SmolLM2's steps, K = 576 and 1536 both on two rows, 0.85-0.98x: kept on one row); numbers in
-// docs/notes/cpu-ops.md, "Two FMA chains on AVX2". Up to four rows: 2 x M sums, with the two
-// weight vectors and x's, fit AVX2's 16 registers. The sums' bits do not depend on the walk, so
-// neither do the outputs'. AVX-512 builds (16 lanes, and vdpbf16ps's 32 elements an instruction)
-// keep one row: at one row of x, one weight row at a time read 0.85-0.98 of the probe against two
-// rows' 0.75-0.82 on the Zen 5 VM (docs/notes/cpu-ops.md, "One weight row at a time").
-constexpr int64_t kChainK = 2048;
+// On AVX2 builds also at up to kChainRows rows of x, whatever K. With 8 float32 lanes a vector,
+// one weight row at a time leaves each output one chain of dependent FMAs, one FMA a weight vector
+// (8 elements: 16 bytes of a 16-bit weight), which bounds the loop at the FMA's latency whatever M
+// is: on the Zen 3 EPYC, one thread with the weight in L2 (1024 x 128), one row of x, bfloat16 read
+// 8.0-8.6 GB/s (and as much at two rows) and float32 17-18, against 15-20 and 40-42 with two
+// weight rows (two chains a row of x). The pair is two rows far apart (kPairsApart: the band's two
+// halves, two long sequential streams): adjacent rows, one short pair after another, lost on short
+// rows (SmolLM2's K = 576 and 1536: 0.85-0.98x one row at a time) where the far pair gained. From
+// memory (2 threads, the walks alternated in one process), a decode step's linears, far pair / one
+// row at a time: SmolLM2 bfloat16 1.07-1.24x at one row of x, 1.13 at four; float32 1.10-1.15,
+// 1.26; the 1B shapes bfloat16 1.20-1.29, 1.14; float32 1.09-1.18, 1.12 (docs/notes/cpu-ops.md,
+// "Two FMA chains on AVX2"). Up to four rows: 2 x M sums, with the two weight vectors and x's, fit
+// AVX2's 16 registers. The sums' bits do not depend on the walk, so neither do the outputs'.
+// AVX-512 builds (16 lanes, and vdpbf16ps's 32 elements an instruction) keep one row, and adjacent
+// pairs where x is past kOneRowXBytes: at one row of x, one weight row at a time read 0.85-0.98 of
+// the probe against two adjacent rows' 0.75-0.82 on the Zen 5 VM (docs/notes/cpu-ops.md, "One
+// weight row at a time"); far pairs were not measured there.
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kChainRows = 4;
+constexpr bool kPairsApart = true;
 #else
 constexpr int64_t kChainRows = 0;  // never (the walks run M >= 1)
+constexpr bool kPairsApart = false;
 #endif
-inline bool two_chains(int64_t M, int64_t K) { return M <= kChainRows && K >= kChainK; }
+inline bool two_chains(int64_t M) { return M <= kChainRows; }
 
 // Elements of K a chunk holds: all of them (kv, the full-step part of K) while x fits in
 // kOneRowXBytes or M <= 2, else kSegmentBytes of an x row (whole steps, at least one);
@@ -73,10 +78,13 @@ inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_byte
 
 // Walks rows [n0, n1) of w ([N, K] dense, element type T) for M rows of x, R weight rows at a
 // time ((n1 - n0) a multiple of R), K in chunks of kc elements when Chunked (kc < kv), by calls of
-//   step(parked, n, k0, k1, pf, first, last): weight rows n..n+R-1 over elements [k0, k1) (a whole
-//     number of steps), prefetching pf + r * K + k for each row r and step k. The R x M sums
-//     (acc[r * M + m]) start at zero when `first`, else from parked[R * M]; when `last` the K tail
-//     (elements kv..K) is added and output rows n..n+R-1 written, else the sums go to parked.
+//   step(parked, n, gap, k0, k1, pf, first, last): weight rows n, n + gap, .., n + (R - 1) gap over
+//     elements [k0, k1) (a whole number of steps), prefetching pf + r * gap * K + k for each row r
+//     and step k. The R x M sums (acc[r * M + m]) start at zero when `first`, else from
+//     parked[R * M]; when `last` the K tail (elements kv..K) is added and output rows n + r gap
+//     written, else the sums go to parked.
+// gap is 1 (adjacent rows) except in the unchunked walk with R > 1 on builds with kPairsApart,
+// where it is (n1 - n0) / R: the band's R parts walked side by side, each front to back.
 // The sums live in the step's locals (registers): unchunked, `first` and `last` are both true and
 // they never touch memory (a sums array shared between several lambdas went through the stack for
 // every row: 5% at SmolLM2's K = 576). always_inline: the kernels' steps may carry a target
@@ -88,8 +96,12 @@ inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_byte
 template <int M, int R, bool Chunked, typename Acc, typename T, typename Step>
 __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int64_t kv, int64_t kc, int64_t ahead,
                                                      int64_t n0, int64_t n1, Step&& step) {
-  if constexpr (!Chunked) {  // one chunk: row after row, the prefetch running on into the next rows
-    for (int64_t n = n0; n < n1; n += R) step(static_cast<Acc*>(nullptr), n, 0, kv, w + n * K + ahead, true, true);
+  if constexpr (!Chunked && R > 1 && kPairsApart) {  // the band's R parts side by side, each front to back
+    const int64_t gap = (n1 - n0) / R;
+    for (int64_t n = n0; n < n0 + gap; ++n)
+      step(static_cast<Acc*>(nullptr), n, gap, 0, kv, w + n * K + ahead, true, true);
+  } else if constexpr (!Chunked) {  // one chunk: row after row, the prefetch running on into the next rows
+    for (int64_t n = n0; n < n1; n += R) step(static_cast<Acc*>(nullptr), n, 1, 0, kv, w + n * K + ahead, true, true);
   } else {
     constexpr int64_t kGroups = kBlockRows / R;
     const int64_t chunks = (kv + kc - 1) / kc;
@@ -113,7 +125,7 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
           } else {
             pn = b + i * R, pc = c;  // the band's last segments: nothing left to fetch ahead
           }
-          step(parked[i], b + i * R, k0, k1, w + pn * K + pc * kc - k0, c == 0, k1 == kv);
+          step(parked[i], b + i * R, 1, k0, k1, w + pn * K + pc * kc - k0, c == 0, k1 == kv);
         }
       }
     }
@@ -123,7 +135,7 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
 // Splits rows [0, N) of a [N, K] weight into one band per thread (all of them on the calling
 // thread below kMinParallelBytes) and calls walk(b, e, kc, R, Chunked) for each band [b, e): R
 // (1 or 2) and Chunked as std::integral_constant, chosen by x's size (two_weight_rows,
-// walk_chunk) and, on AVX2 builds, by K (two_chains); `step`: the elements one vector step of
+// walk_chunk) and, on AVX2 builds, by M (two_chains); `step`: the elements one vector step of
 // the kernel's loop takes. element_bytes: the weight's; x_bytes: x's as the loop reads it, when
 // not the weight's (the 16-bit kernel's portable path reads x widened to float32 at up to 4 rows).
 template <int M, typename Walk>
@@ -134,7 +146,7 @@ inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step
   const int64_t grain = std::max(grain_for(N, N * K * element_bytes), (N + threads - 1) / threads);
   const int64_t kv = K - K % step;
   const int64_t kc = walk_chunk(M, K, kv, x_bytes, step);
-  const bool two = two_weight_rows(M, K, x_bytes) || two_chains(M, K);
+  const bool two = two_weight_rows(M, K, x_bytes) || two_chains(M);
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {

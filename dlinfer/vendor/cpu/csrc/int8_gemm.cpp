@@ -104,7 +104,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int8
   const int64_t kc = Chunked ? walk_chunk(M, K, kv, 1, 64) : kv;
   walk_rows<M + 1, 1, Chunked, __m512i>(
       b, K, kv, kc, kPrefetch, n0, n1,
-      [&](__m512i* parked, int64_t n, int64_t k0, int64_t k1, const int8_t* pf, bool first, bool last)
+      [&](__m512i* parked, int64_t n, int64_t /*gap*/, int64_t k0, int64_t k1, const int8_t* pf, bool first, bool last)
           __attribute__((target("avx512f,avx512bw,avx512vnni"))) {
             __m512i acc[M + 1];  // acc[M]: the correction's sums
             for (int j = 0; j <= M; ++j) acc[j] = first ? _mm512_setzero_si512() : parked[j];

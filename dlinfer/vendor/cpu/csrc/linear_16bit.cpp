@@ -52,7 +52,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
   const int64_t nr = n0 + (n1 - n0) / R * R;
   walk_rows<M, R, Chunked, __m512>(
       w, K, kv, kc, kFewRowsPrefetchBytes / 2, n0, nr,
-      [&](__m512* parked, int64_t n, int64_t k0, int64_t k1, const uint16_t* pf, bool first, bool last)
+      [&](__m512* parked, int64_t n, int64_t gap, int64_t k0, int64_t k1, const uint16_t* pf, bool first,
+          bool last)
           __attribute__((target("avx512f,avx512bw,avx512bf16"))) {
             __m512 acc[R * M];
             for (int j = 0; j < R * M; ++j) acc[j] = first ? _mm512_setzero_ps() : parked[j];
@@ -60,8 +61,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
             for (int64_t k = k0; k < k1; k += 32) {
               __m512bh wv[R];
               for (int r = 0; r < R; ++r) {
-                __builtin_prefetch(pf + r * K + k, 0, 1);
-                wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * K + k);
+                __builtin_prefetch(pf + r * gap * K + k, 0, 1);
+                wv[r] = (__m512bh)_mm512_loadu_si512(wr + r * gap * K + k);
               }
               for (int m = 0; m < M; ++m) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
@@ -74,14 +75,14 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
             }
             for (int r = 0; r < R; ++r) {
               if (tail) {
-                const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + r * K + kv);
+                const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + r * gap * K + kv);
                 for (int m = 0; m < M; ++m)
                   acc[r * M + m] = _mm512_dpbf16_ps(acc[r * M + m], wv,
                                                     (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kv));
               }
               for (int m = 0; m < M; ++m)
-                y[m * N + n + r] =
-                    static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r * M + m]), n + r));
+                y[m * N + n + r * gap] =
+                    static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r * M + m]), n + r * gap));
             }
           });
   if constexpr (R > 1) {
@@ -108,7 +109,7 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
   // Up to 4 rows, x widened to float32 once (exact), so the loop converts only the weights:
   // converting x in it took 2 operations per x vector and weight row, the FMAs' count (AVX2, Zen
   // 3 EPYC: 1B gate_up at 4 rows 10.5-10.7 -> 4.5-5.9 ms with this and the unrolled loops). The
-  // walk is then chosen by x's float32 bytes (and, on AVX2 builds, by K: two_chains). From 5 rows
+  // walk is then chosen by x's float32 bytes (on AVX2 builds two rows at any K: two_chains). From 5 rows
   // on x stays 16-bit: its float32 chunks left the two-row walk's 2 x M sums fewer registers (1B
   // down at 8 rows 3.2-3.7 -> 5.3-6.0 ms).
   if constexpr (M <= 4) {
