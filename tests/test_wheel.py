@@ -1,14 +1,15 @@
-"""A wheel carries the cpu vendor's kernels prebuilt (setup.py), one module per instruction set,
-picked at run time by the ISA torch dispatches to. Built here for AVX2 (where the CPU has it: the
-level an AVX-512 machine also runs, so the tests force torch's dispatch down to it with
+"""A wheel carries the cpu vendor's kernels prebuilt (setup.py), one module per instruction set, picked
+at run time by the ISA torch dispatches to. Built here for AVX2 (where the CPU has it: the level an
+AVX-512 machine also runs, so the tests force torch's dispatch down to it with
 ATEN_CPU_CAPABILITY=avx2, as on a CPU without AVX-512), installed into a folder of its own and
 imported with no C++ compiler on PATH: the cpu vendor loads them and passes its conformance suite
-(the AVX2 kernels' only run on an AVX-512 machine). Unforced on an AVX-512 CPU the same wheel has
-no module for the ISA torch runs at and says so. A stamp that does not match (edited sources) or
-DLINFER_CPU_PREBUILT=0 sends the vendor back to building, which then fails with a line saying why
-where there is no compiler; the refused module is never imported, so a build that follows registers
-the ops itself (the build path every source checkout takes, tested throughout the suite; a second
-full kernel build here to show it again cost six minutes of CI on a 2-core machine)."""
+and the few-row walks' test (the AVX2 kernels' only run on an AVX-512 machine). Unforced on an
+AVX-512 CPU the same wheel has no module for the ISA torch runs at and says so. A stamp that does
+not match (edited sources) or DLINFER_CPU_PREBUILT=0 sends the vendor back to building, which then
+fails with a line saying why where there is no compiler; the refused module is never imported, so a
+build that follows registers the ops itself (the build path every source checkout takes, tested
+throughout the suite; a second full kernel build here to show it again cost six minutes of CI on a
+2-core machine)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,28 @@ def test_the_cpu_vendor_passes_its_conformance_suite_from_the_wheel(installed, t
                                             "--report", str(report)])
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report.stat().st_size > 0 and "building" not in run.stderr
+
+
+WALKS_TEST = REPO / "tests" / "vendor" / "cpu" / "test_cpu_few_rows_walk.py"
+WALKS = f"""
+import sys, pytest, dlinfer, dlinfer.vendor as v
+from dlinfer.vendor.cpu import build
+v.load("cpu")
+print("from", dlinfer.__file__, build.origin(), build.isa())
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", {str(WALKS_TEST)!r}]))
+"""
+
+
+def test_the_few_row_walks_of_the_wheels_kernels(installed):
+    """The few-row linears' walks test against the wheel's kernels: on an AVX-512 host the one run
+    of the AVX2 build's walk (two weight rows half the band apart: csrc/few_rows_walk.h,
+    kPairsApart), which the checkout's AVX-512 build does not compile."""
+    run = _run_without_compiler(installed, ["-c", WALKS], PYTHONDONTWRITEBYTECODE="1")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
+    assert f"from {installed}" in run.stdout and f"prebuilt {WHEEL_ISA}" in run.stdout, run.stdout[:500]
+    summary = run.stdout.strip().splitlines()[-1]
+    assert "passed" in summary and "skipped" not in summary and "failed" not in summary, summary
 
 
 def test_prebuilt_kernels_refused_for_other_sources_or_on_request(installed, tmp_path):
