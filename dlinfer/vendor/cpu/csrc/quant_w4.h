@@ -79,8 +79,12 @@ struct Packed {
   inline int64_t lane_column(int64_t t, int i, int w) const {
     return tiled ? kTileCols * t + kTileWords * i + w : 8 * (t * kTileWords + w) + kOrder[i];
   }
-  // The tile's 16 words at row k (canonical: row k of the tile's column band).
-  inline const int32_t* row(int64_t t, int64_t k) const {
+  // The tile's 16 words at row k (canonical: row k of the tile's column band). row and ahead are
+  // inlined by force: in a scratch build whose group_rows<4> had grown (a second copy of its
+  // passes), GCC called row through the PLT on every k of one copy, each call spilling and
+  // reloading the pass's 8 accumulators around a vzeroupper: that copy ran at 0.45x the other,
+  // same source and bits (AVX2, Zen 3, 4 rows). Left to GCC, ahead stayed such a call too.
+  inline __attribute__((always_inline)) const int32_t* row(int64_t t, int64_t k) const {
     return tiled ? q + (t * K + k) * kTileWords : q + k * words + t * kTileWords;
   }
   // Prefetching ahead of rows k0..k1 of tile t: the first address, kPrefetchRows rows on, and
@@ -89,7 +93,8 @@ struct Packed {
   // against stopping at the tile's last row). A range that would run past the tensor (canonical:
   // past the tile's last row) stays on its last row instead (step 0): a pointer step per row, as
   // a clamp per row cost ~6% of those GEMVs' time.
-  inline std::pair<const int32_t*, int64_t> ahead(int64_t t, int64_t k0, int64_t k1) const {
+  inline __attribute__((always_inline)) std::pair<const int32_t*, int64_t> ahead(int64_t t, int64_t k0,
+                                                                                  int64_t k1) const {
     const int64_t stride = tiled ? kTileWords : words;
     const bool inside = tiled ? t * K + k1 + kPrefetchRows <= tiles() * K : k1 + kPrefetchRows <= K;
     if (inside) return {row(t, k0 + kPrefetchRows), stride};
