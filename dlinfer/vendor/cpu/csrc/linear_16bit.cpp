@@ -81,8 +81,8 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void walk_dpbf16(const ui
                                                     (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kv));
               }
               for (int m = 0; m < M; ++m)
-                y[m * N + n + r * gap] =
-                    static_cast<c10::BFloat16>(bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r * M + m]), n + r * gap));
+                y[m * N + n + r * gap] = static_cast<c10::BFloat16>(
+                    bias.add<c10::BFloat16>(_mm512_reduce_add_ps(acc[r * M + m]), n + r * gap));
             }
           });
   if constexpr (R > 1) {
@@ -109,9 +109,9 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
   // Up to 4 rows, x widened to float32 once (exact), so the loop converts only the weights:
   // converting x in it took 2 operations per x vector and weight row, the FMAs' count (AVX2, Zen
   // 3 EPYC: 1B gate_up at 4 rows 10.5-10.7 -> 4.5-5.9 ms with this and the unrolled loops). The
-  // walk is then chosen by x's float32 bytes (on AVX2 builds two rows at any K: two_chains). From 5 rows
-  // on x stays 16-bit: its float32 chunks left the two-row walk's 2 x M sums fewer registers (1B
-  // down at 8 rows 3.2-3.7 -> 5.3-6.0 ms).
+  // walk is then chosen by x's float32 bytes (on AVX2 builds two rows at any K: two_chains).
+  // From 5 rows on x stays 16-bit: its float32 chunks left the two-row walk's 2 x M sums fewer
+  // registers (1B down at 8 rows 3.2-3.7 -> 5.3-6.0 ms).
   if constexpr (M <= 4) {
     std::unique_ptr<float[]> xf(new float[M * K]);
     for (int m = 0; m < M; ++m) to_float(x + m * ldx, xf.get() + m * K, K);

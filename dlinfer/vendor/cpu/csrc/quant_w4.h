@@ -82,7 +82,7 @@ struct Packed {
   // The tile's 16 words at row k (canonical: row k of the tile's column band). row and ahead are
   // inlined by force: in a scratch build whose group_rows<4> had grown (a second copy of its
   // passes), GCC called row through the PLT on every k of one copy, each call spilling and
-  // reloading the pass's 8 accumulators around a vzeroupper: that copy ran at 0.45x the other,
+  // reloading the pass's 8 accumulators around a vzeroupper: that copy ran at 0.45-0.49x the other,
   // same source and bits (AVX2, Zen 3, 4 rows). Left to GCC, ahead stayed such a call too.
   inline __attribute__((always_inline)) const int32_t* row(int64_t t, int64_t k) const {
     return tiled ? q + (t * K + k) * kTileWords : q + k * words + t * kTileWords;
