@@ -189,8 +189,12 @@ void tile_row1_tiled(const Problem<T>& p, const float* x, int64_t t, int64_t g0,
 // vectors, without ternary logic (an and, then an or). A tile's row is two halves of 8 words: half
 // h holds lanes i * 16 + 8h .. + 7 of every nibble i. A pass keeps MR x NI accumulators of one
 // half (AVX2 has 16 vector registers; the zero-point vectors may live in L1): NI = 8 nibbles for
-// 1 row, 4 for 2 rows, 2 for 3-4 (kRowBlock is 4 here); a group takes 2 * 8 / NI passes over its words, the
-// later ones from L1.
+// 1 row, 4 for 2-4 rows (kRowBlock is 4 here); a group takes 2 * 8 / NI passes over its words, the
+// later ones from L1. At 3 and 4 rows NI = 4 (12 or 16 sums; at 4, 7 live on the stack) beat
+// NI = 2 (each row's word loaded and x broadcast in twice as many passes): 1.12-1.16x at 3 rows,
+// 1.04-1.09x at 4 on the 1B shapes' weights from memory, 1.00-1.09x on SmolLM2's at 4; NI = 1 lost
+// (0.6-0.8x). Same bits (each lane's sums in the same order over k); docs/notes/cpu-ops.md, "W4A16
+// at two to four rows on AVX2".
 //
 // Two things GCC needs told (seen in the compiled loop on a 2-core Zen 3 EPYC, one thread, hot
 // weights; x [M, 2048] @ [2048, 1024], a copy of the pass in a micro-benchmark): every loop over the
@@ -258,7 +262,7 @@ kAlwaysInline void half_passes(const Packed& w, const float* const* xr, int64_t 
 template <int MR>
 inline void group_rows(const Packed& w, const float* const* xr, int64_t t,
                        int64_t k0, int64_t k1, int rwords, const int32_t* zs, const float* ss, float* ybuf) {
-  constexpr int NI = MR == 1 ? 8 : MR == 2 ? 4 : MR <= 4 ? 2 : 1;  // 5-8 rows: instantiated, never run (kRowBlock)
+  constexpr int NI = MR == 1 ? 8 : MR <= 4 ? 4 : 1;  // 5-8 rows: instantiated, never run (kRowBlock)
   constexpr auto passes = std::make_integer_sequence<int, 8 / NI>{};
   if (rwords == kTileWords) {  // plain loads (the mask unused)
     half_passes<MR, NI, 0, true>(w, xr, t, k0, k1, first_words8(8), zs, ss, ybuf, passes);
