@@ -6,11 +6,10 @@
 // few_rows_walk.h gives (one row at a time while x is small, else two, in K chunks from M = 3
 // on; on AVX2 builds two, half the band apart (unchunked), at up to 4 rows: two FMA chains a row
 // of x), and every vector of W, once loaded, is used for all M rows of x; one horizontal sum per
-// output. A
-// software prefetch into L2 runs 16 KB ahead of the loads in that order (at M = 8 the FMAs take
-// about as long as the memory stream, and the two only overlap when the stream is requested well
-// ahead). Bigger M is compute-bound: the caller uses BLAS. The loop is few_rows_portable.h's, the
-// one the bfloat16 / float16 kernel's portable path runs, at T = float.
+// output. A software prefetch into L2 runs 16 KB ahead of the loads in that order (at M = 8 the
+// FMAs take about as long as the memory stream, and the two only overlap when the stream is
+// requested well ahead). Bigger M is compute-bound: the caller uses BLAS. The loop is
+// few_rows_portable.h's, the one the bfloat16 / float16 kernel's portable path runs, at T = float.
 #include "common.h"
 #include "entry_points.h"
 #include "few_rows_portable.h"
