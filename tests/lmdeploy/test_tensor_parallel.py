@@ -207,6 +207,49 @@ def test_the_watcher_ends_the_engine_when_a_rank_dies_without_a_word(caplog):
     assert not executor.procs[0]._proc.is_alive()  # the other rank is ended too
 
 
+def _kill_myself():
+    os.kill(os.getpid(), 9)
+
+
+def _sleep_through_sigterm():
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a rank blocked in a collective with a peer gone
+    time.sleep(60)
+
+
+def test_a_rank_killed_by_a_signal_ends_the_engine_without_the_arrival_wait(caplog):
+    """A killed rank cannot have reported a failure: the watcher does not wait `SIGNAL_ARRIVAL_S`
+    for its SIGUSR1, and kills a rank that outlives SIGTERM after `PEER_GONE_JOIN_S`, not
+    `JOIN_TIMEOUT_S` (both waits were run out in full before: 2 + 10 s)."""
+    import multiprocessing
+    import threading
+    import types
+
+    ctx = multiprocessing.get_context("fork")
+    lasting, quick = ctx.Process(target=_sleep_through_sigterm), ctx.Process(target=_kill_myself)
+    executor = types.SimpleNamespace(procs=[_Rank(0, lasting), _Rank(1, quick)],
+                                     _dlinfer_releasing=threading.Event(), _dlinfer_rank_signalled=threading.Event())
+    exits = []
+    lasting.start()
+    time.sleep(0.5)  # its SIGTERM handler is in place
+    try:
+        with caplog.at_level("ERROR", logger="dlinfer.lmdeploy"):
+            quick.start()
+            quick.join()
+            ended = time.monotonic()
+            thread = mp_executor.watch_ranks(executor, exit_process=exits.append)
+            thread.join(mp_executor.SIGNAL_ARRIVAL_S + mp_executor.JOIN_TIMEOUT_S + 5)
+            took = time.monotonic() - ended
+        assert not thread.is_alive() and exits == [1]
+        assert "tensor-parallel rank 1" in caplog.text and "was killed by signal 9" in caplog.text
+        assert lasting.exitcode == -9  # it ignored SIGTERM: killed
+        assert mp_executor.PEER_GONE_JOIN_S <= took < mp_executor.PEER_GONE_JOIN_S + mp_executor.SIGNAL_ARRIVAL_S, took
+    finally:
+        lasting.kill()
+        lasting.join()
+
+
 def test_the_watcher_leaves_the_caller_to_raise_when_the_signal_is_seen_after_the_exit():
     """The failing rank signals, then exits; the parent's handler may run after the watcher has
     seen the exit (the race CI hit): the watcher waits for it, and for the caller to release."""

@@ -42,7 +42,7 @@ How, for dlinfer's device types only (`devices/specs.py`; other device types get
 - `MPExecutor.__init__`, once the ranks are started, replaces LMDeploy's SIGUSR1 handler by one that
   only records the failure, and starts `watch_ranks`: a daemon thread that waits on the ranks'
   process sentinels and, when one ends while the executor is not releasing, logs which rank ended
-  and how, terminates the other ranks (SIGKILL after `JOIN_TIMEOUT_S`) and ends this process with
+  and how, terminates the other ranks (SIGKILL after `PEER_GONE_JOIN_S`) and ends this process with
   status 1, as LMDeploy's handler means to (5); likewise when a rank has signalled its failure but,
   `STUCK_AFTER_SIGNAL_S` later, no rank has ended and the waiting call has not raised (a failing
   rank's clean-up blocked on its peer). A failing rank's own clean-up wakes the parent's
@@ -84,6 +84,10 @@ SIGNAL_ARRIVAL_S = 2.0
 # process group's destruction) can block on a peer that is itself waiting for it; seen once in a
 # full suite run, the engine then hung for good.
 STUCK_AFTER_SIGNAL_S = 20.0
+# Seconds the rank watcher gives the other ranks, once a rank has ended, between SIGTERM and SIGKILL:
+# a rank whose peer is gone is usually blocked in a collective that can no longer complete (seen:
+# the survivor of a killed rank always ran out `JOIN_TIMEOUT_S`), and this process ends next.
+PEER_GONE_JOIN_S = 2.0
 
 logger = logging.getLogger("dlinfer.lmdeploy")
 
@@ -247,17 +251,20 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
             end_ranks(procs)
             exit_process(1)
             return
-        if executor._dlinfer_rank_signalled.wait(SIGNAL_ARRIVAL_S):
-            executor._dlinfer_releasing.wait(SIGNAL_GRACE_S)
-        if executor._dlinfer_releasing.is_set():
-            return
         rank, proc = sentinels[ended[0]]
         proc.join(1.0)
         code = proc.exitcode
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        killed = code is not None and code < 0
+        # A rank killed by a signal never got to report a failure: no SIGUSR1 to wait for (unless one
+        # was already seen, which the wait then returns at once).
+        if executor._dlinfer_rank_signalled.wait(0 if killed else SIGNAL_ARRIVAL_S):
+            executor._dlinfer_releasing.wait(SIGNAL_GRACE_S)
+        if executor._dlinfer_releasing.is_set():
+            return
+        how = f"was killed by signal {-code}" if killed else f"exited with code {code}"
         logger.error("tensor-parallel rank %d (pid %s) %s: ending the engine's other ranks and this process "
                      "(status 1), as LMDeploy's MPExecutor does when a rank fails.", rank, proc.pid, how)
-        end_ranks(procs)
+        end_ranks(procs, PEER_GONE_JOIN_S)
         exit_process(1)
 
     thread = threading.Thread(target=watch, name="dlinfer-watch-ranks", daemon=True)
