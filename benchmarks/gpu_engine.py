@@ -13,7 +13,7 @@ Sides: dlinfer_cuda (eager: its graph runner is LMDeploy's plain one), LMDeploy'
 eager mode (the like-for-like row) and with its CUDA graphs (what LMDeploy users run; the
 SmolLM2-shaped model only). Each side runs in a process of its own (the native side never imports
 dlinfer's adaptor, which patches LMDeploy), in the time left of --budget, and writes JSON:
-- greedy tokens of 8 chat prompts (do_preprocess=False on the template-rendered prompts, the end of
+- greedy tokens of 8 chat prompts (--prompts; the dry run: 2) (do_preprocess=False on the template-rendered prompts, the end of
   sequence banned), all submitted at once;
 - decode tokens/s at each batch size, as dlinfer/tools/decode_timing.py defines it (B (N - 1) /
   (T(N) - T(1)), best of --repeats).
@@ -48,7 +48,7 @@ from gpu_timing import run_limited  # noqa: E402
 GPU_SIDES = (("dlinfer_cuda", "dlinfer_cuda", None, True), ("native", "cuda", None, True),
              ("native_cudagraph", "cuda", None, False))
 DRY_SIDES = (("dlinfer_cuda", "cpu", "triton", True), ("native", "cpu", "torch", True))
-PROMPTS = 8
+PROMPTS = 8  # the greedy-token comparison's prompts (--prompts; the dry run takes 2)
 
 
 def build_model(name: str, tokenizer: str | None) -> Path:
@@ -78,7 +78,7 @@ def child(args) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     out = {"side": side, "eager": args.eager, "started": time.time()}
     cfg = dict(device_type=side["device_type"], dtype=args.dtype, eager_mode=args.eager,
-               max_batch_size=max(max(batches), PROMPTS), session_len=4096)
+               max_batch_size=max(max(batches), args.prompts), session_len=4096)
     if side["device_type"] == "cpu":
         cfg.update(block_size=16, num_gpu_blocks=256)
     else:
@@ -88,10 +88,10 @@ def child(args) -> int:
     out["load_s"] = time.perf_counter() - t0
     try:
         tok = pipe.async_engine.tokenizer
-        prompts = chat_prompts(getattr(tok, "model", tok), max(PROMPTS, max(batches)))
+        prompts = chat_prompts(getattr(tok, "model", tok), max(args.prompts, max(batches)))
         run = generator(pipe)
-        out["prompt_ids"] = [tok.encode(p, add_bos=True) for p in prompts[:PROMPTS]]
-        out["tokens"] = run(PROMPTS, args.new_tokens, prompts=prompts)
+        out["prompt_ids"] = [tok.encode(p, add_bos=True) for p in prompts[:args.prompts]]
+        out["tokens"] = run(args.prompts, args.new_tokens, prompts=prompts)
         rates = {}
         for b in batches:
             t_n = t_1 = float("inf")
@@ -145,7 +145,7 @@ def run_side(name, device_type, vendor, eager, model, batches, args, timeout) ->
     side = dict(device_type=device_type, vendor=vendor)
     cmd = [sys.executable, __file__, "--child", json.dumps(side), "--model", str(model), "--out", str(out),
            "--dtype", args.dtype, "--batches", batches, "--new-tokens", str(args.new_tokens),
-           "--repeats", str(args.repeats)] + (["--eager"] if eager else [])
+           "--repeats", str(args.repeats), "--prompts", str(args.prompts)] + (["--eager"] if eager else [])
     t0 = time.perf_counter()
     rc, stdout, stderr = run_limited(cmd, timeout, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if rc is None:
@@ -203,6 +203,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=PROMPTS, help="prompts whose greedy tokens are compared")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--tokenizer", default=None, help="SmolLM2's tokenizer folder (for --models smollm2)")
     ap.add_argument("--side-timeout", type=int, default=150, help="most seconds for one side's process")
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--dry-run runs the triton vendor on the CPU: set TRITON_INTERPRET=1")
         sides, device = DRY_SIDES, "cpu"
-        args.models, args.batches, args.new_tokens, args.repeats = "tiny", "1,2", 4, 1
+        # two prompts: the interpreted side's batch of prompts was half of the dry run's engine step
+        args.models, args.batches, args.new_tokens, args.repeats, args.prompts = "tiny", "1,2", 4, 1, 2
     else:
         if not torch.cuda.is_available():
             sys.exit("gpu_engine.py needs a CUDA GPU (or --dry-run)")

@@ -7,7 +7,8 @@ before each call, so no call is served from the previous one's cache, and the GP
 time, not the host's launch work (which made decode-sized rows of the first H200 runs read 5 us
 one run and 50 the next). That host work is measured apart (`host_time`: the median wall-clock
 of issuing one call while the GPU is busy), since an eager engine pays it. On the CPU (a dry run
-under TRITON_INTERPRET=1) a time is wall-clock: it proves that the code path runs, and is no timing.
+under TRITON_INTERPRET=1) a time is the wall-clock of `reps` calls without a warm-up: it proves that the
+code path runs, and is no timing.
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ BUSY_CYCLES = 1_000_000  # ~0.5 ms at the H200's 1.98 GHz: longer than any launc
 
 def device_time(fn, reps: int, device: str, warmup: int = 3) -> float:
     """Median seconds of one fn() call over `reps` calls (see the module docstring)."""
-    if not str(device).startswith("cuda"):
-        from bench_cpu_ops import median_time  # benchmarks/ is on sys.path when a benchmark runs
-
-        for _ in range(warmup - 1):  # median_time makes the last warm-up call itself
+    if not str(device).startswith("cuda"):  # a dry run: each call's wall-clock, no warm-up (it times nothing)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
             fn()
-        return median_time(fn, reps)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
     for _ in range(warmup):
         fn()
     if device not in _flush:
