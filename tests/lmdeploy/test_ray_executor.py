@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["The model token cache", "One two three four five six seven"]
 # What tests/conftest.py sets for the whole run (Ray reads the first when it is imported), and
 # the Ray processes started here get too.
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+                 "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 assert all(os.environ.get(k) == v for k, v in LOCAL_RAY_ENV.items()), "tests/conftest.py sets these"
 
 

@@ -36,7 +36,8 @@ PROMPTS = ["The model token cache", "One two three four five six seven"]
 NEW_TOKENS = 12
 # The processes' environment: Ray's own settings for a cluster no other machine reaches, but not
 # the suite's loopback-only switch (tests/conftest.py), which would put every node on 127.0.0.1.
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # SIGTERM stops a node at once (tests/conftest.py)
 
 
 def _ip(*args, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
