@@ -4,8 +4,11 @@ told to stop. After each, the server answers a greedy chat with the in-process p
 or has exited as documented (docs/lmdeploy.md, "Serving"), and no process it started is left.
 
 One server (a tiny Llama) takes the cases that leave it serving, in file order; it runs with
-DLINFER_FAIL_FORWARD_TOKEN set, so a prefill holding that token raises inside the forward. The
-cases that end a server start their own.
+DLINFER_FAIL_FORWARD_TOKEN set, so a prefill holding that token raises inside the forward; the
+last of them kills its engine process, which ends it. The SIGTERM during a long generation starts
+a server of its own (other options). Two more ends of a server are checked on other modules'
+servers, each a server start fewer: a clean SIGTERM (tests/lmdeploy/test_serve.py) and a SIGKILLed
+server whose engine exits by itself (tests/serving/test_images.py).
 """
 
 from __future__ import annotations
@@ -201,43 +204,18 @@ def test_sleep_then_wakeup_serves_the_same_tokens(server, greedy_reference):
     assert_serves(server, greedy_reference)
 
 
-def test_sigterm_stops_the_server_with_no_process_left(server):
-    """Runs last: stops the module's server."""
-    start = time.monotonic()
-    server.sigterm_and_wait()
-    assert time.monotonic() - start < STOP_TIMEOUT_S
-
-
-def test_engine_process_exits_when_the_server_is_killed(model_dir, tmp_path):
-    """SIGKILL gives the server no shutdown: the engine process (weights + KV cache in RAM) notices
-    its parent is gone and exits by itself (patches/mp_engine.py)."""
-    srv = Server(model_dir("llama"), tmp_path / "server.log")
-    try:
-        srv.wait_ready()
-        engine = [p for p in srv.descendants if p.name() == "ZMQMPEngine"]
-        assert engine, srv.descendants
-        srv.proc.kill()
-        srv.proc.wait(STOP_TIMEOUT_S)
-        srv.assert_nothing_left("orphaned")
-    finally:
-        srv.stop()
-
-
-def test_server_exits_when_its_engine_process_dies(model_dir, tmp_path):
-    """A dead engine used to leave the server answering errors forever, so a supervisor that
-    restarts on exit never fired: now it exits with status 3 within seconds (patches/mp_engine.py)."""
+def test_server_exits_when_its_engine_process_dies(server):
+    """Runs last: ends the module's server. A dead engine used to leave the server answering errors
+    forever, so a supervisor that restarts on exit never fired: now it exits with status 3 within
+    seconds (patches/mp_engine.py). (A clean SIGTERM stop: tests/lmdeploy/test_serve.py's last
+    test; a SIGKILLed server's engine: tests/serving/test_images.py's.)"""
     from dlinfer.framework.lmdeploy_ext.patches.mp_engine import ENGINE_DIED_STATUS
 
-    srv = Server(model_dir("llama"), tmp_path / "server.log")
-    try:
-        srv.wait_ready()
-        (engine,) = [p for p in srv.descendants if p.name() == "ZMQMPEngine"]
-        engine.kill()
-        assert srv.proc.wait(30) == ENGINE_DIED_STATUS
-        assert "the engine process (pid" in (tmp_path / "server.log").read_text()
-        srv.assert_nothing_left()
-    finally:
-        srv.stop()
+    (engine,) = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
+    engine.kill()
+    assert server.proc.wait(30) == ENGINE_DIED_STATUS
+    assert "the engine process (pid" in server.log.read_text(errors="replace")
+    server.assert_nothing_left()
 
 
 def test_sigterm_cancels_a_long_generation_after_the_shutdown_bound(model_dir, tmp_path, monkeypatch):

@@ -1,7 +1,9 @@
 """Images a client gets wrong, against a live `python -m dlinfer serve` of a tiny Qwen2-VL
 (patches/image_checks.py): each is a 400 naming the item and what is wrong, where LMDeploy said
 "Request preprocessing failed." or an image processor's internals, or read a file of the
-server's; the server then answers a good image as before."""
+server's; the server then answers a good image as before. The last test ends the module's server
+with SIGKILL, a fault case of tests/serving/test_faults.py run here to save a server start: its
+engine process must exit by itself."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
-from support.api_server import Server
+from support.api_server import STOP_TIMEOUT_S, Server
 from support.tiny_vlms import tiny_vlm
 
 pytestmark = pytest.mark.slow
@@ -65,3 +67,13 @@ def test_a_bad_image_is_a_400_naming_it_and_the_server_serves_on(server, good_an
     assert status == 400 and message in answer["message"], (status, answer)
     status, again = _ask(server, _data_url(56, 84))
     assert status == 200 and again["choices"][0]["output_ids"] == good_answer, again
+
+
+def test_engine_process_exits_when_the_server_is_killed(server):
+    """Runs last: ends the module's server. SIGKILL gives the server no shutdown: the engine process
+    (weights + KV cache in RAM) notices its parent is gone and exits by itself (patches/mp_engine.py)."""
+    engine = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
+    assert engine, server.descendants
+    server.proc.kill()
+    server.proc.wait(STOP_TIMEOUT_S)
+    server.assert_nothing_left("orphaned")
