@@ -13,8 +13,8 @@ Sides: dlinfer_cuda (eager: its graph runner is LMDeploy's plain one), LMDeploy'
 eager mode (the like-for-like row) and with its CUDA graphs (what LMDeploy users run; the
 SmolLM2-shaped model only). Each side runs in a process of its own (the native side never imports
 dlinfer's adaptor, which patches LMDeploy), in the time left of --budget, and writes JSON:
-- greedy tokens of 8 chat prompts (--prompts; the dry run: 2) (do_preprocess=False on the template-rendered prompts, the end of
-  sequence banned), all submitted at once;
+- greedy tokens of 8 chat prompts (--prompts; the dry run: 2; do_preprocess=False on the
+  template-rendered prompts, the end of sequence banned), all submitted at once;
 - decode tokens/s at each batch size, as dlinfer/tools/decode_timing.py defines it (B (N - 1) /
   (T(N) - T(1)), best of --repeats).
 The parent compares the tokens prompt by prompt. Where they differ it explains the first
