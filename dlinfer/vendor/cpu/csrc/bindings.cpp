@@ -6,8 +6,13 @@
 // dispatcher"). These bindings call the same functions directly, as torch does its own: CPU tensors
 // checked, the GIL released while the kernel runs, C++ errors raised as torch raises them. The
 // torch.ops registrations stay (tests and tools call them by name); the vendor's hot path does not.
+//
+// Only the headers the bindings use: pybind11 with torch's Tensor casters (utils/pybind.h) and the
+// error macros (Exceptions.h). <torch/extension.h> would add the whole C++ frontend (modules,
+// optimisers): this file, the longest of the build, compiled in 60 s with it and 19 s without
+// (one core of the Zen 3 EPYC VM, the same casters in the object).
 #include <torch/csrc/Exceptions.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "entry_points.h"
 
