@@ -1,5 +1,6 @@
 """`python -m dlinfer env` prints what a bug report needs, and reports failures as lines."""
 
+import json
 import os
 import re
 import subprocess
@@ -169,21 +170,34 @@ def test_unknown_command_fails():
     assert proc.returncode != 0
 
 
-@pytest.mark.parametrize("argv,message", [
+TYPOS = [
     (["bench", "/nonexistent/model"], "does not exist"),
     (["bench", ".", "--mode", "fast"], "--mode 'fast'"),
     (["chat", ".", "--device", "tpu"], "--device 'tpu': expected one of cpu, dlinfer_cuda"),
-])
-def test_chat_and_bench_refuse_a_typo_before_importing_lmdeploy(argv, message):
+]
+
+
+def test_chat_and_bench_refuse_a_typo_before_importing_lmdeploy():
     """The option checks that need no LMDeploy (dlinfer/framework/lmdeploy_options.py) run before the
-    command's module imports the adaptor, which patches LMDeploy and takes seconds."""
+    command's module imports the adaptor, which patches LMDeploy and takes seconds. (Every case in
+    one fresh process: none imports LMDeploy, so none can hide that another did.)"""
     code = textwrap.dedent(f"""
-        import sys
+        import contextlib, io, json, sys
         from dlinfer.__main__ import main
-        code = main({argv!r})
-        print(code, sorted(m for m in ("lmdeploy", "dlinfer.framework.lmdeploy_ext") if m in sys.modules))
+        runs = []
+        for argv in {[argv for argv, _ in TYPOS]!r}:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                code = main(argv)
+            modules = sorted(m for m in ("lmdeploy", "dlinfer.framework.lmdeploy_ext") if m in sys.modules)
+            runs.append([code, modules, err.getvalue()])
+        print(json.dumps(runs))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.stdout.split() == ["2", "[]"], run.stdout + run.stderr[-2000:]
-    lines = run.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"python -m dlinfer {argv[0]}: error: ") and message in lines[0]
+    assert run.returncode == 0, run.stderr[-2000:]
+    runs = json.loads(run.stdout.strip().splitlines()[-1])
+    for (argv, message), (code, modules, err) in zip(TYPOS, runs, strict=True):
+        assert (code, modules) == (2, []), (argv, code, modules, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], (argv, err)
+        assert lines[0].startswith(f"python -m dlinfer {argv[0]}: error: "), (argv, err)
