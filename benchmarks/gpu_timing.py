@@ -7,8 +7,8 @@ before each call, so no call is served from the previous one's cache, and the GP
 time, not the host's launch work (which made decode-sized rows of the first H200 runs read 5 us
 one run and 50 the next). That host work is measured apart (`host_time`: the median wall-clock
 of issuing one call while the GPU is busy), since an eager engine pays it. On the CPU (a dry run
-under TRITON_INTERPRET=1) a time is the wall-clock of `reps` calls without a warm-up: it proves that the
-code path runs, and is no timing.
+under TRITON_INTERPRET=1) a time is the median wall-clock of `reps` calls without a warm-up: it proves
+that the code path runs, and is no timing.
 """
 
 from __future__ import annotations

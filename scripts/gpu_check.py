@@ -327,14 +327,19 @@ def main(argv=None) -> int:
     beside = None  # the dry run's engine step: (thread, its log), run beside the others
 
     def run(name, step_argv, budget, produced, log):
-        results[name] = run_step(name, step_argv, budget, log)
-        if produced and produced.is_file():
-            try:
-                results[name]["output"] = json.loads(produced.read_text())
-            except json.JSONDecodeError as exc:
-                results[name]["output"] = f"unreadable JSON: {exc}"
-        print(f"[gpu_check] {name}: {results[name]['status']} ({results[name]['seconds']} s)", file=sys.stderr,
-              flush=True)
+        # The result is built whole, then published: the dry run's engine thread must not change a
+        # dict the main thread may be writing out, and an error in it must not vanish with it.
+        try:
+            result = run_step(name, step_argv, budget, log)
+            if produced and produced.is_file():
+                try:
+                    result["output"] = json.loads(produced.read_text())
+                except (json.JSONDecodeError, OSError, UnicodeDecodeError) as exc:
+                    result["output"] = f"unreadable JSON: {exc}"
+        except Exception as exc:
+            result = {"status": f"failed ({type(exc).__name__}: {exc})", "seconds": None, "argv": step_argv}
+        results[name] = result
+        print(f"[gpu_check] {name}: {result['status']} ({result['seconds']} s)", file=sys.stderr, flush=True)
 
     # The dry run times nothing: its engine step (about half of it, mostly one core's Python) starts
     # first and runs beside the others, into a log of its own appended at the end.
@@ -357,8 +362,8 @@ def main(argv=None) -> int:
                 beside[0].start()
                 continue
             run(name, step_argv, budget, produced, log)
-            write_results(out, ordered(results, plan), args.dry_run)  # after every step: a cut-off run keeps
-            # what was done
+            # after every step: a cut-off run keeps what was done
+            write_results(out, ordered(results, plan), args.dry_run)
         if beside is not None:
             thread, own = beside
             thread.join()
