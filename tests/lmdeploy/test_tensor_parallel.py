@@ -211,28 +211,30 @@ def _kill_myself():
     os.kill(os.getpid(), 9)
 
 
-def _sleep_through_sigterm():
+def _sleep_through_sigterm(ready):
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a rank blocked in a collective with a peer gone
+    ready.set()
     time.sleep(60)
 
 
 def test_a_rank_killed_by_a_signal_ends_the_engine_without_the_arrival_wait(caplog):
-    """A killed rank cannot have reported a failure: the watcher does not wait `SIGNAL_ARRIVAL_S`
-    for its SIGUSR1, and kills a rank that outlives SIGTERM after `PEER_GONE_JOIN_S`, not
-    `JOIN_TIMEOUT_S` (both waits were run out in full before: 2 + 10 s)."""
+    """A rank SIGKILLed from outside never reported a failure: the watcher does not wait
+    `SIGNAL_ARRIVAL_S` for its SIGUSR1, and kills a rank that outlives SIGTERM after
+    `PEER_GONE_JOIN_S`, not `JOIN_TIMEOUT_S` (both waits were run out in full before: 2 + 10 s)."""
     import multiprocessing
     import threading
     import types
 
     ctx = multiprocessing.get_context("fork")
-    lasting, quick = ctx.Process(target=_sleep_through_sigterm), ctx.Process(target=_kill_myself)
+    ready = ctx.Event()
+    lasting, quick = ctx.Process(target=_sleep_through_sigterm, args=(ready,)), ctx.Process(target=_kill_myself)
     executor = types.SimpleNamespace(procs=[_Rank(0, lasting), _Rank(1, quick)],
                                      _dlinfer_releasing=threading.Event(), _dlinfer_rank_signalled=threading.Event())
     exits = []
     lasting.start()
-    time.sleep(0.5)  # its SIGTERM handler is in place
+    assert ready.wait(30)  # its SIGTERM handler is in place
     try:
         with caplog.at_level("ERROR", logger="dlinfer.lmdeploy"):
             quick.start()
@@ -248,6 +250,26 @@ def test_a_rank_killed_by_a_signal_ends_the_engine_without_the_arrival_wait(capl
     finally:
         lasting.kill()
         lasting.join()
+
+
+def test_a_rank_that_reported_its_failure_and_was_then_killed_leaves_the_caller_to_raise():
+    """The SIGKILL fast path only skips a wait for a SIGUSR1 not yet seen: one seen before the kill
+    still gives the waiting call its grace to raise (`RankFailedError`), and nothing is ended."""
+    import multiprocessing
+    import threading
+    import types
+
+    ctx = multiprocessing.get_context("fork")
+    lasting, quick = ctx.Process(target=time.sleep, args=(60,)), ctx.Process(target=_kill_myself)
+    executor = types.SimpleNamespace(procs=[_Rank(0, lasting), _Rank(1, quick)],
+                                     _dlinfer_releasing=threading.Event(), _dlinfer_rank_signalled=threading.Event())
+    executor._dlinfer_rank_signalled.set()
+
+    def release(executor):
+        time.sleep(0.2)
+        executor._dlinfer_releasing.set()  # what collective_rpc does before it raises RankFailedError
+
+    assert _watch(executor, after_exit=release) == []
 
 
 def test_the_watcher_leaves_the_caller_to_raise_when_the_signal_is_seen_after_the_exit():

@@ -43,12 +43,13 @@ How, for dlinfer's device types only (`devices/specs.py`; other device types get
   only records the failure, and starts `watch_ranks`: a daemon thread that waits on the ranks'
   process sentinels and, when one ends while the executor is not releasing, logs which rank ended
   and how, terminates the other ranks (SIGKILL after `PEER_GONE_JOIN_S`) and ends this process with
-  status 1, as LMDeploy's handler means to (5); likewise when a rank has signalled its failure but,
-  `STUCK_AFTER_SIGNAL_S` later, no rank has ended and the waiting call has not raised (a failing
-  rank's clean-up blocked on its peer). A failing rank's own clean-up wakes the parent's
-  wait for its reply with no reply (LMDeploy then fails later on a None); `collective_rpc` (every
-  call while the engine is built) raises `RankFailedError` instead, after ending the ranks, so a
-  rank that cannot load its weights makes `pipeline(...)` raise, naming the call.
+  status 1, as LMDeploy's handler means to (5); likewise (SIGKILL after `JOIN_TIMEOUT_S`) when a
+  rank has signalled its failure but, `STUCK_AFTER_SIGNAL_S` later, no rank has ended and the
+  waiting call has not raised (a failing rank's clean-up blocked on its peer). A failing rank's
+  own clean-up wakes the parent's wait for its reply with no reply (LMDeploy then fails later on a
+  None); `collective_rpc` (every call while the engine is built) raises `RankFailedError`
+  instead, after ending the ranks, so a rank that cannot load its weights makes `pipeline(...)`
+  raise, naming the call.
   `ExecutorProc.join` waits at most `JOIN_TIMEOUT_S` for a terminated rank, then kills it.
 """
 
@@ -227,8 +228,10 @@ class RankFailedError(RuntimeError):
 def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
     """Start a daemon thread that, when a rank process of `executor` (an MPExecutor) ends before
     the executor releases its ranks, logs it, ends the other ranks and calls `exit_process(1)`.
-    A rank that signalled its failure (its SIGUSR1 seen within `SIGNAL_ARRIVAL_S` of its exit)
-    gives a call waiting on it (`_patch_collective_rpc`) `SIGNAL_GRACE_S` to raise instead."""
+    A rank that signalled its failure (its SIGUSR1 seen within `SIGNAL_ARRIVAL_S` of its exit, or
+    before it, for a rank ended by SIGKILL) gives a call waiting on it (`_patch_collective_rpc`)
+    `SIGNAL_GRACE_S` to raise instead. The other ranks get `PEER_GONE_JOIN_S` between SIGTERM and
+    SIGKILL when a rank has ended, `JOIN_TIMEOUT_S` when none has (a reported failure, stuck)."""
     procs = [(p.proc_id, p._proc) for p in executor.procs]
 
     def watch():
@@ -255,9 +258,10 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
         proc.join(1.0)
         code = proc.exitcode
         killed = code is not None and code < 0
-        # A rank killed by a signal never got to report a failure: no SIGUSR1 to wait for (unless one
-        # was already seen, which the wait then returns at once).
-        if executor._dlinfer_rank_signalled.wait(0 if killed else SIGNAL_ARRIVAL_S):
+        # A rank SIGKILLed from outside (kill -9, the OOM killer) never reported a failure: no
+        # SIGUSR1 to wait for (one already seen makes the wait return at once). Other signals keep the
+        # wait: a rank that reported its failure can still die of SIGABRT or SIGSEGV in its clean-up.
+        if executor._dlinfer_rank_signalled.wait(0 if code == -signal.SIGKILL else SIGNAL_ARRIVAL_S):
             executor._dlinfer_releasing.wait(SIGNAL_GRACE_S)
         if executor._dlinfer_releasing.is_set():
             return
