@@ -194,8 +194,9 @@ def test_chat_and_bench_refuse_a_typo_before_importing_lmdeploy():
         print(json.dumps(runs))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    runs = json.loads(run.stdout.strip().splitlines()[-1])
+    assert run.returncode == 0 and run.stderr == "", run.stderr[-2000:]  # nothing but the cases' own lines
+    assert len(run.stdout.splitlines()) == 1, run.stdout
+    runs = json.loads(run.stdout)
     for (argv, message), (code, modules, err) in zip(TYPOS, runs, strict=True):
         assert (code, modules) == (2, []), (argv, code, modules, err)
         lines = err.strip().splitlines()

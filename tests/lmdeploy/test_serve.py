@@ -1,7 +1,8 @@
 """`python -m dlinfer serve`: LMDeploy's OpenAI-compatible server on device_type="cpu".
 
 One server (a tiny Llama, 127.0.0.1, a free port) answers the tests in file order; the last one
-stops it with SIGTERM and checks that no process it started is left. The engine runs in a child
+kills its engine process, which must end the server with status 3 and leave no process (the clean
+SIGTERM stop is tests/serving/test_faults.py's last test). The engine runs in a child
 process (LMDeploy's multi-process engine, started with spawn), which imports the adaptor through
 its entry point (patches/mp_engine.py). Every wait is bounded. Faults (hostile requests, dying
 processes, sleep, dropping clients) are driven in tests/serving.
@@ -78,15 +79,18 @@ def test_sixteen_concurrent_requests_all_answered(server):
     assert time.monotonic() - start < REQUEST_TIMEOUT_S
 
 
-def test_sigterm_shuts_down_cleanly_with_no_engine_process_left(server):
-    """Runs last: stops the module's server."""
-    engine = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
-    assert engine and all(p.is_running() for p in engine), server.descendants
-    start = time.monotonic()
-    server.sigterm_and_wait()  # uvicorn re-raises the SIGTERM it caught: -SIGTERM is a clean exit too
-    assert time.monotonic() - start < STOP_TIMEOUT_S
-    log = server.log_tail()
-    assert "Application shutdown complete" in log and "Finished server process" in log, log
+def test_server_exits_when_its_engine_process_dies(server):
+    """Runs last: ends the module's server. A dead engine used to leave the server answering errors
+    forever, so a supervisor that restarts on exit never fired: now it exits with status 3 within
+    seconds (patches/mp_engine.py). (A clean SIGTERM stop: tests/serving/test_faults.py's last test,
+    after its faults; a SIGKILLed server's engine: tests/serving/test_images.py's.)"""
+    from dlinfer.framework.lmdeploy_ext.patches.mp_engine import ENGINE_DIED_STATUS
+
+    (engine,) = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
+    engine.kill()
+    assert server.proc.wait(30) == ENGINE_DIED_STATUS
+    assert f"the engine process (pid {engine.pid}) died" in server.log.read_text(errors="replace")
+    server.assert_nothing_left()
 
 
 def test_a_bad_shutdown_bound_is_one_line(model_dir, monkeypatch, capsys):
