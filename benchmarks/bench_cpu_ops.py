@@ -49,9 +49,10 @@ def timeit(fn, min_time=0.3, min_reps=3):
     return statistics.median(times)
 
 
-def median_time(fn, reps=5):
-    """Median seconds of `reps` calls of fn after one warm-up call (a fixed count, unlike timeit)."""
-    fn()
+def median_time(fn, reps=5, warmup=1):
+    """Median seconds of `reps` calls of fn after `warmup` warm-up calls (a fixed count, unlike timeit)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

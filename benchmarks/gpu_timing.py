@@ -40,12 +40,9 @@ BUSY_CYCLES = 1_000_000  # ~0.5 ms at the H200's 1.98 GHz: longer than any launc
 def device_time(fn, reps: int, device: str, warmup: int = 3) -> float:
     """Median seconds of one fn() call over `reps` calls (see the module docstring)."""
     if not str(device).startswith("cuda"):  # a dry run: each call's wall-clock, no warm-up (it times nothing)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        from bench_cpu_ops import median_time  # benchmarks/ is on sys.path when a benchmark runs
+
+        return median_time(fn, reps, warmup=0)
     for _ in range(warmup):
         fn()
     if device not in _flush:

@@ -42,7 +42,7 @@ def greedy_reference(model_dir):
 def test_models_lists_the_served_model(server):
     status, models = server.request("GET", "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [server.model], models
-    assert any(p.name() == "ZMQMPEngine" for p in server.descendants), server.descendants  # the engine's process
+    assert server.engines(), server.descendants  # the engine's process
 
 
 def test_greedy_chat_equals_the_pipeline(server, greedy_reference):
@@ -86,7 +86,7 @@ def test_server_exits_when_its_engine_process_dies(server):
     after its faults; a SIGKILLed server's engine: tests/serving/test_images.py's.)"""
     from dlinfer.framework.lmdeploy_ext.patches.mp_engine import ENGINE_DIED_STATUS
 
-    (engine,) = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
+    (engine,) = server.engines()
     engine.kill()
     assert server.proc.wait(30) == ENGINE_DIED_STATUS
     assert f"the engine process (pid {engine.pid}) died" in server.log.read_text(errors="replace")
@@ -110,7 +110,7 @@ def test_tensor_parallel_server_answers_and_stops_with_its_ranks(model_dir, tmp_
     srv = Server(model_dir("llama"), tmp_path / "server.log", "--tp", "2")
     try:
         srv.wait_ready()
-        engine = [p for p in srv.descendants if p.name() == "ZMQMPEngine"]
+        engine = srv.engines()
         assert len(engine) == 1 and len(engine[0].children()) >= 2, srv.descendants  # its rank processes
         choice = srv.chat(MESSAGES, return_token_ids=True)["choices"][0]
         assert (choice["output_ids"], choice["message"]["content"]) == greedy_reference

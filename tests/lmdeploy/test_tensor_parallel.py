@@ -166,15 +166,18 @@ class _Rank:
         self.proc_id, self._proc = proc_id, proc
 
 
-def _watched_executor(exit_code: int):
-    """An executor stand-in with one rank process that exits with `exit_code` at once, and one
-    that lives until it is terminated."""
+def _watched_executor(exit_code: int = 0, quick=None, lasting=None):
+    """An executor stand-in with two rank processes (fork, not started): rank 1 `quick`, by default
+    exiting with `exit_code` at once, and rank 0 `lasting`, by default living until it is ended;
+    each given as (target, args)."""
     import multiprocessing
     import threading
     import types
 
     ctx = multiprocessing.get_context("fork")
-    quick, lasting = ctx.Process(target=os._exit, args=(exit_code,)), ctx.Process(target=time.sleep, args=(60,))
+    quick_fn, quick_args = quick or (os._exit, (exit_code,))
+    lasting_fn, lasting_args = lasting or (time.sleep, (60,))
+    quick, lasting = ctx.Process(target=quick_fn, args=quick_args), ctx.Process(target=lasting_fn, args=lasting_args)
     return types.SimpleNamespace(procs=[_Rank(0, lasting), _Rank(1, quick)],
                                  _dlinfer_releasing=threading.Event(), _dlinfer_rank_signalled=threading.Event())
 
@@ -224,14 +227,10 @@ def test_a_rank_killed_by_a_signal_ends_the_engine_without_the_arrival_wait(capl
     `SIGNAL_ARRIVAL_S` for its SIGUSR1, and kills a rank that outlives SIGTERM after
     `PEER_GONE_JOIN_S`, not `JOIN_TIMEOUT_S` (both waits were run out in full before: 2 + 10 s)."""
     import multiprocessing
-    import threading
-    import types
 
-    ctx = multiprocessing.get_context("fork")
-    ready = ctx.Event()
-    lasting, quick = ctx.Process(target=_sleep_through_sigterm, args=(ready,)), ctx.Process(target=_kill_myself)
-    executor = types.SimpleNamespace(procs=[_Rank(0, lasting), _Rank(1, quick)],
-                                     _dlinfer_releasing=threading.Event(), _dlinfer_rank_signalled=threading.Event())
+    ready = multiprocessing.get_context("fork").Event()
+    executor = _watched_executor(quick=(_kill_myself, ()), lasting=(_sleep_through_sigterm, (ready,)))
+    lasting, quick = (rank._proc for rank in executor.procs)
     exits = []
     lasting.start()
     assert ready.wait(30)  # its SIGTERM handler is in place
@@ -255,14 +254,7 @@ def test_a_rank_killed_by_a_signal_ends_the_engine_without_the_arrival_wait(capl
 def test_a_rank_that_reported_its_failure_and_was_then_killed_leaves_the_caller_to_raise():
     """The SIGKILL fast path only skips a wait for a SIGUSR1 not yet seen: one seen before the kill
     still gives the waiting call its grace to raise (`RankFailedError`), and nothing is ended."""
-    import multiprocessing
-    import threading
-    import types
-
-    ctx = multiprocessing.get_context("fork")
-    lasting, quick = ctx.Process(target=time.sleep, args=(60,)), ctx.Process(target=_kill_myself)
-    executor = types.SimpleNamespace(procs=[_Rank(0, lasting), _Rank(1, quick)],
-                                     _dlinfer_releasing=threading.Event(), _dlinfer_rank_signalled=threading.Event())
+    executor = _watched_executor(quick=(_kill_myself, ()))
     executor._dlinfer_rank_signalled.set()
 
     def release(executor):

@@ -208,7 +208,7 @@ def test_sigterm_stops_the_server_cleanly_with_no_process_left(server):
     """Runs last: stops the module's server, after every fault above (a failed forward's reset,
     dropped streams, sleep and wakeup): uvicorn's shutdown completes, within the bound, and the
     engine process it started is gone."""
-    engine = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
+    engine = server.engines()
     assert engine and all(p.is_running() for p in engine), server.descendants
     start = time.monotonic()
     server.sigterm_and_wait()  # uvicorn re-raises the SIGTERM it caught: -SIGTERM is a clean exit too

@@ -72,8 +72,7 @@ def test_a_bad_image_is_a_400_naming_it_and_the_server_serves_on(server, good_an
 def test_engine_process_exits_when_the_server_is_killed(server):
     """Runs last: ends the module's server. SIGKILL gives the server no shutdown: the engine process
     (weights + KV cache in RAM) notices its parent is gone and exits by itself (patches/mp_engine.py)."""
-    engine = [p for p in server.descendants if p.name() == "ZMQMPEngine"]
-    assert engine, server.descendants
+    assert server.engines(), server.descendants
     server.proc.kill()
     server.proc.wait(STOP_TIMEOUT_S)
     server.assert_nothing_left("orphaned")

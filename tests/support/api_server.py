@@ -93,6 +93,10 @@ class Server:
         assert status == 200, (status, answer)
         return answer
 
+    def engines(self) -> list:
+        """The engine processes (LMDeploy's ZMQMPEngine) among the processes the server started."""
+        return [p for p in self.descendants if p.name() == "ZMQMPEngine"]
+
     def assert_nothing_left(self, what: str = "left running") -> None:
         """Every process the server started has exited (within STOP_TIMEOUT_S)."""
         _, alive = psutil.wait_procs(self.descendants, timeout=STOP_TIMEOUT_S)
