@@ -19,4 +19,9 @@ if [[ "${1:-}" == "--fast" ]]; then
   shift
   set -- -m "not slow" "$@"
 fi
-exec "$ROOT/.venv/bin/python" -m pytest -ra --durations=15 "$@"
+# Two pytest-xdist workers where the machine has two cores or more (most of the suite runs one
+# Python thread at a time: the interpreted Triton kernels, compiles, engine and server start-ups);
+# tests/conftest.py makes each test file one unit of work. DLINFER_TEST_WORKERS sets the count;
+# 0 runs in this process (as `-n 0` after the command does, for --pdb or -s).
+WORKERS="${DLINFER_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 0 ))}"
+exec "$ROOT/.venv/bin/python" -m pytest -ra --durations=15 -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"

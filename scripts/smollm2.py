@@ -12,6 +12,7 @@ only when missing or when the recipe changes.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -108,15 +109,21 @@ def build_smollm2(folder: Path = DEFAULT_DIR, log: Callable[[str], None] = print
     if _is_built(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
-    try:
-        _convert(gguf_path(), staging, log)
-        (staging / _STAMP).write_text(json.dumps({"recipe": RECIPE, "source": GGUF_NAME}))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # One builder at a time (two test workers, or a test beside the main job): a process that
+    # waited finds the folder built and uses it; none removes a folder another is reading.
+    with open(folder.parent / f".{folder.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_built(folder):
+            return folder
+        staging = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
+        try:
+            _convert(gguf_path(), staging, log)
+            (staging / _STAMP).write_text(json.dumps({"recipe": RECIPE, "source": GGUF_NAME}))
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(staging, folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     log(f"[smollm2] built {folder}")
     return folder
 
