@@ -128,24 +128,20 @@ def k_interleave(qweight, scale, offset, group):
             out[:, col::8] = (q >> (4 * p)) & 15
         return out
 
-    values = values_of(qweight)
-    zeros = values_of(offset) if offset is not None else torch.full((groups, n), 8, dtype=torch.int64)
+    def padded(t):  # [rows, n] -> [rows, 64 * tiles] on the CPU, zero past N
+        return torch.nn.functional.pad(t.cpu(), (0, 64 * tiles - n))
+
+    values = padded(values_of(qweight))  # [K, 64 tiles]
+    zeros = padded(values_of(offset) if offset is not None else torch.full((groups, n), 8, dtype=torch.int64))
     sdtype = torch.float16 if torch.equal(scale.to(torch.float16).to(scale.dtype), scale) else torch.float32
-    sbytes = 2 if sdtype == torch.float16 else 4
-    lines_at = 64 * sbytes + 64
-    out = torch.zeros(tiles, groups, lines_at + g // 8 * 256, dtype=torch.uint8)
-    values, zeros, scale = values.cpu(), zeros.cpu(), scale.cpu().to(sdtype)
-    b = torch.arange(g // 8).view(-1, 1)
-    r = torch.arange(4).view(1, -1)
-    for c in range(n):
-        t, lane = c // 64, c % 64
-        at = lines_at + (b * 4 + lane // 16) * 64 + 4 * (lane % 16) + r  # [g/8, 4]: the bytes of rows 8b + r
-        for gi in range(groups):
-            block = out[t, gi]
-            block[lane * sbytes:(lane + 1) * sbytes] = scale[gi, c:c + 1].view(torch.uint8)
-            block[64 * sbytes + lane] = int(zeros[gi, c])
-            rows = gi * g + 8 * b + r
-            block[at] = (values[rows, c] | (values[rows + 4, c] << 4)).to(torch.uint8)
+    # the block's head: 64 scales (their bytes, in column order), then 64 zero-point bytes
+    scales = padded(scale.to(sdtype)).view(groups, tiles, 64).transpose(0, 1).contiguous().view(torch.uint8)
+    zero_bytes = zeros.view(groups, tiles, 64).transpose(0, 1).to(torch.uint8)
+    # row g gi + 8b + 4h + r, column 64t + 16v + l -> [gi, b, h, r, t, v, l]; the byte pairs h = 0 / 1
+    rows = values.view(groups, g // 8, 2, 4, tiles, 4, 16)
+    nibbles = rows[:, :, 0] | (rows[:, :, 1] << 4)  # [gi, b, r, t, v, l]
+    lines = nibbles.permute(3, 0, 1, 4, 5, 2).reshape(tiles, groups, g // 8 * 256)  # byte (4b + v) 64 + 4l + r
+    out = torch.cat([scales.view(tiles, groups, -1), zero_bytes, lines.to(torch.uint8)], dim=-1)
     return out.to(qweight.device)
 
 
