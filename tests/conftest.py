@@ -21,7 +21,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-
 # pytest-xdist (scripts/run_tests.sh runs the suite on two workers, `--dist loadfile
 # --no-loadscope-reorder`): one test file is one unit of work, so a module's engine, server or
 # cluster starts once, on one worker; the Ray files are one unit between them (one Ray cluster on
