@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from dlinfer.conformance.reference import cache_slot_view
+from dlinfer.conformance.reference import slot_rows
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 LAYOUTS = ("token_major", "head_major")
@@ -183,6 +183,9 @@ def slots_of(paged, b, positions, block_size):
 
 
 def write_cache(cache, slots, values, block_size, layout):
-    """Independent writer (the checks' own, not fill_kv_cache): values [n, H, D] to slots."""
-    for i, slot in enumerate(slots):
-        cache_slot_view(cache, slot, block_size, layout).copy_(values[i])
+    """Independent writer (the checks' own, not fill_kv_cache): values [n, H, D] to n distinct slots."""
+    slots = list(slots)
+    if len(set(slots)) != len(slots):
+        raise ValueError("write_cache: slots repeat")
+    if slots:
+        cache[slot_rows(cache, slots, block_size, layout)] = values.to(device=cache.device, dtype=cache.dtype)

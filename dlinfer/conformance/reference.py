@@ -179,17 +179,25 @@ def dequantise_cache(cache, scale, zero, layout):
     return (q - _f64(zero).view(shape)) * _f64(scale).view(shape)
 
 
+def slot_rows(cache, slots, block_size, layout):
+    """Advanced-indexing view arguments for token slots: cache[slot_rows(...)] is [n, H, D], row i
+    the cache's row of slots[i] (a gather on read, a scatter on assignment)."""
+    slots = torch.as_tensor(slots, dtype=torch.int64, device=cache.device)
+    block, off = slots // block_size, slots % block_size
+    if layout == "token_major":  # [NB, BS, H, D]
+        return block, off
+    if layout == "head_major":  # [NB, H, BS, D]: the slice between the two index tensors puts n first
+        return block, slice(None), off
+    raise ValueError(layout)
+
+
 def gather_paged(cache, block_table_row, kv_len, block_size, layout):
-    """Token-by-token gather of the first kv_len positions of one sequence -> [kv_len, H, D]."""
-    blocks = _ints(block_table_row)
-    rows = []
-    for pos in range(kv_len):
-        slot = blocks[pos // block_size] * block_size + pos % block_size
-        rows.append(cache_slot_view(cache, slot, block_size, layout))
-    H, D = (cache.shape[2], cache.shape[3]) if layout == "token_major" else (cache.shape[1], cache.shape[3])
-    if not rows:
-        return torch.zeros(0, H, D, dtype=F64)
-    return _f64(torch.stack([r.detach().cpu() for r in rows]))
+    """The first kv_len positions of one sequence -> [kv_len, H, D] float64: position p sits in
+    the sequence's block p // block_size at offset p % block_size."""
+    blocks = torch.tensor(_ints(block_table_row), dtype=torch.int64)
+    pos = torch.arange(kv_len, dtype=torch.int64)
+    slots = blocks[pos // block_size] * block_size + pos % block_size
+    return _f64(cache[slot_rows(cache, slots, block_size, layout)].detach().cpu())
 
 
 # ---------------------------------------------------------------- attention
