@@ -40,16 +40,11 @@ at::Tensor silu_and_mul(const at::Tensor& x_in) {
   const at::Tensor x = dense_rows(x_in);
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_and_mul: x must be [N, 2I]");
   const int64_t N = x.size(0), I = x.size(1) / 2;
-  at::Tensor out = at::empty({N, I}, x.options());
+  at::Tensor out = empty_tensor({N, I}, x.options());
   AT_DISPATCH_V2(x.scalar_type(), "silu_and_mul", AT_WRAP([&] {
     silu_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<scalar_t>(), N, I);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return out;
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
 }
 
 }  // namespace dlinfer_cpu

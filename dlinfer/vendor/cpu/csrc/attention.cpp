@@ -218,21 +218,21 @@ void decode(const DecodeArgs& a, const at::Tensor& query, const at::Tensor& out)
   });
 }
 
+CacheView cache_view(const at::Tensor& cache) {
+  return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+}  // namespace
+
 // Splits per (token, kv head): only when tokens x kv heads leave threads idle (fewer than two items
 // per thread), and never below 256 keys a split.
-int64_t num_splits(int64_t tokens, int64_t kv_heads, int64_t longest, int64_t block_size, int64_t threads) {
+int64_t decode_num_splits(int64_t tokens, int64_t kv_heads, int64_t longest, int64_t block_size, int64_t threads) {
   const int64_t base = tokens * kv_heads;
   if (base == 0 || base >= 2 * threads) return 1;
   const int64_t want = (2 * threads + base - 1) / base;
   const int64_t most = std::max<int64_t>(1, ((longest + block_size - 1) / block_size * block_size) / 256);
   return std::min(want, most);
 }
-
-CacheView cache_view(const at::Tensor& cache) {
-  return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
-}
-
-}  // namespace
 
 void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_table, const at::Tensor& cu_seqlens_q,
@@ -317,7 +317,7 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
   a.tok_first = tok_first.data();
   a.tok_pos = tok_pos.data();
   a.bytes = keys * a.Hkv * (a.D + a.Dv) * static_cast<int64_t>(key_cache.element_size());
-  a.S = num_splits(a.T, a.Hkv, longest, a.BS, at::get_num_threads());
+  a.S = decode_num_splits(a.T, a.Hkv, longest, a.BS, at::get_num_threads());
   if (int8) {
     AT_DISPATCH_V2(query.scalar_type(), "paged_decode_attention",
                    AT_WRAP([&] { decode<scalar_t, int8_t>(a, query, out); }), at::kFloat, at::kBFloat16, at::kHalf);
@@ -326,17 +326,6 @@ void paged_decode_attention(const at::Tensor& query_in, const at::Tensor& key_ca
                    AT_WRAP([&] { decode<scalar_t, scalar_t>(a, query, out); }), at::kFloat, at::kBFloat16, at::kHalf);
   }
   if (!out.is_same(out_in)) out_in.copy_(out);  // an output whose last dim was strided
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def(
-      "paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-      "Tensor cu_seqlens_q, Tensor kv_seq_len, int max_kv_seq_len, float softmax_scale, Tensor? alibi_slopes, "
-      "Tensor(a!) out, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? v_zero=None, Tensor? k_zero=None, "
-      "int sliding_window=0, float logit_softcapping=0.0) -> ()");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
-  m.def("decode_num_splits(int tokens, int kv_heads, int longest, int block_size, int threads) -> int",
-        &num_splits);
 }
 
 }  // namespace dlinfer_cpu

@@ -1,5 +1,5 @@
-// The cpu vendor's kernel entry points: the functions each csrc/*.cpp registers as
-// torch.ops.dlinfer_cpu.* and bindings.cpp binds as functions of the extension module, which
+// The cpu vendor's kernel entry points: the functions csrc/*.cpp define, registrations.cpp registers
+// as torch.ops.dlinfer_cpu.* and bindings.cpp binds as functions of the extension module, which
 // kernels.py and weight_quant.py call (no dispatcher: see bindings.cpp). Every tensor is a CPU
 // tensor; shapes and dtypes are checked inside and documented at each definition. T tokens, N rows,
 // H hidden size, Hq / Hkv heads, D head size, NB blocks of BS slots, g the 4-bit group size.
@@ -105,7 +105,8 @@ int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, i
 
 // Every entry point above, once: bindings.cpp binds each as a function of the extension module
 // (tests/vendor/test_cpu_bindings.py checks the list against the declarations). A new kernel: its
-// .cpp in csrc/ (build.py compiles every one), its declaration here, its name in this list.
+// .cpp in csrc/ (build.py compiles every one), its declaration here, its name in this list, its
+// schema in registrations.cpp.
 #define DLINFER_CPU_ENTRY_POINTS(X) \
   X(silu_and_mul) \
   X(rms_norm) \
@@ -135,5 +136,15 @@ int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, i
   X(w4_amx_available) \
   X(w4_bf16_dot_available) \
   X(read_probe)
+
+// Facts of the kernels that tests and tools read through torch.ops.dlinfer_cpu only (registrations.cpp),
+// not kernels: the split rule of the decode attention (attention.cpp), the most rows the few-row
+// linears and the W4 register kernel take (linear.cpp, quant_w4.h), and the paths the 16-bit linear
+// and the int8 GEMM take when asked for none (linear_16bit.cpp, int8_gemm.cpp).
+int64_t decode_num_splits(int64_t tokens, int64_t kv_heads, int64_t longest, int64_t block_size, int64_t threads);
+int64_t linear_max_rows();
+int64_t linear_16bit_best_path();
+int64_t w4_max_rows();
+int64_t int8_best_path();
 
 }  // namespace dlinfer_cpu

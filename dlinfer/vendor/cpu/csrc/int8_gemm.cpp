@@ -281,11 +281,11 @@ at::Tensor int8_matmul_rows(const int8_t* const* a_rows, int64_t M, const at::Te
   // torch 2.13's CPU _int_mm returns garbage at K = 1 (N > 1; found by tests/vendor/test_cpu_w8a8.py,
   // every K in 2..139 and the model sizes checked exact): small K stays on int8_gemm, where it is cheap.
   if (M > kGemvRows && N > 0 && K >= kMinIntMmK) {
-    at::Tensor a = at::empty({M, K}, b.options());
+    at::Tensor a = empty_tensor({M, K}, b.options());
     for (int64_t m = 0; m < M; ++m) std::memcpy(a.data_ptr<int8_t>() + m * K, a_rows[m], K);
     return at::_int_mm(a, b.t());
   }
-  at::Tensor out = at::empty({M, N}, b.options().dtype(at::kInt));
+  at::Tensor out = empty_tensor({M, N}, b.options().dtype(at::kInt));
   int8_gemm(a_rows, M, b.data_ptr<int8_t>(), N, K, out.data_ptr<int32_t>(), N, best_int8_path());
   return out;
 }

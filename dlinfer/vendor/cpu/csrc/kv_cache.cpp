@@ -111,11 +111,4 @@ void fill_kv_cache(const at::Tensor& key_in, const at::Tensor& value_in, const a
   fill_one(value, value_cache, slots);
 }
 
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def(
-      "fill_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor kv_indices, "
-      "Tensor? k_scale=None, Tensor? k_zero=None, Tensor? v_scale=None, Tensor? v_zero=None) -> ()");
-  m.impl("fill_kv_cache", c10::DispatchKey::CPU, &fill_kv_cache);
-}
-
 }  // namespace dlinfer_cpu

@@ -30,6 +30,8 @@ void run_rows(const float* x, int64_t ldx, const float* w, const float* bias, fl
 
 }  // namespace
 
+int64_t linear_max_rows() { return kMaxRows; }
+
 at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "linear_few_rows: shapes");
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear_few_rows: float32 only");
@@ -41,7 +43,7 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const 
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias");
     b = bias->data_ptr<float>();
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = empty_tensor({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -58,12 +60,6 @@ at::Tensor linear_few_rows(const at::Tensor& x, const at::Tensor& weight, const 
     case 8: run_rows<8>(xp, ldx, wp, b, yp, K, N); break;
   }
   return y;
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("linear_few_rows(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("linear_few_rows", c10::DispatchKey::CPU, &linear_few_rows);
-  m.def("max_few_rows() -> int", []() -> int64_t { return kMaxRows; });
 }
 
 }  // namespace dlinfer_cpu

@@ -146,6 +146,8 @@ void run(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t M, int64_
 
 }  // namespace
 
+int64_t linear_16bit_best_path() { return best_path(); }
+
 // x [M, K] (rows dense), weight [N, K] contiguous, bias [N]? (x's dtype or float32), all
 // bfloat16 or float16 -> [M, N] in x's dtype. path: -1 the best for the dtype, else that path.
 at::Tensor linear_few_rows_16bit(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -170,7 +172,7 @@ at::Tensor linear_few_rows_16bit(const at::Tensor& x, const at::Tensor& weight, 
                 " ", bias->scalar_type());
     b = Bias{bias->data_ptr(), bias->scalar_type() == at::kFloat};
   }
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = empty_tensor({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const int p = static_cast<int>(path);
   if (dt == at::kBFloat16) {
@@ -181,12 +183,6 @@ at::Tensor linear_few_rows_16bit(const at::Tensor& x, const at::Tensor& weight, 
     run<T>(x.data_ptr<T>(), x.stride(0), weight.data_ptr<T>(), b, y.data_ptr<T>(), M, K, N, p);
   }
   return y;
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("linear_few_rows_16bit(Tensor x, Tensor weight, Tensor? bias, int path=-1) -> Tensor");
-  m.impl("linear_few_rows_16bit", c10::DispatchKey::CPU, &linear_few_rows_16bit);
-  m.def("linear_16bit_best_path() -> int", []() -> int64_t { return best_path(); });
 }
 
 }  // namespace dlinfer_cpu

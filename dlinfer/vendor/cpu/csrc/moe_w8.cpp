@@ -80,7 +80,7 @@ at::Tensor fused_moe_w8a8(const at::Tensor& hidden_in, const at::Tensor& gate_up
     if (e >= 0 && e < E) pairs[e].push_back(p);
   }
 
-  at::Tensor out_f = at::empty({T, H}, hidden.options().dtype(at::kFloat));
+  at::Tensor out_f = empty_tensor({T, H}, hidden.options().dtype(at::kFloat));
   float* out = out_f.data_ptr<float>();
   std::fill(out, out + T * H, 0.f);
   std::vector<const int8_t*> rows;
@@ -132,12 +132,6 @@ at::Tensor fused_moe_w8a8(const at::Tensor& hidden_in, const at::Tensor& gate_up
     });
   }
   return out_f.to(hidden.scalar_type());
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("fused_moe_w8a8(Tensor hidden_states, Tensor gate_up_weights, Tensor gate_up_scales, Tensor down_weights, "
-        "Tensor down_scales, Tensor topk_weights, Tensor topk_ids, bool renormalize) -> Tensor");
-  m.impl("fused_moe_w8a8", c10::DispatchKey::CPU, &fused_moe_w8a8);
 }
 
 }  // namespace dlinfer_cpu

@@ -32,13 +32,13 @@ std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& hidden_in, const std::
               "rms_norm: weight must be [", hidden.size(1), "] float32 or ", hidden.scalar_type(), ", got ",
               weight.sizes(), " ", weight.scalar_type());
   const int64_t N = hidden.size(0), H = hidden.size(1);
-  at::Tensor out = at::empty({N, H}, hidden.options());
+  at::Tensor out = empty_tensor({N, H}, hidden.options());
   at::Tensor summed;
   if (residual.has_value()) {
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == N && residual->size(1) == H &&
                     residual->scalar_type() == hidden.scalar_type(),
                 "add_rms_norm: residual must be [N, H] like hidden_states");
-    summed = at::empty({N, H}, hidden.options());
+    summed = empty_tensor({N, H}, hidden.options());
   }
   AT_DISPATCH_V2(hidden.scalar_type(), "rms_norm", AT_WRAP([&] {
     using T = scalar_t;
@@ -65,13 +65,6 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& hidden, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
   return norm(hidden, residual, weight, eps);
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("rms_norm(Tensor hidden_states, Tensor weight, float epsilon) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
-  m.def("add_rms_norm(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) -> (Tensor, Tensor)");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
 }
 
 }  // namespace dlinfer_cpu

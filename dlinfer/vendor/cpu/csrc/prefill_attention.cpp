@@ -378,17 +378,4 @@ void paged_prefill_attention(const at::Tensor& query_in, const at::Tensor& key_c
   finish(out, out_in);
 }
 
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def(
-      "prefill_attention(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, float softmax_scale, "
-      "Tensor? alibi_slopes, Tensor(a!) out, int sliding_window=0, float logit_softcapping=0.0) -> ()");
-  m.impl("prefill_attention", c10::DispatchKey::CPU, &prefill_attention);
-  m.def(
-      "paged_prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
-      "Tensor cu_seqlens_q, Tensor kv_seq_len, float softmax_scale, Tensor? alibi_slopes, Tensor(a!) out, "
-      "Tensor? k_scale=None, Tensor? v_scale=None, Tensor? v_zero=None, Tensor? k_zero=None, "
-      "int sliding_window=0, float logit_softcapping=0.0) -> ()");
-  m.impl("paged_prefill_attention", c10::DispatchKey::CPU, &paged_prefill_attention);
-}
-
 }  // namespace dlinfer_cpu

@@ -395,6 +395,8 @@ void run_rows(const Problem<T>& p) {
 
 }  // namespace
 
+int64_t w4_max_rows() { return w4::kMaxRowsW4; }
+
 // x [M, K] (M <= kMaxRowsW4), qweight, scale [K/g, N] (x's dtype or float16: widened exactly), offset?, bias?
 // -> [M, N] in x's dtype.
 at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight_in, const at::Tensor& scale_in,
@@ -424,13 +426,6 @@ at::Tensor w4_matmul(const at::Tensor& x, const at::Tensor& qweight_in, const at
     if (M > 0) run_rows(p);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return y.result();
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("w4_matmul(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, int group_size) "
-        "-> Tensor");
-  m.impl("w4_matmul", c10::DispatchKey::CPU, &w4_matmul);
-  m.def("w4_max_rows() -> int", []() -> int64_t { return kMaxRowsW4; });
 }
 
 }  // namespace dlinfer_cpu

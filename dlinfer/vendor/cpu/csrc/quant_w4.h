@@ -323,14 +323,14 @@ class ResultRows {
       own_.reset(new float[std::max<int64_t>(M * N, 1)]);
       data_ = own_.get();
     } else {
-      y_ = at::empty({M, N}, x.options().dtype(at::kFloat));
+      y_ = empty_tensor({M, N}, x.options().dtype(at::kFloat));
       data_ = y_.data_ptr<float>();
     }
   }
   float* data() const { return data_; }
   at::Tensor result() {
     if (!own_) return x_.scalar_type() == at::kFloat ? y_ : y_.to(x_.scalar_type());
-    at::Tensor out = at::empty({M_, N_}, x_.options());
+    at::Tensor out = empty_tensor({M_, N_}, x_.options());
     const bool bf16 = x_.scalar_type() == at::kBFloat16;
     at::parallel_for(0, M_ * N_, 1 << 16, [&](int64_t b, int64_t e) {
       if (bf16) {

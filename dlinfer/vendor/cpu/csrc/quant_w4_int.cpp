@@ -34,8 +34,6 @@
 #include "entry_points.h"
 #include "quant_w4_ki.h"
 
-#include <ATen/ops/zeros.h>
-
 #if defined(CPU_CAPABILITY_AVX512)
 #include <cpuid.h>  // amx_here: the CPU's AMX flags, and Linux's grant of the tile state
 #include <sys/syscall.h>
@@ -550,7 +548,7 @@ at::Tensor w4_k_interleaved(const at::Tensor& qweight, const at::Tensor& scale_i
   const at::Tensor half = scale.to(at::kHalf);
   const at::Tensor s = scale.scalar_type() == at::kHalf || half.to(scale.scalar_type()).equal(scale) ? half : scale.to(at::kFloat);
   const int64_t sb = s.element_size(), G = K / g, B = w4v::block_bytes_of(g, sb), pb = w4v::param_bytes_of(sb);
-  at::Tensor out = at::zeros({tiles, G, B}, q.options().dtype(at::kByte));
+  at::Tensor out = zeros_tensor({tiles, G, B}, q.options().dtype(at::kByte));
   const uint32_t* src = reinterpret_cast<const uint32_t*>(q.data_ptr<int32_t>());
   const uint8_t* sbytes = reinterpret_cast<const uint8_t*>(s.data_ptr());
   const uint32_t* zsrc = offset.has_value() ? reinterpret_cast<const uint32_t*>(offset->data_ptr<int32_t>()) : nullptr;
@@ -672,18 +670,5 @@ bool w4_int8_activations_available() { return w4v::int8_path_here(); }
 bool w4_int16_activations_available() { return w4v::int16_path_here(); }
 bool w4_amx_available() { return w4v::amx_here(); }
 bool w4_bf16_dot_available() { return w4v::bf16_dot_here(); }
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("w4_k_interleaved(Tensor qweight, Tensor scale, Tensor? offset, int group_size) -> Tensor");
-  m.impl("w4_k_interleaved", c10::DispatchKey::CPU, &w4_k_interleaved);
-  m.def("w4_matmul_k_interleaved(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? bias, int group_size, "
-        "int path=-1) -> Tensor");
-  m.impl("w4_matmul_k_interleaved", c10::DispatchKey::CPU, &w4_matmul_k_interleaved);
-  m.def("w4_vnni_available() -> bool", &w4_vnni_available);
-  m.def("w4_int8_activations_available() -> bool", &w4_int8_activations_available);
-  m.def("w4_int16_activations_available() -> bool", &w4_int16_activations_available);
-  m.def("w4_amx_available() -> bool", &w4_amx_available);
-  m.def("w4_bf16_dot_available() -> bool", &w4_bf16_dot_available);
-}
 
 }  // namespace dlinfer_cpu

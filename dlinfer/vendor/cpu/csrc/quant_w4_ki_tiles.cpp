@@ -25,7 +25,7 @@ at::Tensor w4_ki_dequantise_tiles(const at::Tensor& qweight, int64_t N, int64_t 
               tiles, " tiles");
   const w4v::Layout w{qweight.data_ptr<uint8_t>(), K, N, g, G, sb, w4v::param_bytes_of(sb), B};
   const int64_t width = (t1 - t0) * w4v::kCols;
-  at::Tensor out = at::empty({K, width}, qweight.options().dtype(at::kFloat));
+  at::Tensor out = empty_tensor({K, width}, qweight.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   at::parallel_for(t0, t1, 1, [&](int64_t tb, int64_t te) {
     float zs[w4v::kCols], ss[w4v::kCols];
@@ -65,11 +65,6 @@ at::Tensor w4_ki_dequantise_tiles(const at::Tensor& qweight, int64_t N, int64_t 
       }
   });
   return out;
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("w4_ki_dequantise_tiles(Tensor qweight, int N, int group_size, int t0, int t1) -> Tensor");
-  m.impl("w4_ki_dequantise_tiles", c10::DispatchKey::CPU, &w4_ki_dequantise_tiles);
 }
 
 }  // namespace dlinfer_cpu

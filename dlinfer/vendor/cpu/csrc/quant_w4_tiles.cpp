@@ -4,8 +4,6 @@
 #include "entry_points.h"
 #include "quant_w4.h"
 
-#include <ATen/ops/zeros.h>
-
 namespace dlinfer_cpu {
 using namespace w4;
 
@@ -26,7 +24,7 @@ at::Tensor w4_dequantise_tiles(const at::Tensor& qweight_in, const at::Tensor& s
   TORCH_CHECK(0 <= t0 && t0 <= t1 && t1 <= tiles, "w4_dequantise_tiles: tile range");
   const Packed w = packed_of(qweight, K, N);
   const int64_t width = (t1 - t0) * kTileCols;
-  at::Tensor out = at::empty({K, width}, scale.options().dtype(at::kFloat));
+  at::Tensor out = empty_tensor({K, width}, scale.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   AT_DISPATCH_V2(scale.scalar_type(), "w4_dequantise_tiles", AT_WRAP([&] {
     using T = scalar_t;
@@ -87,7 +85,7 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kInt, "w4_column_tiled: int32 [K, N/8]");
   const at::Tensor q = qweight.contiguous();
   const int64_t K = q.size(0), words = q.size(1), tiles = num_tiles(words);
-  at::Tensor out = at::zeros({tiles, K, kTileWords}, q.options());
+  at::Tensor out = zeros_tensor({tiles, K, kTileWords}, q.options());
   const uint32_t* src = reinterpret_cast<const uint32_t*>(q.data_ptr<int32_t>());
   uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
@@ -106,13 +104,6 @@ at::Tensor w4_column_tiled(const at::Tensor& qweight) {
     }
   });
   return out;
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("w4_dequantise_tiles(Tensor qweight, Tensor scale, Tensor? offset, int group_size, int t0, int t1) -> Tensor");
-  m.impl("w4_dequantise_tiles", c10::DispatchKey::CPU, &w4_dequantise_tiles);
-  m.def("w4_column_tiled(Tensor qweight) -> Tensor");
-  m.impl("w4_column_tiled", c10::DispatchKey::CPU, &w4_column_tiled);
 }
 
 }  // namespace dlinfer_cpu

@@ -18,8 +18,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic_quant(const at::Tensor& x_in) {
   const at::Tensor x = dense_rows(x_in);
   TORCH_CHECK(x.dim() == 2, "dynamic_quant: x must be [N, K]");
   const int64_t N = x.size(0), K = x.size(1);
-  at::Tensor q = at::empty({N, K}, x.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({N}, x.options().dtype(at::kFloat));
+  at::Tensor q = empty_tensor({N, K}, x.options().dtype(at::kChar));
+  at::Tensor scale = empty_tensor({N}, x.options().dtype(at::kFloat));
   AT_DISPATCH_V2(x.scalar_type(), "dynamic_quant", AT_WRAP([&] {
     using T = scalar_t;
     const T* xp = x.data_ptr<T>();
@@ -57,14 +57,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_quant(const at::Tensor& hidd
                   weight.numel() == hidden.size(1),
               "rms_norm_w8a8: hidden_states [N, H], weight [H] float32 or hidden_states' dtype");
   const int64_t N = hidden.size(0), H = hidden.size(1);
-  at::Tensor q = at::empty({N, H}, hidden.options().dtype(at::kChar));
-  at::Tensor scale = at::empty({N}, hidden.options().dtype(at::kFloat));
+  at::Tensor q = empty_tensor({N, H}, hidden.options().dtype(at::kChar));
+  at::Tensor scale = empty_tensor({N}, hidden.options().dtype(at::kFloat));
   at::Tensor summed;
   if (residual.has_value()) {
     TORCH_CHECK(residual->dim() == 2 && residual->size(0) == N && residual->size(1) == H &&
                     residual->scalar_type() == hidden.scalar_type(),
                 "add_rms_norm_w8a8: residual must be [N, H] like hidden_states");
-    summed = at::empty({N, H}, hidden.options());
+    summed = empty_tensor({N, H}, hidden.options());
   }
   AT_DISPATCH_V2(hidden.scalar_type(), "rms_norm_w8a8", AT_WRAP([&] {
     using T = scalar_t;
@@ -139,7 +139,7 @@ at::Tensor int8_matmul(const at::Tensor& a_in, const at::Tensor& b_in, int64_t p
   const Int8Operands o = int8_operands("int8_matmul", a_in, b_in);
   const int64_t M = o.a.size(0), N = o.b.size(0), K = o.a.size(1);
   if (path < 0) return int8_matmul_rows(o.rows.data(), M, o.b);
-  at::Tensor out = at::empty({M, N}, o.a.options().dtype(at::kInt));
+  at::Tensor out = empty_tensor({M, N}, o.a.options().dtype(at::kInt));
   int8_gemm(o.rows.data(), M, o.b.data_ptr<int8_t>(), N, K, out.data_ptr<int32_t>(), N, resolve_path(path));
   return out;
 }
@@ -173,7 +173,7 @@ at::Tensor linear_w8a8(const at::Tensor& a_in, const at::Tensor& b_in, const at:
     acc_tensor = int8_matmul_rows(o.rows.data(), M, o.b);
     ap = acc_tensor.data_ptr<int32_t>();
   }
-  at::Tensor out = at::empty({M, N}, o.a.options().dtype(out_dtype));
+  at::Tensor out = empty_tensor({M, N}, o.a.options().dtype(out_dtype));
   AT_DISPATCH_V2(out_dtype, "linear_w8a8", AT_WRAP([&] {
     using T = scalar_t;
     const float* rs = rms_scale.data_ptr<float>();
@@ -193,24 +193,6 @@ at::Tensor linear_w8a8(const at::Tensor& a_in, const at::Tensor& b_in, const at:
   return out;
 }
 
-namespace {
 int64_t int8_best_path() { return best_int8_path(); }
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("dynamic_quant(Tensor x) -> (Tensor, Tensor)");
-  m.impl("dynamic_quant", c10::DispatchKey::CPU, &dynamic_quant);
-  m.def("rms_norm_w8a8(Tensor hidden_states, Tensor weight, float epsilon) -> (Tensor, Tensor)");
-  m.impl("rms_norm_w8a8", c10::DispatchKey::CPU, &rms_norm_w8a8);
-  m.def("add_rms_norm_w8a8(Tensor hidden_states, Tensor residual, Tensor weight, float epsilon) "
-        "-> (Tensor, Tensor, Tensor)");
-  m.impl("add_rms_norm_w8a8", c10::DispatchKey::CPU, &add_rms_norm_w8a8);
-  m.def("int8_matmul(Tensor a, Tensor b, int path=-1) -> Tensor");
-  m.impl("int8_matmul", c10::DispatchKey::CPU, &int8_matmul);
-  m.def("linear_w8a8(Tensor a, Tensor b, Tensor rms_scale, Tensor linear_scale, ScalarType out_dtype, "
-        "Tensor? bias, int path=-1) -> Tensor");
-  m.impl("linear_w8a8", c10::DispatchKey::CPU, &linear_w8a8);
-  m.def("int8_best_path() -> int", &int8_best_path);
-}
 
 }  // namespace dlinfer_cpu

@@ -154,9 +154,4 @@ int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, i
   return static_cast<int64_t>(total);
 }
 
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("read_probe(Tensor buffer, int threads, int streams, int prefetch_bytes, int hint) -> int");
-  m.impl("read_probe", c10::DispatchKey::CPU, &read_probe);
-}
-
 }  // namespace dlinfer_cpu

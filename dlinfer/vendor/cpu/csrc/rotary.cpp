@@ -55,8 +55,8 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query_
   TORCH_CHECK(key.scalar_type() == query.scalar_type(), "rotary: q/k dtypes must match");
   const int64_t R = cos.size(1);
   TORCH_CHECK(R % 2 == 0 && R <= query.size(2) && R <= key.size(2), "rotary: R must be even and <= D");
-  at::Tensor q_out = at::empty(query.sizes(), query.options());
-  at::Tensor k_out = at::empty(key.sizes(), key.options());
+  at::Tensor q_out = empty_tensor(query.sizes(), query.options());
+  at::Tensor k_out = empty_tensor(key.sizes(), key.options());
   AT_DISPATCH_V2(query.scalar_type(), "apply_rotary_pos_emb", AT_WRAP([&] {
     using T = scalar_t;
     auto run = [&](auto* c, auto* s) {
@@ -72,11 +72,6 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary_pos_emb(const at::Tensor& query_
     }
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return {q_out, k_out};
-}
-
-TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
-  m.def("apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
-  m.impl("apply_rotary_pos_emb", c10::DispatchKey::CPU, &apply_rotary_pos_emb);
 }
 
 }  // namespace dlinfer_cpu
