@@ -8,7 +8,7 @@ DEFAULT), `dlinfer.vendor.cpu._kernels_<isa>`, each stamped with the hash of the
 flags, the torch version and the ISA (a string in the file: build_flags.stamp); at run time the
 cpu vendor reads the stamp of the one for this CPU from its bytes and imports it only when it
 matches (dlinfer/vendor/cpu/build.py), else it builds the kernels as a source checkout does.
-`DLINFER_WHEEL_ISAS=avx512,default` builds a subset (each level is about three minutes on 2 cores);
+`DLINFER_WHEEL_ISAS=avx512,default` builds a subset (each level is about two minutes on 2 cores);
 `DLINFER_WHEEL_ISAS=none`, an editable install, or a build without torch (build isolation) gives a
 wheel without prebuilt kernels.
 """

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif("cpu" not in dlinfer.vendor.available(), reason="the cpu vendor does not load here")]
 
 REPO = Path(__file__).resolve().parents[1]
-BUILD_TIMEOUT_S = 900  # one instruction set: about three minutes on 2 cores (197 s on the Zen 3 VM)
+BUILD_TIMEOUT_S = 900  # one instruction set: about two minutes on 2 cores (113 s on the Zen 1 VM)
 RUN_TIMEOUT_S = 600
 HOST_ISA = torch.backends.cpu.get_cpu_capability()  # what the cpu vendor builds for, unforced (build.isa())
 WHEEL_ISA = "AVX2" if HOST_ISA in ("AVX2", "AVX512") else "DEFAULT"

@@ -13,8 +13,8 @@ The kernels (`csrc/*.cpp`) are compiled on first use with torch's own extension 
 functions the vendor calls (`module()`; csrc/bindings.cpp: no dispatcher on the hot path), each
 also registered as `torch.ops.dlinfer_cpu.*` for tests and tools. The builder caches the build
 (torch's extension directory, `TORCH_EXTENSIONS_DIR` to move it) and redoes it only when a source,
-header or flag changes: about three minutes the first time on a 2-core machine (191 s on the Zen 3
-EPYC VM), a fraction of a second after. A build that takes more than a moment says so on stderr; a
+header or flag changes: about two minutes the first time on a 2-core machine (113 s on the Zen 1
+EPYC VM, AVX2), a fraction of a second after. A build that takes more than a moment says so on stderr; a
 machine without a C++ compiler or ninja gets a one-line `VendorError` before anything runs (saying
 why a prebuilt module could not be used).
 
