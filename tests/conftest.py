@@ -29,6 +29,12 @@ import torch  # noqa: E402
 # dlinfer/conformance).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# ... with each launch's swap of triton.language done once, not again at every helper call
+# (tests/support/triton_interpreter.py); DLINFER_TEST_PLAIN_INTERPRETER=1 runs Triton's as shipped.
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("DLINFER_TEST_PLAIN_INTERPRETER") != "1":
+    from support import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()
 
 
 # pytest-xdist (scripts/run_tests.sh runs the suite on two workers, `--dist loadfile

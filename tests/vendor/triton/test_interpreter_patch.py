@@ -1,0 +1,59 @@
+"""tests/support/triton_interpreter.py (installed by tests/conftest.py under TRITON_INTERPRET=1): a
+kernel whose every program calls a `@triton.jit` helper and a triton.language standard function
+gives the same values with Triton's interpreter as shipped and with the patch, swaps the language
+modules a bounded number of times per launch instead of once per helper call, and leaves
+triton.language's builtins as shipped once the launch is over."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from support import triton_interpreter  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's CPU interpreter only")
+
+PROGRAMS = 16
+
+
+@triton.jit
+def _double_then_sum(x_ptr, offs):
+    return tl.sum(tl.load(x_ptr + offs) * 2.0, axis=0)
+
+
+@triton.jit
+def _kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + pid, _double_then_sum(x_ptr, offs) + tl.max(tl.zeros([BLOCK], tl.float32), axis=0))
+
+
+def _launch_counting_swaps(monkeypatch):
+    calls = []
+    real = inspect.getmembers
+    monkeypatch.setattr(inspect, "getmembers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x = torch.arange(PROGRAMS * 8, dtype=torch.float32)
+    out = torch.empty(PROGRAMS, dtype=torch.float32)
+    _kernel[(PROGRAMS,)](x, out, BLOCK=8)
+    monkeypatch.undo()
+    return out, len(calls)
+
+
+def test_the_patch_keeps_the_values_and_swaps_once_a_launch(monkeypatch):
+    from triton.runtime import interpreter
+
+    if not getattr(interpreter._patch_lang, "dlinfer_patched_once", False):
+        assert os.environ.get("DLINFER_TEST_PLAIN_INTERPRETER") == "1" or not triton.__version__.startswith(
+            triton_interpreter.CHECKED_VERSION), "conftest installs the patch on the Triton it was read against"
+        pytest.skip("the patch is not installed here (another Triton, or DLINFER_TEST_PLAIN_INTERPRETER=1)")
+    expected = torch.arange(PROGRAMS * 8, dtype=torch.float64).view(PROGRAMS, 8).sum(1) * 2
+    _launch_counting_swaps(monkeypatch)  # the first launch reads each module's builtins
+    out, swaps = _launch_counting_swaps(monkeypatch)
+    assert torch.equal(out.double(), expected)
+    assert swaps <= 5, swaps  # as shipped: ~5 per helper call per program (16 programs x 3 helpers)
+    assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.arange)  # put back after the launch
