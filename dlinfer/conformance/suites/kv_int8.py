@@ -62,7 +62,7 @@ def _quant_args(hkv, how: Scales, act_dtype, g, magnitude=3.0):
 def _int8_cache(nb, bs, h, d, layout, how: Scales, g):
     """Bytes like a calibrated cache's: about 36 * N(0, 1), clamped (some at -128 and 127)."""
     shape = (nb, bs, h, d) if layout == "token_major" else (nb, h, bs, d)
-    data = torch.round(torch.randn(shape, generator=g, dtype=torch.float64) * 36).clamp(-128, 127)
+    data = torch.round(torch.randn(shape, generator=g, dtype=torch.float32).double() * 36).clamp(-128, 127)
     return data.to(I8).to(device()).view(how.cache_dtype)
 
 
