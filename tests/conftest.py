@@ -1,4 +1,5 @@
-"""Suite-wide settings. Runs before any test module imports dlinfer or triton."""
+"""Suite-wide settings. Runs before any test module imports dlinfer (it imports torch, and triton
+where Triton's interpreter runs the kernels)."""
 
 import os
 

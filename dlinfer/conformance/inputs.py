@@ -2,8 +2,10 @@
 adversarial layouts the ops must accept (LMDeploy's packed q/k/v views, paged caches with
 shuffled blocks and garbage past each sequence's last block, caches fenced by NaN sentinels).
 
-Every input is a pure function of its seed (drawn on the CPU in float64, then cast and moved),
-so a reference computed once serves every vendor, layout and device.
+Every input is a pure function of its seed on a given machine (drawn on the CPU, normal values in
+float32, then scaled in float64, cast and moved), so a reference computed once serves every vendor,
+layout and device. Two CPUs may draw slightly different values from one seed: torch's float32
+normal sampler takes vector approximations of log and cos on AVX2 builds.
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ def slots_of(paged, b, positions, block_size):
 
 def write_cache(cache, slots, values, block_size, layout):
     """Independent writer (the checks' own, not fill_kv_cache): values [n, H, D] to n distinct slots."""
-    slots = list(slots)
+    slots = [int(s) for s in slots]
     if len(set(slots)) != len(slots):
         raise ValueError("write_cache: slots repeat")
     if slots:

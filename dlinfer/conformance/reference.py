@@ -180,8 +180,8 @@ def dequantise_cache(cache, scale, zero, layout):
 
 
 def slot_rows(cache, slots, block_size, layout):
-    """Advanced-indexing view arguments for token slots: cache[slot_rows(...)] is [n, H, D], row i
-    the cache's row of slots[i] (a gather on read, a scatter on assignment)."""
+    """Advanced-indexing arguments for token slots: cache[slot_rows(...)] is [n, H, D], row i the
+    cache's row of slots[i] (a gathered copy on read, a scatter on assignment)."""
     slots = torch.as_tensor(slots, dtype=torch.int64, device=cache.device)
     block, off = slots // block_size, slots % block_size
     if layout == "token_major":  # [NB, BS, H, D]

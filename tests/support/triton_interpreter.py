@@ -9,12 +9,13 @@ cProfile). A helper that sees the same modules as its kernel finds every builtin
 one from triton.language's standard library (tl.sum, tl.zeros) also sees triton.language.core,
 which its first call swaps (and Triton never restores) and its later calls find swapped.
 
-`install()` makes a call that comes during a launch, for modules already swapped in that launch,
-a no-op, and keeps each module's list of builtins (found with `inspect.getmembers` on the module
-as shipped, between launches) for the launches after, which then only set the attributes. The
-triton vendor's prefill and decode attention checks (719 cases) took 121-130 s as shipped and
-104-108 s with it (Zen 1 VM, one process, alternated). Only on the Triton version it was read
-against (interpreter internals change between releases): elsewhere it does nothing.
+`install()` marks each launch (`GridExecutor.__call__`) and, inside one, makes a call for modules
+already swapped in that launch a no-op; outside a launch Triton's function runs as shipped. It also
+keeps each module's list of builtins (found with `inspect.getmembers` on the module as shipped, at a
+launch's own swap) for the launches after, which then only set the attributes. The triton vendor's
+prefill and decode attention checks (719 cases) took 121-130 s as shipped and 104-108 s with it
+(Zen 1 VM, one process, alternated). Only on the Triton version it was read against (interpreter
+internals change between releases): elsewhere it does nothing.
 """
 
 from __future__ import annotations
@@ -25,54 +26,53 @@ CHECKED_VERSION = "3.7."
 
 
 def install() -> bool:
-    """Wrap the interpreter's `_patch_lang` (once per process); False where it is left alone."""
+    """Wrap the interpreter's launches and `_patch_lang` (once per process); False where it is left alone."""
     try:
         import triton
         import triton.language as tl
         from triton.runtime import interpreter
-    except ImportError:
+    except Exception:  # noqa: BLE001  (a Triton that does not import: its tests say so, not the suite's set-up)
         return False
-    real = getattr(interpreter, "_patch_lang", None)
-    needed = ("_LangPatchScope", "_patch_builtin", "_patch_attr")
-    if real is None or not all(hasattr(interpreter, n) for n in needed) or not triton.__version__.startswith(
-            CHECKED_VERSION):
+    needed = ("_patch_lang", "_patch_builtin", "_patch_attr", "_LangPatchScope", "GridExecutor")
+    if not all(hasattr(interpreter, n) for n in needed) or not triton.__version__.startswith(CHECKED_VERSION):
         return False
-    if getattr(real, "dlinfer_patched_once", False):
+    if getattr(interpreter._patch_lang, "dlinfer_patched_once", False):
         return True
-    patched = []  # the language modules swapped in the launch in progress (at most one entry)
-    builtins = {}  # id(module) -> [(name, builtin)], read between launches
+    real_patch_lang, real_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    launches = []  # per launch in progress (one at a time): ids of the modules it has swapped
+    builtins = {}  # id(module) -> [(name, builtin)], read on the module as shipped
+
+    def lang_modules(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def launch(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return real_launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    def patch_lang(fn):
+        if not launches:
+            return real_patch_lang(fn)
+        swapped, langs = launches[-1], lang_modules(fn)
+        if swapped and langs and langs <= swapped:
+            return interpreter._LangPatchScope()  # already swapped in this launch: nothing to restore
+        scope = real_patch_lang(fn)  # the launch's own swap (restored when it ends), or a helper's
+        swapped |= langs  # that sees more (the standard library's see triton.language.core, left swapped)
+        return scope
 
     def patch_builtin(pkg, builder, scope):
         members = builtins.get(id(pkg))
         if members is None:
             members = [(name, m) for name, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
-            if not patched:  # read on the module as shipped (during a launch it holds the swapped ones)
+            if launches and not launches[-1]:  # the launch's own swap: the modules as shipped
                 builtins[id(pkg)] = members
         for name, member in members:
             interpreter._patch_attr(pkg, name, member, builder, scope)
 
-    def lang_modules(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
-
-    def patch_lang(fn):
-        langs = lang_modules(fn)
-        if patched and langs <= patched[0]:
-            return interpreter._LangPatchScope()  # already swapped in this launch: nothing to restore
-        scope = real(fn)
-        if patched:  # a helper whose module sees more of triton.language (its standard library's
-            patched[0] |= langs  # functions see triton.language.core): swapped now, for the launch's rest
-        else:  # a launch: remember its modules until its scope restores them
-            patched.append(set(langs))
-            restore = scope.restore
-
-            def restore_and_forget():
-                patched.clear()
-                restore()
-
-            scope.restore = restore_and_forget
-        return scope
-
     patch_lang.dlinfer_patched_once = True
+    interpreter.GridExecutor.__call__ = launch
     interpreter._patch_lang = patch_lang
     interpreter._patch_builtin = patch_builtin
     return True

@@ -25,7 +25,7 @@ namespace dlinfer_cpu {
 
 // New tensors: at::empty and at::zeros, defined in registrations.cpp. Their headers
 // (<ATen/ops/empty.h>, and <torch/library.h> for the registrations) doubled the compile time of
-// every kernel file that included them (~9.5 s of headers a file against ~5 s; 18 files).
+// every kernel file that included them (~9.5 s of headers a file against ~5 s).
 at::Tensor empty_tensor(at::IntArrayRef sizes, const at::TensorOptions& options);
 at::Tensor zeros_tensor(at::IntArrayRef sizes, const at::TensorOptions& options);
 

@@ -139,7 +139,7 @@ int64_t read_probe(const at::Tensor& buffer, int64_t threads, int64_t streams, i
 
 // Facts of the kernels that tests and tools read through torch.ops.dlinfer_cpu only (registrations.cpp),
 // not kernels: the split rule of the decode attention (attention.cpp), the most rows the few-row
-// linears and the W4 register kernel take (linear.cpp, quant_w4.h), and the paths the 16-bit linear
+// linears and the W4 register kernel take (linear.cpp, quant_w4.cpp), and the paths the 16-bit linear
 // and the int8 GEMM take when asked for none (linear_16bit.cpp, int8_gemm.cpp).
 int64_t decode_num_splits(int64_t tokens, int64_t kv_heads, int64_t longest, int64_t block_size, int64_t threads);
 int64_t linear_max_rows();
