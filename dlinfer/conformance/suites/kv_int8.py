@@ -17,7 +17,7 @@ import dlinfer.ops as ops
 from dlinfer.conformance import reference as ref
 from dlinfer.conformance.checks import PARITY, Check, params, suite
 from dlinfer.conformance.compare import assert_close, assert_equal, expect
-from dlinfer.conformance.inputs import DTYPES, device, gen, lens_tensor, make_block_table, packed_qkv, seed_of
+from dlinfer.conformance.inputs import DTYPES, device, gen, lens_tensor, make_block_table, packed_qkv, randn, seed_of
 from dlinfer.conformance.suites.attention_cases import DECODE_CASES, PAGED_PREFILL_CASES
 from dlinfer.conformance.suites.kv_cache import CASES as FILL_CASES
 from dlinfer.conformance.suites.kv_cache import slots_for
@@ -62,7 +62,7 @@ def _quant_args(hkv, how: Scales, act_dtype, g, magnitude=3.0):
 def _int8_cache(nb, bs, h, d, layout, how: Scales, g):
     """Bytes like a calibrated cache's: about 36 * N(0, 1), clamped (some at -128 and 127)."""
     shape = (nb, bs, h, d) if layout == "token_major" else (nb, h, bs, d)
-    data = torch.round(torch.randn(shape, generator=g, dtype=torch.float32).double() * 36).clamp(-128, 127)
+    data = torch.round(randn(shape, torch.float64, g, scale=36, device="cpu")).clamp(-128, 127)
     return data.to(I8).to(device()).view(how.cache_dtype)
 
 
