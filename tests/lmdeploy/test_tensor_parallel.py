@@ -210,6 +210,27 @@ def test_the_watcher_ends_the_engine_when_a_rank_dies_without_a_word(caplog):
     assert not executor.procs[0]._proc.is_alive()  # the other rank is ended too
 
 
+def test_the_exit_code_is_read_while_another_thread_joins_the_rank():
+    """Two threads joining one ended process: the one whose waitpid loses reads `exitcode` as None
+    until the other has stored it (seen in CI: the watcher logged 'exited with code None' while the
+    test joined the rank). Plain `join(1.0)` then `exitcode` read None in about 4% of these races."""
+    import multiprocessing
+    import threading
+    from multiprocessing.connection import wait as wait_any
+
+    ctx = multiprocessing.get_context("fork")
+    codes = []
+    for _ in range(150):
+        proc = ctx.Process(target=os._exit, args=(3,))
+        proc.start()
+        wait_any([proc.sentinel])
+        other = threading.Thread(target=proc.join)
+        other.start()
+        codes.append(mp_executor.exit_code(proc))
+        other.join()
+    assert codes == [3] * len(codes)
+
+
 def _kill_myself():
     os.kill(os.getpid(), 9)
 

@@ -225,6 +225,19 @@ class RankFailedError(RuntimeError):
     """A tensor-parallel rank failed while the engine was being built; the engine's ranks are ended."""
 
 
+def exit_code(proc, wait_s: float = 1.0):
+    """The exit code of `proc` (a multiprocessing.Process whose sentinel is ready), or None if it
+    is not known within `wait_s`. Another thread may be joining the same process (the engine's
+    release, a caller's `join`): whichever thread's `waitpid` reaps the child, the other's gets
+    ECHILD and reads `exitcode` as None until the reaping thread has stored the code, so a None
+    is read again until the deadline rather than taken as the answer."""
+    deadline = time.monotonic() + wait_s
+    proc.join(wait_s)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc.exitcode
+
+
 def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
     """Start a daemon thread that, when a rank process of `executor` (an MPExecutor) ends before
     the executor releases its ranks, logs it, ends the other ranks and calls `exit_process(1)`.
@@ -255,8 +268,7 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
             exit_process(1)
             return
         rank, proc = sentinels[ended[0]]
-        proc.join(1.0)
-        code = proc.exitcode
+        code = exit_code(proc)
         killed = code is not None and code < 0
         # A rank SIGKILLed from outside (kill -9, the OOM killer) never reported a failure: no
         # SIGUSR1 to wait for (one already seen makes the wait return at once). Other signals keep the
@@ -265,7 +277,8 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
             executor._dlinfer_releasing.wait(SIGNAL_GRACE_S)
         if executor._dlinfer_releasing.is_set():
             return
-        how = f"was killed by signal {-code}" if killed else f"exited with code {code}"
+        how = (f"was killed by signal {-code}" if killed else f"exited with code {code}" if code is not None
+               else "ended (its exit status was not read within 1 s)")
         logger.error("tensor-parallel rank %d (pid %s) %s: ending the engine's other ranks and this process "
                      "(status 1), as LMDeploy's MPExecutor does when a rank fails.", rank, proc.pid, how)
         end_ranks(procs, PEER_GONE_JOIN_S)
