@@ -57,3 +57,25 @@ def test_the_patch_keeps_the_values_and_swaps_once_a_launch(monkeypatch):
     assert torch.equal(out.double(), expected)
     assert swaps <= 5, swaps  # as shipped: 356 (5 modules at every helper call of 16 programs)
     assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.arange)  # put back after the launch
+
+
+SCALARS = ["int1", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "bfloat16",
+           "float32", "float64", "float8e5", "float8e4nv"]
+
+
+def test_the_memoised_numpy_dtypes_are_the_shipped_ones():
+    from triton.runtime import interpreter
+
+    np_dtype = interpreter._get_np_dtype
+    if getattr(np_dtype, "shipped", None) is None:
+        pytest.skip("the patch is not installed here (another Triton, or DLINFER_TEST_PLAIN_INTERPRETER=1)")
+    shipped = np_dtype.shipped
+    for name in SCALARS:
+        ty = getattr(tl, name)
+        for t in (ty, tl.block_type(ty, [4, 8]), tl.pointer_type(ty), tl.block_type(tl.pointer_type(ty), [16])):
+            for _ in range(2):  # asked, then from the memo
+                assert np_dtype(t) == shipped(t), (t, np_dtype(t), shipped(t))
+    with pytest.raises(KeyError):
+        shipped(tl.void)  # no numpy dtype holds it: the memo raises as the shipped function does
+    with pytest.raises(KeyError):
+        np_dtype(tl.void)
