@@ -63,10 +63,13 @@ def tensor(
         raise InvalidArgumentError(op, name, f"a tensor {_spec(dims)}", describe(t))
     if t.dim() != len(dims):
         raise InvalidArgumentError(op, name, f"rank {len(dims)} {_spec(dims)}", describe(t))
-    shape = t.shape
-    for i, d in enumerate(dims):
-        if d.__class__ is int and shape[i] != d:
+    # zip, not enumerate: while torch.compile traces, Dynamo runs its Python polyfill of enumerate
+    # bytecode by bytecode (a seventh of a SmolLM2 decode graph's traced instructions)
+    i = 0
+    for d, size in zip(dims, t.shape):
+        if d.__class__ is int and size != d:
             raise InvalidArgumentError(op, name, f"size {d} in dim {i} of {_spec(dims)}", describe(t))
+        i += 1
     if dtypes is not None:
         dtype_in(op, name, t, dtypes)
     if device is not None and t.device != device:
