@@ -83,7 +83,7 @@ def install() -> bool:
 
 def _memoised_np_dtype(real, tl):
     """The interpreter's `_get_np_dtype(tt_dtype)` (the numpy dtype that holds a Triton type's
-    values) answered from a memo. As shipped it builds its 19-entry table on every call, about
+    values) answered from a memo. As shipped it builds its 18-entry table on every call, about
     220,000 calls for 270 attention checks: a tenth of their interpreted time. The answer depends
     on the scalar type only (a block's is its element's, every pointer's is uint64), so each scalar
     type's answer is asked of the shipped function once; an unknown type raises as it does there."""

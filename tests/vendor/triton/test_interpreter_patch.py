@@ -60,7 +60,7 @@ def test_the_patch_keeps_the_values_and_swaps_once_a_launch(monkeypatch):
 
 
 SCALARS = ["int1", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "bfloat16",
-           "float32", "float64", "float8e5", "float8e4nv"]
+           "float32", "float64", "float8e5", "float8e5b16", "float8e4nv", "float8e4b8", "float8e4b15"]
 
 
 def test_the_memoised_numpy_dtypes_are_the_shipped_ones():

@@ -89,6 +89,8 @@ STUCK_AFTER_SIGNAL_S = 20.0
 # a rank whose peer is gone is usually blocked in a collective that can no longer complete (seen:
 # the survivor of a killed rank always ran out `JOIN_TIMEOUT_S`), and this process ends next.
 PEER_GONE_JOIN_S = 2.0
+# How long the rank watcher reads an ended rank's exit code (`exit_code`) before it logs it as unknown.
+EXIT_CODE_WAIT_S = 1.0
 
 logger = logging.getLogger("dlinfer.lmdeploy")
 
@@ -268,7 +270,7 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
             exit_process(1)
             return
         rank, proc = sentinels[ended[0]]
-        code = exit_code(proc)
+        code = exit_code(proc, EXIT_CODE_WAIT_S)
         killed = code is not None and code < 0
         # A rank SIGKILLed from outside (kill -9, the OOM killer) never reported a failure: no
         # SIGUSR1 to wait for (one already seen makes the wait return at once). Other signals keep the
@@ -278,7 +280,7 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
         if executor._dlinfer_releasing.is_set():
             return
         how = (f"was killed by signal {-code}" if killed else f"exited with code {code}" if code is not None
-               else "ended (its exit status was not read within 1 s)")
+               else f"ended (its exit status was not read within {EXIT_CODE_WAIT_S:.0f} s)")
         logger.error("tensor-parallel rank %d (pid %s) %s: ending the engine's other ranks and this process "
                      "(status 1), as LMDeploy's MPExecutor does when a rank fails.", rank, proc.pid, how)
         end_ranks(procs, PEER_GONE_JOIN_S)
