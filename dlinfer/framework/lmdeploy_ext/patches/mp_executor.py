@@ -227,7 +227,7 @@ class RankFailedError(RuntimeError):
     """A tensor-parallel rank failed while the engine was being built; the engine's ranks are ended."""
 
 
-def exit_code(proc, wait_s: float = 1.0):
+def exit_code(proc, wait_s: float = EXIT_CODE_WAIT_S):
     """The exit code of `proc` (a multiprocessing.Process whose sentinel is ready), or None if it
     is not known within `wait_s`. Another thread may be joining the same process (the engine's
     release, a caller's `join`): whichever thread's `waitpid` reaps the child, the other's gets
@@ -270,7 +270,7 @@ def watch_ranks(executor, exit_process=os._exit) -> threading.Thread:
             exit_process(1)
             return
         rank, proc = sentinels[ended[0]]
-        code = exit_code(proc, EXIT_CODE_WAIT_S)
+        code = exit_code(proc)
         killed = code is not None and code < 0
         # A rank SIGKILLed from outside (kill -9, the OOM killer) never reported a failure: no
         # SIGUSR1 to wait for (one already seen makes the wait return at once). Other signals keep the
