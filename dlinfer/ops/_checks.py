@@ -9,6 +9,7 @@ import torch
 
 from dlinfer import envs
 from dlinfer.errors import InvalidArgumentError
+from dlinfer.ops._compile_time import Opaque
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -36,6 +37,8 @@ def check_values_enabled() -> bool:
 
 
 def describe(t) -> str:
+    if isinstance(t, Opaque):
+        return t.type_name
     if not isinstance(t, torch.Tensor):
         return f"{type(t).__name__} {t!r}"[:120]
     return f"tensor{list(t.shape)} {str(t.dtype).replace('torch.', '')} on {t.device}"
@@ -55,7 +58,7 @@ def tensor(
 ) -> torch.Tensor:
     """Check that `t` is a tensor of rank len(dims) whose sizes match `dims`.
 
-    dims: one entry per dimension: an int (exact size), or a str (a name, any size). The names
+    dims: one entry per dimension: an int or SymInt (exact size), or a str (a name, any size). The names
     make the error readable: ("T", "Hq", "D"). The success path formats nothing (it runs for
     every op call).
     """
@@ -67,7 +70,7 @@ def tensor(
     # bytecode by bytecode (a seventh of a SmolLM2 decode graph's traced instructions)
     i = 0
     for d, size in zip(dims, t.shape):
-        if d.__class__ is int and size != d:
+        if d.__class__ is not str and size != d:  # d: an int or SymInt (a size), or a str (a name)
             raise InvalidArgumentError(op, name, f"size {d} in dim {i} of {_spec(dims)}", describe(t))
         i += 1
     if dtypes is not None:
@@ -115,8 +118,3 @@ def integer(op: str, name: str, value, minimum: int = 0) -> int:
 
 def _is_symint(value) -> bool:
     return isinstance(value, torch.SymInt)
-
-
-def equal(op: str, name: str, got, expected, what: str) -> None:
-    if got != expected:
-        raise InvalidArgumentError(op, name, f"{what} == {expected}", str(got))

@@ -27,12 +27,12 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops import kv_quant
-from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
+from dlinfer.ops import _compile_time, kv_quant
+from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, kv_layout, require
 from dlinfer.ops.kv_cache import cache_dims
 from dlinfer.utils.memo import LastCallMemo
+from dlinfer.vendor import kv_layouts
 from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_SLIDING_WINDOW, FEATURE_SOFTCAP
-from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
 def _query(op: str, query) -> Tensor:
@@ -61,6 +61,11 @@ def _output(op: str, query: Tensor, head_size_v: int, attn_output) -> Tensor:
     C.tensor(op, "attn_output", attn_output, (t, hq, head_size_v), None, query.device)
     C.same_dtype(op, "attn_output", attn_output, query, "query")
     return attn_output
+
+
+def _output_rows(attn_output: Tensor) -> Tensor:
+    """A checked attn_output [1, T, Hq, Dv] as [T, Hq, Dv] (itself when 3-D)."""
+    return attn_output[0] if attn_output.dim() == 4 else attn_output
 
 
 def _scale(op: str, softmax_scale, head_dim: int) -> float:
@@ -221,9 +226,11 @@ class _Paged(NamedTuple):
     options: dict  # the kernel keywords of a sliding window and a soft cap, when set
 
 
-def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
-                  num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                  kv_scales, kv_zeros, quant_bits, sliding_window, logit_softcapping) -> _Paged:
+def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
+                 num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window,
+                 logit_softcapping):
+    """Checks what both paged attention ops take (the int8 cache's scales: `kv_quant.attention_args`);
+    returns the vendor's function (`kernel_for`)."""
     query = _query(op, query)
     t, hq, d = query.shape
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
@@ -231,17 +238,14 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
     bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
-    layout = active_kv_layout(query.device.type)
+    layout = kv_layout(query.device)
     dtypes = kv_quant.cache_dtypes(bits, query.dtype)
-    nb, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, query.device, dtypes)
-    dv = value_cache.shape[-1] if isinstance(value_cache, Tensor) and value_cache.dim() == 4 else d
-    if head_size_v:
-        dv = C.integer(op, "head_size_v", head_size_v, 1)
+    _, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, query.device, dtypes)
+    dv = _value_head_dim(op, value_cache, head_size_v, d)
     cache_dims(op, "value_cache", value_cache, layout, hkv, dv, query.device, dtypes)
     if value_cache.dtype != key_cache.dtype:
         raise InvalidArgumentError(op, "value_cache", f"dtype {key_cache.dtype} like key_cache",
                                    C.describe(value_cache))
-    quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, hkv, query.device)
     if value_cache.shape[:3] != key_cache.shape[:3]:
         raise InvalidArgumentError(op, "value_cache", f"blocks like key_cache {list(key_cache.shape[:3])}",
                                    C.describe(value_cache))
@@ -249,28 +253,64 @@ def _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_
     if block_size != bs:
         raise InvalidArgumentError(op, "block_size", f"the caches' block size {bs}", str(block_size))
     C.tensor(op, "block_table", block_table, ("B", "M"), C.INDEX_DTYPES, query.device)
-    b, m = block_table.shape
+    b = block_table.shape[0]
     C.length_tensor(op, "q_seq_len", q_seq_len, b, query.device)
     C.length_tensor(op, "kv_seq_len", kv_seq_len, b, query.device)
-    scale = _scale(op, softmax_scale, d)
-    alibi = _alibi(op, vendor, alibi_slopes, query)
-    options = _score_options(op, vendor, sliding_window, logit_softcapping)
-    out = _output(op, query, dv, attn_output)
+    _scale(op, softmax_scale, d)
+    _alibi(op, vendor, alibi_slopes, query)
+    _score_options(op, vendor, sliding_window, logit_softcapping)
+    if attn_output is not None:
+        _output(op, query, dv, attn_output)
+    return kernel
+
+
+def _value_head_dim(op: str, value_cache, head_size_v, d: int) -> int:
+    """Dv: head_size_v when set (checked), else the value cache's last dim (D when it has none)."""
+    if head_size_v:
+        return C.integer(op, "head_size_v", head_size_v, 1)
+    return value_cache.shape[-1] if isinstance(value_cache, Tensor) and value_cache.dim() == 4 else d
+
+
+def _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
+                  head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
+                  sliding_window, logit_softcapping) -> _Paged:
+    """What both paged attention ops derive from arguments `_check_paged` passed."""
+    if query.dim() == 4:  # [1, T, Hq, D] (checked)
+        query = query[0]
+    t, _, d = query.shape
+    bits = 8 if quant_bits else 0
+    layout = kv_layout(query.device)
+    dv = head_size_v or value_cache.shape[-1]
+    quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, num_kv_heads, query.device)
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    options = {}
+    if sliding_window is not None and sliding_window != -1:
+        options["sliding_window"] = int(sliding_window)
+    if logit_softcapping is not None and logit_softcapping != 0:
+        options["logit_softcapping"] = float(logit_softcapping)
+    out = _output_rows(attn_output) if attn_output is not None else query.new_empty((t, query.shape[1], dv))
     cu, kv = _paged_lengths_memo(q_seq_len, kv_seq_len, query.device)
     check_values = C.check_values_enabled()
-    if check_values and b:
-        _check_cu_values(op, "q_seq_len", cu, t)
-        kv_cpu, n_cpu = kv_seq_len.cpu().long(), (cu[1:] - cu[:-1]).cpu().long()
-        if bool((kv_cpu < n_cpu).any()) or bool((kv_cpu > m * bs).any()):
-            raise InvalidArgumentError(op, "kv_seq_len", f"per sequence >= its new tokens and <= M*BS = {m * bs}",
-                                       str(kv_cpu.tolist()))
-        used = torch.arange(m).unsqueeze(0) < ((kv_cpu + bs - 1) // bs).unsqueeze(1)
-        ids = block_table.cpu().long()[used]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
-            raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
-                                       f"ids in [{int(ids.min())}, {int(ids.max())}]")
+    if check_values and block_table.shape[0]:
+        nb, bs = kv_layouts.blocks_and_size(key_cache, layout)
+        _check_paged_values(op, cu, kv_seq_len, block_table, nb, bs, t)
     caches = (kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache))
-    return _Paged(kernel, query, caches, layout, cu, kv, scale, alibi, out, check_values, quant, options)
+    return _Paged(kernel, query, caches, layout, cu, kv, scale, alibi_slopes, out, check_values, quant, options)
+
+
+def _check_paged_values(op, cu: Tensor, kv_seq_len: Tensor, block_table: Tensor, nb: int, bs: int, t: int) -> None:
+    """The lengths and the used block ids against the cache (DLINFER_CHECK_VALUES=1)."""
+    _check_cu_values(op, "q_seq_len", cu, t)
+    m = block_table.shape[1]
+    kv_cpu, n_cpu = kv_seq_len.cpu().long(), (cu[1:] - cu[:-1]).cpu().long()
+    if bool((kv_cpu < n_cpu).any()) or bool((kv_cpu > m * bs).any()):
+        raise InvalidArgumentError(op, "kv_seq_len", f"per sequence >= its new tokens and <= M*BS = {m * bs}",
+                                   str(kv_cpu.tolist()))
+    used = torch.arange(m).unsqueeze(0) < ((kv_cpu + bs - 1) // bs).unsqueeze(1)
+    ids = block_table.cpu().long()[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
+        raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
+                                   f"ids in [{int(ids.min())}, {int(ids.max())}]")
 
 
 def paged_prefill_attention(
@@ -321,27 +361,58 @@ def paged_prefill_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_prefill_attention"
-    p = _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-                      num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros,
-                      quant_bits, sliding_window, logit_softcapping)
-    query, out = p.query, p.out
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_paged_prefill_at_compile_time)  # _check_paged_prefill, natively
+        kernel = (_check_paged_prefill(op, query, key, value, key_cache, value_cache, block_table, block_size,
+                                       q_seq_len, kv_seq_len, max_q_seq_len, max_kv_seq_len, num_q_heads,
+                                       num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
+                                       quant_bits, sliding_window, logit_softcapping)
+                  if failed else torch.ops.dlinfer.paged_prefill_attention)
+    else:
+        kernel = _check_paged_prefill(op, query, key, value, key_cache, value_cache, block_table, block_size,
+                                      q_seq_len, kv_seq_len, max_q_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads,
+                                      head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits,
+                                      sliding_window, logit_softcapping)
+    p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
+                      head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
+                      sliding_window, logit_softcapping)
+    max_q, max_kv = _int(max_q_seq_len), _int(max_kv_seq_len)
+    if p.check_values and p.kv.numel():
+        _check_bounds(op, p.cu, p.kv, max_q, max_kv)
+    if p.query.shape[0] == 0:
+        return p.out
+    p.kernel(p.query, *p.caches, block_table, p.cu, p.kv, max_q, max_kv, p.scale, p.alibi, p.out, p.layout, *p.quant,
+             **p.options)
+    return p.out
+
+
+def _check_paged_prefill(op, query, key, value, key_cache, value_cache, block_table, block_size, q_seq_len,
+                         kv_seq_len, max_q_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v,
+                         softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window, logit_softcapping):
+    kernel = _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
+                          num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
+                          quant_bits, sliding_window, logit_softcapping)
+    query = _query(op, query)
     t, _, d = query.shape
-    hkv = num_kv_heads
-    for name, new, dim in (("key", key, d), ("value", value, out.shape[2])):
+    dims = (("key", key, d), ("value", value, _value_head_dim(op, value_cache, head_size_v, d)))
+    for name, new, dim in dims:
         if new is not None:  # unused (already in the cache), but a wrong one means wrong metadata
             if isinstance(new, Tensor) and new.dim() == 4 and new.shape[0] == 1:
                 new = new[0]
-            C.tensor(op, name, new, (t, hkv, dim), C.FLOAT_DTYPES, query.device)
+            C.tensor(op, name, new, (t, num_kv_heads, dim), C.FLOAT_DTYPES, query.device)
             C.same_dtype(op, name, new, query, "query")
-    max_q = C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
-    max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
-    if p.check_values and p.kv.numel():
-        _check_bounds(op, p.cu, p.kv, max_q, max_kv)
-    if query.shape[0] == 0:
-        return out
-    p.kernel(query, *p.caches, block_table, p.cu, p.kv, max_q, max_kv, p.scale, p.alibi, out, p.layout, *p.quant,
-             **p.options)
-    return out
+    C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
+    C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
+    return kernel
+
+
+_paged_prefill_at_compile_time = _compile_time.runner(_check_paged_prefill)
+
+
+def _int(value):
+    """A checked integer argument as an int (a one-element tensor read, as `C.integer` does)."""
+    return int(value.item()) if isinstance(value, Tensor) else value
 
 
 def _check_bounds(op: str, cu: Tensor, kv: Tensor, max_q: Optional[int], max_kv: int) -> None:
@@ -381,10 +452,23 @@ def paged_decode_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_decode_attention"
-    p = _paged_common(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, num_q_heads,
-                      num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros,
-                      quant_bits, sliding_window, logit_softcapping)
-    max_kv = C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_paged_decode_at_compile_time)  # _check_paged_decode, natively
+        kernel = (_check_paged_decode(op, query, key_cache, value_cache, block_table, block_size, q_seq_len,
+                                      kv_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v,
+                                      softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window,
+                                      logit_softcapping)
+                  if failed else torch.ops.dlinfer.paged_decode_attention)
+    else:
+        kernel = _check_paged_decode(op, query, key_cache, value_cache, block_table, block_size, q_seq_len,
+                                     kv_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v,
+                                     softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window,
+                                     logit_softcapping)
+    p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
+                      head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
+                      sliding_window, logit_softcapping)
+    max_kv = _int(max_kv_seq_len)
     if p.check_values and p.kv.numel():
         _check_bounds(op, p.cu, p.kv, None, max_kv)
     if p.query.shape[0] == 0:
@@ -392,3 +476,16 @@ def paged_decode_attention(
     p.kernel(p.query, *p.caches, block_table, p.cu, p.kv, max_kv, p.scale, p.alibi, p.out, p.layout, *p.quant,
              **p.options)
     return p.out
+
+
+def _check_paged_decode(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
+                        max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes,
+                        attn_output, quant_bits, sliding_window, logit_softcapping):
+    kernel = _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
+                          num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
+                          quant_bits, sliding_window, logit_softcapping)
+    C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
+    return kernel
+
+
+_paged_decode_at_compile_time = _compile_time.runner(_check_paged_decode)

@@ -9,10 +9,9 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops import kv_quant
-from dlinfer.ops._dispatch import check_dtype, kernel_for
+from dlinfer.ops import _compile_time, kv_quant
+from dlinfer.ops._dispatch import check_dtype, kernel_for, kv_layout
 from dlinfer.vendor import kv_layouts
-from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
 def cache_dims(op: str, name: str, cache, layout: str, heads: int, head_dim, device, dtypes: tuple) -> Tuple[int, int]:
@@ -52,11 +51,41 @@ def fill_kv_cache(
         None), on key's device, when quant_bits=8; empty otherwise.
     Returns (key_cache, value_cache), the same tensors.
     """
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_fill_kv_cache_at_compile_time)  # _check_fill_kv_cache, natively
+        kernel = (_check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_bits) if failed
+                  else torch.ops.dlinfer.fill_kv_cache)
+    else:
+        kernel = _check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_bits)
     op = "fill_kv_cache"
-    if isinstance(key, Tensor) and key.dim() == 4 and key.shape[0] == 1:
-        key = key[0]
-    if isinstance(value, Tensor) and value.dim() == 4 and value.shape[0] == 1:
-        value = value[0]
+    key, value = _token_rows(key), _token_rows(value)
+    if kv_indices.dim() == 2:  # [T, 1] (checked)
+        kv_indices = kv_indices.view(-1)
+    t, hkv = key.shape[0], key.shape[1]
+    bits = 8 if quant_bits else 0
+    layout = kv_layout(key.device)
+    quant = kv_quant.fill_args(op, bits, k_scales_zeros, v_scales_zeros, hkv, key.device)
+    if C.check_values_enabled() and t:
+        nb, bs = kv_layouts.blocks_and_size(key_cache, layout)
+        lo, hi = int(kv_indices.min()), int(kv_indices.max())
+        if lo < 0 or hi >= nb * bs:
+            raise InvalidArgumentError(op, "kv_indices", f"slots in [0, {nb * bs})", f"slots in [{lo}, {hi}]")
+    if t:
+        kernel(key, value, kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache), kv_indices, layout, *quant)
+    return key_cache, value_cache
+
+
+def _token_rows(t: Tensor) -> Tensor:
+    """[1, T, H, D] as [T, H, D] (itself otherwise)."""
+    return t[0] if isinstance(t, Tensor) and t.dim() == 4 and t.shape[0] == 1 else t
+
+
+def _check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_bits):
+    """Checks fill_kv_cache's tensors and quant_bits (the scale pairs: `kv_quant.fill_args`);
+    returns the vendor's function (`kernel_for`)."""
+    op = "fill_kv_cache"
+    key, value = _token_rows(key), _token_rows(value)
     C.tensor(op, "key", key, ("T", "Hkv", "D"), C.FLOAT_DTYPES)
     t, hkv, d = key.shape
     C.tensor(op, "value", value, (t, hkv, "Dv"), C.FLOAT_DTYPES, key.device)
@@ -67,17 +96,13 @@ def fill_kv_cache(
     kernel, vendor = kernel_for(op, key.device)
     bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, key.dtype)
-    layout = active_kv_layout(key.device.type)
+    layout = kv_layout(key.device)
     dtypes = kv_quant.cache_dtypes(bits, key.dtype)
-    nb, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, key.device, dtypes)
+    nb, _ = cache_dims(op, "key_cache", key_cache, layout, hkv, d, key.device, dtypes)
     cache_dims(op, "value_cache", value_cache, layout, hkv, value.shape[2], key.device, dtypes)
-    quant = kv_quant.fill_args(op, bits, k_scales_zeros, v_scales_zeros, hkv, key.device)
     if value_cache.shape[0] != nb:
         raise InvalidArgumentError(op, "value_cache", f"{nb} blocks like key_cache", C.describe(value_cache))
-    if C.check_values_enabled() and t:
-        lo, hi = int(kv_indices.min()), int(kv_indices.max())
-        if lo < 0 or hi >= nb * bs:
-            raise InvalidArgumentError(op, "kv_indices", f"slots in [0, {nb * bs})", f"slots in [{lo}, {hi}]")
-    if t:
-        kernel(key, value, kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache), kv_indices, layout, *quant)
-    return key_cache, value_cache
+    return kernel
+
+
+_fill_kv_cache_at_compile_time = _compile_time.runner(_check_fill_kv_cache)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
+from dlinfer.ops import _compile_time
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
@@ -19,26 +21,39 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, all_reduce:
         default group). A no-op when torch.distributed is not initialised or the group has one rank.
     Returns a new tensor [..., N].
     """
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_linear_at_compile_time)  # _check_linear, run natively
+        kernel = _check_linear(x, weight, bias) if failed else torch.ops.dlinfer.linear
+    else:
+        kernel = _check_linear(x, weight, bias)
+    if x.dim() == 2:
+        out = kernel(x, weight, bias)
+    else:
+        out = kernel(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if all_reduce:
+        sum_over_group(out, group)
+    return out
+
+
+def _check_linear(x, weight, bias):
+    """Checks linear's arguments; returns the vendor's function (`kernel_for`)."""
     op = "linear"
-    ndim = C.rank_at_least(op, "x", x, 1, "[..., K]")
+    C.rank_at_least(op, "x", x, 1, "[..., K]")
     C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
     k = x.shape[-1]
     device = x.device
     C.tensor(op, "weight", weight, ("N", k), C.FLOAT_DTYPES, device)
     C.same_dtype(op, "weight", weight, x, "x")
-    n = weight.shape[0]
     if bias is not None:
-        C.tensor(op, "bias", bias, (n,), C.FLOAT_DTYPES, device)
+        C.tensor(op, "bias", bias, (weight.shape[0],), C.FLOAT_DTYPES, device)
         C.same_dtype(op, "bias", bias, x, "x")
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, x.dtype)
-    if ndim == 2:
-        out = kernel(x, weight, bias)
-    else:
-        out = kernel(x.reshape(-1, k), weight, bias).view(*x.shape[:-1], n)
-    if all_reduce:
-        sum_over_group(out, group)
-    return out
+    return kernel
+
+
+_linear_at_compile_time = _compile_time.runner(_check_linear)
 
 
 def sum_over_group(out: Tensor, group="") -> None:

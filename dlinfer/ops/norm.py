@@ -4,20 +4,40 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
+from dlinfer.ops import _compile_time
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
-def _check_common(op: str, hidden_states, weight, epsilon) -> int:
+def _check_common(op: str, hidden_states, weight, epsilon):
+    """Checks what both norms take; returns the vendor's function (`kernel_for`)."""
     C.rank_at_least(op, "hidden_states", hidden_states, 1, "[..., H]")
     C.dtype_in(op, "hidden_states", hidden_states, C.FLOAT_DTYPES)
-    hidden = hidden_states.shape[-1]
-    C.tensor(op, "weight", weight, (hidden,), C.FLOAT_DTYPES, hidden_states.device)
+    C.tensor(op, "weight", weight, (hidden_states.shape[-1],), C.FLOAT_DTYPES, hidden_states.device)
     if not isinstance(epsilon, (float, int)) or isinstance(epsilon, bool) or epsilon < 0:
         raise C.InvalidArgumentError(op, "epsilon", "a float >= 0", C.describe(epsilon))
-    return hidden
+    kernel, vendor = kernel_for(op, hidden_states.device)
+    check_dtype(vendor, op, hidden_states.dtype)
+    return kernel
+
+
+def _check_rms_norm(hidden_states, weight, epsilon):
+    return _check_common("rms_norm", hidden_states, weight, epsilon)
+
+
+def _check_add_rms_norm(hidden_states, residual, weight, epsilon):
+    op = "add_rms_norm"
+    kernel = _check_common(op, hidden_states, weight, epsilon)
+    C.tensor(op, "residual", residual, tuple(hidden_states.shape), C.FLOAT_DTYPES, hidden_states.device)
+    C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
+    return kernel
+
+
+_rms_norm_at_compile_time = _compile_time.runner(_check_rms_norm)
+_add_rms_norm_at_compile_time = _compile_time.runner(_check_add_rms_norm)
 
 
 def _rows(t: Tensor, hidden: int) -> Tensor:
@@ -32,11 +52,13 @@ def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Te
     weight: [H], same device.
     Returns a new tensor [..., H] in hidden_states' dtype.
     """
-    op = "rms_norm"
-    hidden = _check_common(op, hidden_states, weight, epsilon)
-    kernel, vendor = kernel_for(op, hidden_states.device)
-    check_dtype(vendor, op, hidden_states.dtype)
-    out = kernel(_rows(hidden_states, hidden), weight, float(epsilon))
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_rms_norm_at_compile_time)  # _check_rms_norm, run natively
+        kernel = _check_rms_norm(hidden_states, weight, epsilon) if failed else torch.ops.dlinfer.rms_norm
+    else:
+        kernel = _check_rms_norm(hidden_states, weight, epsilon)
+    out = kernel(_rows(hidden_states, hidden_states.shape[-1]), weight, float(epsilon))
     return out if hidden_states.dim() == 2 else out.view(hidden_states.shape)
 
 
@@ -49,12 +71,14 @@ def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor,
     Returns (rms_norm(hidden_states + residual), hidden_states + residual), the sum computed in the
     activation dtype (as an unfused `h + r` would be), both new tensors [..., H].
     """
-    op = "add_rms_norm"
-    hidden = _check_common(op, hidden_states, weight, epsilon)
-    C.tensor(op, "residual", residual, tuple(hidden_states.shape), C.FLOAT_DTYPES, hidden_states.device)
-    C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
-    kernel, vendor = kernel_for(op, hidden_states.device)
-    check_dtype(vendor, op, hidden_states.dtype)
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_add_rms_norm_at_compile_time)  # _check_add_rms_norm, natively
+        kernel = (_check_add_rms_norm(hidden_states, residual, weight, epsilon) if failed
+                  else torch.ops.dlinfer.add_rms_norm)
+    else:
+        kernel = _check_add_rms_norm(hidden_states, residual, weight, epsilon)
+    hidden = hidden_states.shape[-1]
     normed, added = kernel(_rows(hidden_states, hidden), _rows(residual, hidden), weight, float(epsilon))
     if hidden_states.dim() == 2:
         return normed, added

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
+from dlinfer.ops import _compile_time
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 from dlinfer.ops.norm import _check_common, _rows
 
@@ -44,6 +45,18 @@ def dynamic_quant(x: Tensor, quant_dtype: torch.dtype = torch.int8,
     A row holding a NaN gets scale NaN, so the next linear_w8a8 row is NaN too (its codes are not
     specified: the cpu and triton vendors write 0); the same holds for the fused norm forms below.
     """
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_dynamic_quant_at_compile_time)  # _check_dynamic_quant, natively
+        kernel = (_check_dynamic_quant(x, quant_dtype, quant_granularity) if failed
+                  else torch.ops.dlinfer.dynamic_quant)
+    else:
+        kernel = _check_dynamic_quant(x, quant_dtype, quant_granularity)
+    return _split_quant(kernel(_rows(x, x.shape[-1])), x.shape)
+
+
+def _check_dynamic_quant(x, quant_dtype, quant_granularity):
+    """Checks dynamic_quant's arguments; returns the vendor's function (`kernel_for`)."""
     op = "dynamic_quant"
     C.rank_at_least(op, "x", x, 1, "[..., K]")
     C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
@@ -53,7 +66,10 @@ def dynamic_quant(x: Tensor, quant_dtype: torch.dtype = torch.int8,
                                      C.describe(quant_granularity))
     kernel, vendor = kernel_for(op, x.device)
     check_dtype(vendor, op, x.dtype)
-    return _split_quant(kernel(_rows(x, x.shape[-1])), x.shape)
+    return kernel
+
+
+_dynamic_quant_at_compile_time = _compile_time.runner(_check_dynamic_quant)
 
 
 def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype,
@@ -67,8 +83,27 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, o
     bias: [N] float32/float16/bfloat16 or None.
     Returns a new tensor [..., N] in out_dtype (the scaling in float32, one final rounding).
     """
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_linear_w8a8_at_compile_time)  # _check_linear_w8a8, natively
+        kernel = (_check_linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, quant_dtype, bias) if failed
+                  else torch.ops.dlinfer.linear_w8a8)
+    else:
+        kernel = _check_linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, quant_dtype, bias)
+    if a.dim() == 2:
+        return kernel(a, b, rms_scale.reshape(a.shape[0]), linear_scale, out_dtype, bias)
+    lead = a.shape[:-1]
+    rows = math.prod(lead)
+    # linear_scale as LMDeploy holds it ([N] or [N, 1]): a reshape here would be one more call per
+    # linear and step in a replayed graph (docs/benchmarks.md, "Kernel calls without the dispatcher").
+    out = kernel(a.reshape(rows, a.shape[-1]), b, rms_scale.reshape(rows), linear_scale, out_dtype, bias)
+    return out.view(*lead, b.shape[0])
+
+
+def _check_linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, quant_dtype, bias):
+    """Checks linear_w8a8's arguments; returns the vendor's function (`kernel_for`)."""
     op = "linear_w8a8"
-    ndim = C.rank_at_least(op, "a", a, 1, "[..., K]")
+    C.rank_at_least(op, "a", a, 1, "[..., K]")
     C.dtype_in(op, "a", a, INT8)
     k = a.shape[-1]
     device = a.device
@@ -93,12 +128,10 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, o
         C.tensor(op, "bias", bias, (n,), C.FLOAT_DTYPES, device)
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, out_dtype)
-    rows = math.prod(lead)
-    a2 = a if ndim == 2 else a.reshape(rows, k)
-    # linear_scale as LMDeploy holds it ([N] or [N, 1]): a reshape here would be one more call per
-    # linear and step in a replayed graph (docs/benchmarks.md, "Kernel calls without the dispatcher").
-    out = kernel(a2, b, rms_scale.reshape(rows), linear_scale, out_dtype, bias)
-    return out if ndim == 2 else out.view(*lead, n)
+    return kernel
+
+
+_linear_w8a8_at_compile_time = _compile_time.runner(_check_linear_w8a8)
 
 
 def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float,
@@ -109,12 +142,25 @@ def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float,
     quant_dtype: torch.int8 only.
     Returns new tensors (xq [..., H] int8, scale hidden_states.shape[:-1] float32).
     """
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_rms_norm_w8a8_at_compile_time)  # _check_rms_norm_w8a8, natively
+        kernel = (_check_rms_norm_w8a8(hidden_states, weight, epsilon, quant_dtype) if failed
+                  else torch.ops.dlinfer.rms_norm_w8a8)
+    else:
+        kernel = _check_rms_norm_w8a8(hidden_states, weight, epsilon, quant_dtype)
+    out = kernel(_rows(hidden_states, hidden_states.shape[-1]), weight, float(epsilon))
+    return _split_quant(out, hidden_states.shape)
+
+
+def _check_rms_norm_w8a8(hidden_states, weight, epsilon, quant_dtype):
     op = "rms_norm_w8a8"
-    hidden = _check_common(op, hidden_states, weight, epsilon)
+    kernel = _check_common(op, hidden_states, weight, epsilon)
     _check_quant_dtype(op, quant_dtype)
-    kernel, vendor = kernel_for(op, hidden_states.device)
-    check_dtype(vendor, op, hidden_states.dtype)
-    return _split_quant(kernel(_rows(hidden_states, hidden), weight, float(epsilon)), hidden_states.shape)
+    return kernel
+
+
+_rms_norm_w8a8_at_compile_time = _compile_time.runner(_check_rms_norm_w8a8)
 
 
 def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float,
@@ -126,18 +172,31 @@ def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, e
     Returns new tensors (xq [..., H] int8, scale [...] float32, hidden_states + residual [..., H]),
     xq/scale quantising rms_norm(h + r) (the sum rounded to the activation dtype, as is the norm).
     """
-    op = "add_rms_norm_w8a8"
-    hidden = _check_common(op, hidden_states, weight, epsilon)
-    C.tensor(op, "residual", residual, tuple(hidden_states.shape), C.FLOAT_DTYPES, hidden_states.device)
-    C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
-    _check_quant_dtype(op, quant_dtype)
-    kernel, vendor = kernel_for(op, hidden_states.device)
-    check_dtype(vendor, op, hidden_states.dtype)
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_add_rms_norm_w8a8_at_compile_time)  # _check_add_rms_norm_w8a8
+        kernel = (_check_add_rms_norm_w8a8(hidden_states, residual, weight, epsilon, quant_dtype) if failed
+                  else torch.ops.dlinfer.add_rms_norm_w8a8)
+    else:
+        kernel = _check_add_rms_norm_w8a8(hidden_states, residual, weight, epsilon, quant_dtype)
+    hidden = hidden_states.shape[-1]
     xq, scale, added = kernel(_rows(hidden_states, hidden), _rows(residual, hidden), weight, float(epsilon))
     if hidden_states.dim() == 2:
         return xq, scale, added
     shape = hidden_states.shape
     return xq.view(shape), scale.view(shape[:-1]), added.view(shape)
+
+
+def _check_add_rms_norm_w8a8(hidden_states, residual, weight, epsilon, quant_dtype):
+    op = "add_rms_norm_w8a8"
+    kernel = _check_common(op, hidden_states, weight, epsilon)
+    C.tensor(op, "residual", residual, tuple(hidden_states.shape), C.FLOAT_DTYPES, hidden_states.device)
+    C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
+    _check_quant_dtype(op, quant_dtype)
+    return kernel
+
+
+_add_rms_norm_w8a8_at_compile_time = _compile_time.runner(_check_add_rms_norm_w8a8)
 
 
 def _single_value(op: str, name: str, t, dtypes, device) -> Tensor:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Tuple
 
+import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
+from dlinfer.ops import _compile_time
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
@@ -40,11 +42,27 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -
         out[..., :R] = x[..., :R] * cos + rotate_half(x[..., :R]) * sin,
         rotate_half(x) = cat(-x[..., R/2:], x[..., :R/2]).
     """
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_rotary_at_compile_time)  # _check_rotary, run natively
+        kernel = (_check_rotary(query, key, cos, sin) if failed
+                  else torch.ops.dlinfer.apply_rotary_pos_emb)
+    else:
+        kernel = _check_rotary(query, key, cos, sin)
+    q3 = query[0] if query.dim() == 4 else query
+    k3 = key[0] if key.dim() == 4 else key
+    t, rot = q3.shape[0], cos.shape[-1]
+    q_out, k_out = kernel(q3, k3, _as_rows(cos, t, rot), _as_rows(sin, t, rot))
+    return (q_out if q3 is query else q_out.view(query.shape)), (k_out if k3 is key else k_out.view(key.shape))
+
+
+def _check_rotary(query, key, cos, sin):
+    """Checks apply_rotary_pos_emb's arguments; returns the vendor's function (`kernel_for`)."""
     op = "apply_rotary_pos_emb"
     q3 = _three_dims(op, "query", query, ("T", "Hq", "D"))
     t, _, d = q3.shape
     device = q3.device
-    k3 = _three_dims(op, "key", key, (t, "Hkv", d), device)
+    _three_dims(op, "key", key, (t, "Hkv", d), device)
     C.same_dtype(op, "key", key, query, "query")
     _check_table(op, "cos", cos, device)
     _check_table(op, "sin", sin, device)
@@ -55,8 +73,10 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -
         raise C.InvalidArgumentError(op, "sin", f"the shape of cos {list(cos.shape)}", C.describe(sin))
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, query.dtype)
-    q_out, k_out = kernel(q3, k3, _as_rows(cos, t, rot), _as_rows(sin, t, rot))
-    return (q_out if q3 is query else q_out.view(query.shape)), (k_out if k3 is key else k_out.view(key.shape))
+    return kernel
+
+
+_rotary_at_compile_time = _compile_time.runner(_check_rotary)
 
 
 def apply_rotary_pos_emb_interleaved(x: Tensor, cos: Tensor, sin: Tensor, return_native_layout: bool = True) -> Tensor:

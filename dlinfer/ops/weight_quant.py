@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
+from dlinfer.ops import _compile_time
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 from dlinfer.ops.linear import sum_over_group
 from dlinfer.vendor import w4_layouts as L
@@ -96,12 +97,32 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     group_size: g, a divisor of K; 0 means one group of K rows.
     Returns a new tensor [..., N] in x's dtype (fp32 accumulation, one final rounding).
     """
-    op = "weight_quant_matmul"
-    ndim = C.rank_at_least(op, "x", x, 1, "[..., K]")
-    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
+    if torch.compiler.is_compiling():
+        failed = False
+        torch._dynamo.comptime.comptime(_weight_quant_matmul_at_compile_time)  # natively
+        kernel = (_check_weight_quant_matmul(x, qweight, scale, offset, bias, all_reduce, group_size) if failed
+                  else torch.ops.dlinfer.weight_quant_matmul)
+    else:
+        kernel = _check_weight_quant_matmul(x, qweight, scale, offset, bias, all_reduce, group_size)
     k = x.shape[-1]
+    g = (int(group_size.item()) if isinstance(group_size, Tensor) else group_size) or k
+    if x.dim() == 2:
+        out = kernel(x, qweight, scale, offset, bias, g)
+    else:
+        out = kernel(x.reshape(math.prod(x.shape[:-1]), k), qweight, scale, offset, bias, g)
+        out = out.view(*x.shape[:-1], scale.shape[1])
+    if all_reduce:
+        sum_over_group(out)
+    return out
+
+
+def _check_weight_quant_matmul(x, qweight, scale, offset, bias, all_reduce, group_size):
+    """Checks weight_quant_matmul's arguments; returns the vendor's function (`kernel_for`)."""
+    op = "weight_quant_matmul"
+    C.rank_at_least(op, "x", x, 1, "[..., K]")
+    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
     device = x.device
-    n, g = _check_weights(op, qweight, scale, offset, group_size, k, x.dtype, device)
+    n, _ = _check_weights(op, qweight, scale, offset, group_size, x.shape[-1], x.dtype, device)
     if bias is not None:
         C.tensor(op, "bias", bias, (n,), C.FLOAT_DTYPES, device)
         C.same_dtype(op, "bias", bias, x, "x")
@@ -109,13 +130,10 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
         raise C.InvalidArgumentError(op, "all_reduce", "a bool", C.describe(all_reduce))
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, x.dtype)
-    x2 = x if ndim == 2 else x.reshape(math.prod(x.shape[:-1]), k)
-    out = kernel(x2, qweight, scale, offset, bias, g)
-    if ndim != 2:
-        out = out.view(*x.shape[:-1], n)
-    if all_reduce:
-        sum_over_group(out)
-    return out
+    return kernel
+
+
+_weight_quant_matmul_at_compile_time = _compile_time.runner(_check_weight_quant_matmul)
 
 
 def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor] = None,

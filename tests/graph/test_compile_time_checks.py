@@ -1,0 +1,167 @@
+"""The ops' argument checks while torch.compile traces (dlinfer/ops/_compile_time.py): they run
+natively, not through Dynamo's bytecode interpreter, and a bad argument is still refused with the
+check's own message, with and without fullgraph, for static and dynamic shapes."""
+
+import collections
+import os
+
+import pytest
+import torch
+
+import dlinfer.ops as ops
+import dlinfer.vendor as dlinfer_vendor
+from dlinfer.errors import InvalidArgumentError
+from dlinfer.ops import _checks as C
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _norm(x, w):
+    return ops.rms_norm(x, w, 1e-6)
+
+
+def _linear(x, w):
+    return ops.linear(x, w)
+
+
+def _eager_error(fn, *args) -> str:
+    with pytest.raises(InvalidArgumentError) as info:
+        fn(*args)
+    return str(info.value)
+
+
+BAD_CALLS = [
+    pytest.param(_norm, lambda: (torch.randn(4, 64), torch.randn(32)), id="rms_norm-weight-size"),
+    pytest.param(_norm, lambda: (torch.randn(4, 64), [1.0] * 64), id="rms_norm-weight-not-a-tensor"),
+    pytest.param(_norm, lambda: (torch.randn(4, 64, dtype=torch.float64), torch.randn(64)), id="rms_norm-x-dtype"),
+    pytest.param(_linear, lambda: (torch.randn(4, 64), torch.randn(8, 64, dtype=torch.bfloat16)),
+                 id="linear-same-dtype"),
+    pytest.param(_linear, lambda: (torch.randn(4, 64), torch.randn(8, 32)), id="linear-k"),
+]
+
+
+@pytest.mark.parametrize("fn, make", BAD_CALLS)
+def test_without_fullgraph_the_compiled_call_raises_the_eager_error(fn, make):
+    args = make()
+    expected = _eager_error(fn, *args)
+    with pytest.raises(InvalidArgumentError) as info:
+        torch.compile(fn, backend="eager")(*args)
+    assert str(info.value) == expected
+
+
+@pytest.mark.parametrize("fn, make", BAD_CALLS)
+def test_with_fullgraph_the_compile_error_carries_the_checks_message(fn, make):
+    args = make()
+    expected = _eager_error(fn, *args)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        torch.compile(fn, backend="eager", fullgraph=True)(*args)
+    assert expected in str(info.value)
+
+
+class _NotATensor:
+    pass
+
+
+def test_an_argument_with_no_compile_time_value_is_refused_by_its_type():
+    """A user object reaches the native check as a stand-in naming its type (it has no value
+    Dynamo can hand over): refused like any non-tensor, with fullgraph and without."""
+    x, w = torch.randn(4, 64), _NotATensor()
+    refused = r"argument 'weight': expected a tensor \[64\], got _NotATensor"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=refused):
+        torch.compile(_norm, backend="eager", fullgraph=True)(x, w)
+    torch._dynamo.reset()
+    with pytest.raises(InvalidArgumentError, match=refused + " <"):
+        torch.compile(_norm, backend="eager")(x, w)
+
+
+def test_a_bad_size_is_refused_under_dynamic_shapes():
+    x, w = torch.randn(4, 64), torch.randn(64)
+    compiled = torch.compile(_norm, backend="eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x, w), _norm(x, w))
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="expected size s\\d+ in dim 0 of \\[s\\d+\\]"):
+        torch.compile(_norm, backend="eager", fullgraph=True, dynamic=True)(torch.randn(4, 64), torch.randn(32))
+
+
+def test_symbolic_sizes_pass_through_the_checks_without_a_graph_break():
+    """Under dynamic shapes the expected sizes handed to the checks are SymInts (in tuples): the
+    native check reads them (no graph break, fullgraph) and the result matches eager."""
+    x, w = torch.randn(5, 48), torch.randn(24, 48)
+    compiled = torch.compile(_linear, backend="eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(x, w), _linear(x, w))
+    x, w = torch.randn(7, 40), torch.randn(16, 40)
+    torch.testing.assert_close(compiled(x, w), _linear(x, w))
+
+
+def _count_steps(monkeypatch) -> collections.Counter:
+    """Dynamo's interpreted instructions per code object of dlinfer/ops while the test traces."""
+    from torch._dynamo import symbolic_convert
+
+    ops_dir = os.path.dirname(C.__file__)
+    stepped = collections.Counter()
+    real_step = symbolic_convert.InstructionTranslatorBase.step
+
+    def step(self):
+        if os.path.dirname(self.f_code.co_filename) == ops_dir:
+            stepped[f"{os.path.basename(self.f_code.co_filename)}:{self.f_code.co_name}"] += 1
+        return real_step(self)
+
+    monkeypatch.setattr(symbolic_convert.InstructionTranslatorBase, "step", step)
+    return stepped
+
+
+def _decode_layer(x, w_qkv, w_o, g, cos, sin, key_cache, value_cache, slots, block_table, q_lens, kv_lens):
+    h = ops.rms_norm(x, g, 1e-6)
+    qkv = ops.linear(h, w_qkv)
+    q, k, v = qkv[:, :64].view(-1, 4, 16), qkv[:, 64:96].view(-1, 2, 16), qkv[:, 96:].view(-1, 2, 16)
+    q, k = ops.apply_rotary_pos_emb(q, k, cos, sin)
+    ops.fill_kv_cache(k, v, key_cache, value_cache, slots)
+    o = ops.paged_decode_attention(q, key_cache, value_cache, block_table, 16, q_lens, kv_lens, 32, 4, 2)
+    y, r = ops.add_rms_norm(ops.linear(o.view(-1, 64), w_o), x, g, 1e-6)
+    return ops.silu_and_mul(y), r
+
+
+def _decode_inputs():
+    from dlinfer.vendor.kv_layouts import dims
+
+    layout = dlinfer_vendor.kv_layout("cpu")
+    shape = [4 if d == "NB" else 16 if d == "BS" else d for d in dims(layout, 2, 16)]
+    return (torch.randn(2, 64), torch.randn(128, 64), torch.randn(64, 64), torch.randn(64), torch.randn(2, 16),
+            torch.randn(2, 16), torch.zeros(shape), torch.zeros(shape), torch.tensor([3, 20]),
+            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32),
+            torch.tensor([4, 5], dtype=torch.int32))
+
+
+def test_the_checks_are_not_interpreted_while_tracing_a_decode_layer(monkeypatch):
+    """A decode layer's ops compile (fullgraph) to what eager gives, and Dynamo steps through no
+    instruction of their checks (`_check_*`) nor of the shared helpers (`_checks.py`; only the
+    switch of the eager-only value checks, which answers False): the checks ran natively. (They
+    were most of a decode graph's traced instructions.)"""
+    args = _decode_inputs()
+    eager_args = [a.clone() for a in args]
+    stepped = _count_steps(monkeypatch)
+    got = torch.compile(_decode_layer, backend="eager", fullgraph=True)(*args)
+    want = _decode_layer(*eager_args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(args[6], eager_args[6])
+    for op in ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "fill_kv_cache",
+               "paged_decode_attention"):
+        assert any(name.endswith(f":{op}") for name in stepped), (op, stepped)
+    interpreted = sorted(name for name in stepped if (name.startswith("_checks.py:") or ":_check" in name)
+                         and not name.endswith(":check_values_enabled"))  # the eager-only value checks' switch
+    assert not interpreted, f"checks interpreted by Dynamo: {interpreted}"
+
+
+def test_a_failed_check_is_interpreted_only_to_raise(monkeypatch):
+    """The other side of the test above: a failing check does run in the trace (that is how the
+    eager error is raised without fullgraph), so the counter above does see checks."""
+    stepped = _count_steps(monkeypatch)
+    with pytest.raises(InvalidArgumentError):
+        torch.compile(_norm, backend="eager")(torch.randn(4, 64), torch.randn(32))
+    assert stepped["norm.py:_check_rms_norm"] and stepped["_checks.py:tensor"], stepped
