@@ -89,4 +89,3 @@ def check_head_dim(vendor: Vendor, op: str, head_dim: int) -> None:
     dims = vendor.capabilities.head_dims
     if dims is not None and head_dim not in dims:
         raise UnsupportedError(vendor.name, op, f"head dim {head_dim} (supported: {dims})")
-

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
@@ -16,12 +16,8 @@ def silu_and_mul(input_tensor: Tensor, dim: int = -1) -> Tensor:
     input_tensor: [..., 2I] float32/float16/bfloat16 (2I along `dim`), not modified.
     Returns a new tensor [..., I] in the input dtype.
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_silu_and_mul_at_compile_time)  # _check_silu_and_mul, natively
-        kernel = _check_silu_and_mul(input_tensor, dim) if failed else torch.ops.dlinfer.silu_and_mul
-    else:
-        kernel = _check_silu_and_mul(input_tensor, dim)
+    kernel = (_check_silu_and_mul(input_tensor, dim) if not torch.compiler.is_compiling()
+              else checked("silu_and_mul", _check_silu_and_mul, input_tensor, dim))
     ndim = input_tensor.dim()
     dim = dim % ndim
     if ndim == 2 and dim == 1:
@@ -46,6 +42,3 @@ def _check_silu_and_mul(input_tensor, dim):
     kernel, vendor = kernel_for(op, input_tensor.device)
     check_dtype(vendor, op, input_tensor.dtype)
     return kernel
-
-
-_silu_and_mul_at_compile_time = _compile_time.runner(_check_silu_and_mul)

@@ -27,7 +27,8 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time, kv_quant
+from dlinfer.ops import kv_quant
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, kv_layout, require
 from dlinfer.ops.kv_cache import cache_dims
 from dlinfer.utils.memo import LastCallMemo
@@ -361,19 +362,11 @@ def paged_prefill_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_prefill_attention"
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_paged_prefill_at_compile_time)  # _check_paged_prefill, natively
-        kernel = (_check_paged_prefill(op, query, key, value, key_cache, value_cache, block_table, block_size,
-                                       q_seq_len, kv_seq_len, max_q_seq_len, max_kv_seq_len, num_q_heads,
-                                       num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                                       quant_bits, sliding_window, logit_softcapping)
-                  if failed else torch.ops.dlinfer.paged_prefill_attention)
-    else:
-        kernel = _check_paged_prefill(op, query, key, value, key_cache, value_cache, block_table, block_size,
-                                      q_seq_len, kv_seq_len, max_q_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads,
-                                      head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits,
-                                      sliding_window, logit_softcapping)
+    args = (op, query, key, value, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
+            max_q_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes,
+            attn_output, quant_bits, sliding_window, logit_softcapping)
+    kernel = (_check_paged_prefill(*args) if not torch.compiler.is_compiling()
+              else checked(op, _check_paged_prefill, *args))
     p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
                       head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
                       sliding_window, logit_softcapping)
@@ -405,9 +398,6 @@ def _check_paged_prefill(op, query, key, value, key_cache, value_cache, block_ta
     C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
     C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     return kernel
-
-
-_paged_prefill_at_compile_time = _compile_time.runner(_check_paged_prefill)
 
 
 def _int(value):
@@ -452,19 +442,11 @@ def paged_decode_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "paged_decode_attention"
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_paged_decode_at_compile_time)  # _check_paged_decode, natively
-        kernel = (_check_paged_decode(op, query, key_cache, value_cache, block_table, block_size, q_seq_len,
-                                      kv_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v,
-                                      softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window,
-                                      logit_softcapping)
-                  if failed else torch.ops.dlinfer.paged_decode_attention)
-    else:
-        kernel = _check_paged_decode(op, query, key_cache, value_cache, block_table, block_size, q_seq_len,
-                                     kv_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v,
-                                     softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window,
-                                     logit_softcapping)
+    args = (op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len, max_kv_seq_len,
+            num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits,
+            sliding_window, logit_softcapping)
+    kernel = (_check_paged_decode(*args) if not torch.compiler.is_compiling()
+              else checked(op, _check_paged_decode, *args))
     p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
                       head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
                       sliding_window, logit_softcapping)
@@ -486,6 +468,3 @@ def _check_paged_decode(op, query, key_cache, value_cache, block_table, block_si
                           quant_bits, sliding_window, logit_softcapping)
     C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     return kernel
-
-
-_paged_decode_at_compile_time = _compile_time.runner(_check_paged_decode)

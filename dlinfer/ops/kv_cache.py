@@ -9,7 +9,8 @@ from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time, kv_quant
+from dlinfer.ops import kv_quant
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, kernel_for, kv_layout
 from dlinfer.vendor import kv_layouts
 
@@ -51,14 +52,10 @@ def fill_kv_cache(
         None), on key's device, when quant_bits=8; empty otherwise.
     Returns (key_cache, value_cache), the same tensors.
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_fill_kv_cache_at_compile_time)  # _check_fill_kv_cache, natively
-        kernel = (_check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_bits) if failed
-                  else torch.ops.dlinfer.fill_kv_cache)
-    else:
-        kernel = _check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_bits)
     op = "fill_kv_cache"
+    args = (key, value, key_cache, value_cache, kv_indices, quant_bits)
+    kernel = (_check_fill_kv_cache(*args) if not torch.compiler.is_compiling()
+              else checked(op, _check_fill_kv_cache, *args))
     key, value = _token_rows(key), _token_rows(value)
     if kv_indices.dim() == 2:  # [T, 1] (checked)
         kv_indices = kv_indices.view(-1)
@@ -103,6 +100,3 @@ def _check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_b
     if value_cache.shape[0] != nb:
         raise InvalidArgumentError(op, "value_cache", f"{nb} blocks like key_cache", C.describe(value_cache))
     return kernel
-
-
-_fill_kv_cache_at_compile_time = _compile_time.runner(_check_fill_kv_cache)

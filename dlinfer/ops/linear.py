@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
@@ -21,12 +21,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, all_reduce:
         default group). A no-op when torch.distributed is not initialised or the group has one rank.
     Returns a new tensor [..., N].
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_linear_at_compile_time)  # _check_linear, run natively
-        kernel = _check_linear(x, weight, bias) if failed else torch.ops.dlinfer.linear
-    else:
-        kernel = _check_linear(x, weight, bias)
+    kernel = (_check_linear(x, weight, bias) if not torch.compiler.is_compiling()
+              else checked("linear", _check_linear, x, weight, bias))
     if x.dim() == 2:
         out = kernel(x, weight, bias)
     else:
@@ -51,9 +47,6 @@ def _check_linear(x, weight, bias):
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, x.dtype)
     return kernel
-
-
-_linear_at_compile_time = _compile_time.runner(_check_linear)
 
 
 def sum_over_group(out: Tensor, group="") -> None:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
@@ -36,10 +36,6 @@ def _check_add_rms_norm(hidden_states, residual, weight, epsilon):
     return kernel
 
 
-_rms_norm_at_compile_time = _compile_time.runner(_check_rms_norm)
-_add_rms_norm_at_compile_time = _compile_time.runner(_check_add_rms_norm)
-
-
 def _rows(t: Tensor, hidden: int) -> Tensor:
     """t [..., H] as [N, H] (itself when already 2-D)."""
     return t if t.dim() == 2 else t.reshape(-1, hidden)
@@ -52,12 +48,8 @@ def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Te
     weight: [H], same device.
     Returns a new tensor [..., H] in hidden_states' dtype.
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_rms_norm_at_compile_time)  # _check_rms_norm, run natively
-        kernel = _check_rms_norm(hidden_states, weight, epsilon) if failed else torch.ops.dlinfer.rms_norm
-    else:
-        kernel = _check_rms_norm(hidden_states, weight, epsilon)
+    kernel = (_check_rms_norm(hidden_states, weight, epsilon) if not torch.compiler.is_compiling()
+              else checked("rms_norm", _check_rms_norm, hidden_states, weight, epsilon))
     out = kernel(_rows(hidden_states, hidden_states.shape[-1]), weight, float(epsilon))
     return out if hidden_states.dim() == 2 else out.view(hidden_states.shape)
 
@@ -71,13 +63,8 @@ def add_rms_norm(hidden_states: Tensor, residual: Tensor, weight: Tensor,
     Returns (rms_norm(hidden_states + residual), hidden_states + residual), the sum computed in the
     activation dtype (as an unfused `h + r` would be), both new tensors [..., H].
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_add_rms_norm_at_compile_time)  # _check_add_rms_norm, natively
-        kernel = (_check_add_rms_norm(hidden_states, residual, weight, epsilon) if failed
-                  else torch.ops.dlinfer.add_rms_norm)
-    else:
-        kernel = _check_add_rms_norm(hidden_states, residual, weight, epsilon)
+    kernel = (_check_add_rms_norm(hidden_states, residual, weight, epsilon) if not torch.compiler.is_compiling()
+              else checked("add_rms_norm", _check_add_rms_norm, hidden_states, residual, weight, epsilon))
     hidden = hidden_states.shape[-1]
     normed, added = kernel(_rows(hidden_states, hidden), _rows(residual, hidden), weight, float(epsilon))
     if hidden_states.dim() == 2:

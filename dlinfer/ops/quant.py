@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 from dlinfer.ops.norm import _check_common, _rows
 
@@ -45,13 +45,8 @@ def dynamic_quant(x: Tensor, quant_dtype: torch.dtype = torch.int8,
     A row holding a NaN gets scale NaN, so the next linear_w8a8 row is NaN too (its codes are not
     specified: the cpu and triton vendors write 0); the same holds for the fused norm forms below.
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_dynamic_quant_at_compile_time)  # _check_dynamic_quant, natively
-        kernel = (_check_dynamic_quant(x, quant_dtype, quant_granularity) if failed
-                  else torch.ops.dlinfer.dynamic_quant)
-    else:
-        kernel = _check_dynamic_quant(x, quant_dtype, quant_granularity)
+    kernel = (_check_dynamic_quant(x, quant_dtype, quant_granularity) if not torch.compiler.is_compiling()
+              else checked("dynamic_quant", _check_dynamic_quant, x, quant_dtype, quant_granularity))
     return _split_quant(kernel(_rows(x, x.shape[-1])), x.shape)
 
 
@@ -69,9 +64,6 @@ def _check_dynamic_quant(x, quant_dtype, quant_granularity):
     return kernel
 
 
-_dynamic_quant_at_compile_time = _compile_time.runner(_check_dynamic_quant)
-
-
 def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype,
                 quant_dtype: torch.dtype = torch.int8, bias: Optional[Tensor] = None) -> Tensor:
     """(a @ b.T, accumulated exactly in int32) * rms_scale[..., None] * linear_scale (+ bias).
@@ -83,13 +75,9 @@ def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, o
     bias: [N] float32/float16/bfloat16 or None.
     Returns a new tensor [..., N] in out_dtype (the scaling in float32, one final rounding).
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_linear_w8a8_at_compile_time)  # _check_linear_w8a8, natively
-        kernel = (_check_linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, quant_dtype, bias) if failed
-                  else torch.ops.dlinfer.linear_w8a8)
-    else:
-        kernel = _check_linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, quant_dtype, bias)
+    args = (a, b, rms_scale, linear_scale, out_dtype, quant_dtype, bias)
+    kernel = (_check_linear_w8a8(*args) if not torch.compiler.is_compiling()
+              else checked("linear_w8a8", _check_linear_w8a8, *args))
     if a.dim() == 2:
         return kernel(a, b, rms_scale.reshape(a.shape[0]), linear_scale, out_dtype, bias)
     lead = a.shape[:-1]
@@ -131,9 +119,6 @@ def _check_linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, quant_dtype, bi
     return kernel
 
 
-_linear_w8a8_at_compile_time = _compile_time.runner(_check_linear_w8a8)
-
-
 def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float,
                   quant_dtype: torch.dtype = torch.int8) -> Tuple[Tensor, Tensor]:
     """dynamic_quant(rms_norm(hidden_states, weight, epsilon)), the norm rounded to h's dtype first.
@@ -142,13 +127,8 @@ def rms_norm_w8a8(hidden_states: Tensor, weight: Tensor, epsilon: float,
     quant_dtype: torch.int8 only.
     Returns new tensors (xq [..., H] int8, scale hidden_states.shape[:-1] float32).
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_rms_norm_w8a8_at_compile_time)  # _check_rms_norm_w8a8, natively
-        kernel = (_check_rms_norm_w8a8(hidden_states, weight, epsilon, quant_dtype) if failed
-                  else torch.ops.dlinfer.rms_norm_w8a8)
-    else:
-        kernel = _check_rms_norm_w8a8(hidden_states, weight, epsilon, quant_dtype)
+    kernel = (_check_rms_norm_w8a8(hidden_states, weight, epsilon, quant_dtype) if not torch.compiler.is_compiling()
+              else checked("rms_norm_w8a8", _check_rms_norm_w8a8, hidden_states, weight, epsilon, quant_dtype))
     out = kernel(_rows(hidden_states, hidden_states.shape[-1]), weight, float(epsilon))
     return _split_quant(out, hidden_states.shape)
 
@@ -160,9 +140,6 @@ def _check_rms_norm_w8a8(hidden_states, weight, epsilon, quant_dtype):
     return kernel
 
 
-_rms_norm_w8a8_at_compile_time = _compile_time.runner(_check_rms_norm_w8a8)
-
-
 def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, epsilon: float,
                       quant_dtype: torch.dtype = torch.int8) -> Tuple[Tensor, Tensor, Tensor]:
     """Residual add, RMSNorm and per-token int8 quantisation.
@@ -172,13 +149,9 @@ def add_rms_norm_w8a8(hidden_states: Tensor, residual: Tensor, weight: Tensor, e
     Returns new tensors (xq [..., H] int8, scale [...] float32, hidden_states + residual [..., H]),
     xq/scale quantising rms_norm(h + r) (the sum rounded to the activation dtype, as is the norm).
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_add_rms_norm_w8a8_at_compile_time)  # _check_add_rms_norm_w8a8
-        kernel = (_check_add_rms_norm_w8a8(hidden_states, residual, weight, epsilon, quant_dtype) if failed
-                  else torch.ops.dlinfer.add_rms_norm_w8a8)
-    else:
-        kernel = _check_add_rms_norm_w8a8(hidden_states, residual, weight, epsilon, quant_dtype)
+    args = (hidden_states, residual, weight, epsilon, quant_dtype)
+    kernel = (_check_add_rms_norm_w8a8(*args) if not torch.compiler.is_compiling()
+              else checked("add_rms_norm_w8a8", _check_add_rms_norm_w8a8, *args))
     hidden = hidden_states.shape[-1]
     xq, scale, added = kernel(_rows(hidden_states, hidden), _rows(residual, hidden), weight, float(epsilon))
     if hidden_states.dim() == 2:
@@ -194,9 +167,6 @@ def _check_add_rms_norm_w8a8(hidden_states, residual, weight, epsilon, quant_dty
     C.same_dtype(op, "residual", residual, hidden_states, "hidden_states")
     _check_quant_dtype(op, quant_dtype)
     return kernel
-
-
-_add_rms_norm_w8a8_at_compile_time = _compile_time.runner(_check_add_rms_norm_w8a8)
 
 
 def _single_value(op: str, name: str, t, dtypes, device) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 
 
@@ -42,13 +42,8 @@ def apply_rotary_pos_emb(query: Tensor, key: Tensor, cos: Tensor, sin: Tensor) -
         out[..., :R] = x[..., :R] * cos + rotate_half(x[..., :R]) * sin,
         rotate_half(x) = cat(-x[..., R/2:], x[..., :R/2]).
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_rotary_at_compile_time)  # _check_rotary, run natively
-        kernel = (_check_rotary(query, key, cos, sin) if failed
-                  else torch.ops.dlinfer.apply_rotary_pos_emb)
-    else:
-        kernel = _check_rotary(query, key, cos, sin)
+    kernel = (_check_rotary(query, key, cos, sin) if not torch.compiler.is_compiling()
+              else checked("apply_rotary_pos_emb", _check_rotary, query, key, cos, sin))
     q3 = query[0] if query.dim() == 4 else query
     k3 = key[0] if key.dim() == 4 else key
     t, rot = q3.shape[0], cos.shape[-1]
@@ -74,9 +69,6 @@ def _check_rotary(query, key, cos, sin):
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, query.dtype)
     return kernel
-
-
-_rotary_at_compile_time = _compile_time.runner(_check_rotary)
 
 
 def apply_rotary_pos_emb_interleaved(x: Tensor, cos: Tensor, sin: Tensor, return_native_layout: bool = True) -> Tensor:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dlinfer.ops import _checks as C
-from dlinfer.ops import _compile_time
+from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, kernel_for
 from dlinfer.ops.linear import sum_over_group
 from dlinfer.vendor import w4_layouts as L
@@ -97,13 +97,9 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     group_size: g, a divisor of K; 0 means one group of K rows.
     Returns a new tensor [..., N] in x's dtype (fp32 accumulation, one final rounding).
     """
-    if torch.compiler.is_compiling():
-        failed = False
-        torch._dynamo.comptime.comptime(_weight_quant_matmul_at_compile_time)  # natively
-        kernel = (_check_weight_quant_matmul(x, qweight, scale, offset, bias, all_reduce, group_size) if failed
-                  else torch.ops.dlinfer.weight_quant_matmul)
-    else:
-        kernel = _check_weight_quant_matmul(x, qweight, scale, offset, bias, all_reduce, group_size)
+    args = (x, qweight, scale, offset, bias, all_reduce, group_size)
+    kernel = (_check_weight_quant_matmul(*args) if not torch.compiler.is_compiling()
+              else checked("weight_quant_matmul", _check_weight_quant_matmul, *args))
     k = x.shape[-1]
     g = (int(group_size.item()) if isinstance(group_size, Tensor) else group_size) or k
     if x.dim() == 2:
@@ -131,9 +127,6 @@ def _check_weight_quant_matmul(x, qweight, scale, offset, bias, all_reduce, grou
     kernel, vendor = kernel_for(op, device)
     check_dtype(vendor, op, x.dtype)
     return kernel
-
-
-_weight_quant_matmul_at_compile_time = _compile_time.runner(_check_weight_quant_matmul)
 
 
 def repack_weight_quant(qweight: Tensor, scale: Tensor, offset: Optional[Tensor] = None,
