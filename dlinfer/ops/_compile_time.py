@@ -8,13 +8,14 @@ its checks in one function that returns the kernel, and calls it only eagerly:
     kernel = (_check_linear(x, weight, bias) if not torch.compiler.is_compiling()
               else checked("linear", _check_linear, x, weight, bias))
 
-While tracing, `checked` hands the check to Dynamo's `comptime` (code run at compile time with the
-traced frame's locals), which calls it as plain Python on the values the trace knows: tensors as
+While Dynamo traces, `checked` hands the check to Dynamo's `comptime` (code run at compile time with
+the traced frame's locals), which calls it as plain Python on the values the trace knows: tensors as
 fake tensors with the real shapes, dtypes and devices, sizes as ints (SymInts where a dimension is
 dynamic), constants as they are. A failed check: with fullgraph, torch.compile raises Dynamo's
 Unsupported error carrying the check's message (LMDeploy's graph runner then runs the step eagerly,
-which raises the error itself); without it, the error itself, as eagerly. Nothing here touches
-Dynamo outside a trace.
+which raises the error itself); without it, the error itself, as eagerly. Where the native run
+cannot decide for sure (below), the check is interpreted by Dynamo as before this module existed.
+Nothing here touches Dynamo outside a trace.
 """
 
 from __future__ import annotations
@@ -27,39 +28,73 @@ from dlinfer.errors import InvalidArgumentError, UnsupportedError
 
 
 def checked(op: str, check: Callable[..., Any], *args: Any) -> Callable:
-    """While tracing: run `check(*args)` natively; return `torch.ops.dlinfer.<op>`.
+    """The kernel for `op` after `check(*args)`, for an op called under torch.compiler.is_compiling().
 
-    args: what the check reads, tensors, numbers, strings, dtypes, devices, None, and tuples or lists
-    of those; any other object reaches the check as an `Opaque` stand-in naming its type (its
+    Under Dynamo: runs the check natively (`_run_check`) and returns `torch.ops.dlinfer.<op>`. When
+    the native run sets the local `interpret`, the check runs here again, interpreted by Dynamo: a
+    failing one raises, which Dynamo cannot trace, so it runs that part eagerly and the error reaches
+    the caller as it would eagerly. (A graph break at the `comptime` call itself would not do:
+    Dynamo would run the call eagerly, where it does nothing, and resume after it as if the check
+    had passed.) Anywhere else that compiles without Dynamo (torch.export's non-strict mode): the
+    check, called as it is.
+
+    args: what the check reads: tensors, numbers, strings, dtypes, devices, None, and tuples or
+    lists of those. Any other object reaches the check as an `Opaque` stand-in naming its type (its
     attributes are not known at compile time), so a check reading an object's attributes does not
     belong here.
-
-    When the check fails and the trace may break (no fullgraph), `_run_check` sets the local
-    `failed`, and the check runs again here, traced: Dynamo cannot trace its raise, so it runs that
-    part eagerly and the InvalidArgumentError reaches the caller as it would eagerly. (A graph break
-    at the `comptime` call itself would not do: Dynamo would run the call eagerly, where it does
-    nothing, and resume after it as if the check had passed.)
     """
-    failed = False
+    if not torch.compiler.is_dynamo_compiling():
+        return check(*args)
+    interpret = False
     torch._dynamo.comptime.comptime(_run_check)
-    if failed:
+    if interpret:
         return check(*args)
     return getattr(torch.ops.dlinfer, op)
 
 
 def _run_check(ctx) -> None:
-    """`comptime`'s callback in `checked`'s frame: check(*args) on their compile-time values."""
-    check = ctx.get_local("check").as_python_constant()
-    args = _value(ctx.get_local("args")._ComptimeVar__variable)  # the tracker: ComptimeVar has no item access
+    """`comptime`'s callback in `checked`'s frame: check(*args) on their compile-time values.
+
+    Sets `checked`'s local `interpret` (the check then runs interpreted) when a failed check is
+    allowed to break the graph, and wherever the native run cannot decide for sure: a value with no
+    faithful compile-time form (a Python number Dynamo holds as a tensor, a numpy array), a symbolic
+    number among the arguments (SymInt, SymFloat: Dynamo's interpreted `isinstance` takes a SymFloat
+    for a float, plain Python does not), any other exception (a check reading a tensor's value), or
+    Dynamo capturing scalar outputs (a value read natively would make an unbacked symbol outside the
+    graph). Under fullgraph, a check that fails on plain values breaks the graph with its message.
+    """
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
     try:
+        if torch._dynamo.config.capture_scalar_outputs:
+            raise _NotNative
+        check = ctx.get_local("check").as_python_constant()
+        args = _value(ctx.get_local("args")._i_will_not_complain_if_bc_breaks_VariableTracker())
         check(*args)
     except (InvalidArgumentError, UnsupportedError) as e:
-        tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
-        if tx.one_graph or getattr(tx, "error_on_graph_break", False):  # not in every torch release
+        strict = tx.one_graph or getattr(tx, "error_on_graph_break", False)  # not in every torch release
+        if strict and not any(isinstance(a, _SYMBOLIC) for a in _flat(args)):
             ctx.graph_break(str(e))
-        from torch._dynamo.variables import ConstantVariable
+        _interpret(tx)
+    except Exception:
+        _interpret(tx)
 
-        tx.symbolic_locals["failed"] = ConstantVariable.create(True)
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _interpret(tx) -> None:
+    from torch._dynamo.variables import ConstantVariable
+
+    tx.symbolic_locals["interpret"] = ConstantVariable.create(True)
+
+
+def _flat(args) -> list:
+    """args with one level of tuples and lists opened."""
+    return [b for a in args for b in (a if isinstance(a, (tuple, list)) else (a,))]
+
+
+class _NotNative(Exception):
+    """A traced value (or setting) the checks cannot be run natively on."""
 
 
 class Opaque:
@@ -74,13 +109,15 @@ class Opaque:
 
 
 def _value(tracker) -> Any:
-    """The compile-time value of one of Dynamo's VariableTrackers."""
+    """The compile-time value of one of Dynamo's VariableTrackers (_NotNative: none faithful)."""
     from torch._dynamo.variables.lists import BaseListVariable
     from torch._dynamo.variables.tensor import SymNodeVariable, TensorVariable
 
     if tracker.is_python_constant():
         return tracker.as_python_constant()
     if isinstance(tracker, TensorVariable):
+        if not issubclass(tracker.python_type(), torch.Tensor):  # a number or numpy array held as a tensor
+            raise _NotNative
         return tracker.as_proxy().node.meta["example_value"]
     if isinstance(tracker, SymNodeVariable):
         return tracker.sym_num

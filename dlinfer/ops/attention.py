@@ -281,7 +281,7 @@ def _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_
     t, _, d = query.shape
     bits = 8 if quant_bits else 0
     layout = kv_layout(query.device)
-    dv = head_size_v or value_cache.shape[-1]
+    dv = value_cache.shape[-1]  # == head_size_v when that is set (checked)
     quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, num_kv_heads, query.device)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     options = {}

@@ -115,13 +115,14 @@ def _count_steps(monkeypatch) -> collections.Counter:
     return stepped
 
 
-def _decode_layer(x, w_qkv, w_o, g, cos, sin, key_cache, value_cache, slots, block_table, q_lens, kv_lens):
+def _decode_layer(x, w_qkv, w_o, g, cos, sin, key_cache, value_cache, slots, block_table, q_lens, kv_lens,
+                  max_kv=32):
     h = ops.rms_norm(x, g, 1e-6)
     qkv = ops.linear(h, w_qkv)
     q, k, v = qkv[:, :64].view(-1, 4, 16), qkv[:, 64:96].view(-1, 2, 16), qkv[:, 96:].view(-1, 2, 16)
     q, k = ops.apply_rotary_pos_emb(q, k, cos, sin)
     ops.fill_kv_cache(k, v, key_cache, value_cache, slots)
-    o = ops.paged_decode_attention(q, key_cache, value_cache, block_table, 16, q_lens, kv_lens, 32, 4, 2)
+    o = ops.paged_decode_attention(q, key_cache, value_cache, block_table, 16, q_lens, kv_lens, max_kv, 4, 2)
     y, r = ops.add_rms_norm(ops.linear(o.view(-1, 64), w_o), x, g, 1e-6)
     return ops.silu_and_mul(y), r
 
@@ -137,15 +138,22 @@ def _decode_inputs():
             torch.tensor([4, 5], dtype=torch.int32))
 
 
-def test_the_checks_are_not_interpreted_while_tracing_a_decode_layer(monkeypatch):
+def _interpreted_checks(stepped) -> list:
+    return sorted(name for name in stepped if (name.startswith("_checks.py:") or ":_check" in name)
+                  and not name.endswith(":check_values_enabled"))  # the eager-only value checks' switch
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_the_checks_are_not_interpreted_while_tracing_a_decode_layer(monkeypatch, dynamic):
     """A decode layer's ops compile (fullgraph) to what eager gives, and Dynamo steps through no
     instruction of their checks (`_check_*`) nor of the shared helpers (`_checks.py`; only the
     switch of the eager-only value checks, which answers False): the checks ran natively. (They
-    were most of a decode graph's traced instructions.)"""
+    were most of a decode graph's traced instructions.) Dynamic: every size and max_kv_seq_len
+    symbolic, as the graph runner's max_kv_seq_len and block-table width are."""
     args = _decode_inputs()
     eager_args = [a.clone() for a in args]
     stepped = _count_steps(monkeypatch)
-    got = torch.compile(_decode_layer, backend="eager", fullgraph=True)(*args)
+    got = torch.compile(_decode_layer, backend="eager", fullgraph=True, dynamic=dynamic)(*args, 32)
     want = _decode_layer(*eager_args)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
@@ -153,9 +161,102 @@ def test_the_checks_are_not_interpreted_while_tracing_a_decode_layer(monkeypatch
     for op in ("linear", "rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "fill_kv_cache",
                "paged_decode_attention"):
         assert any(name.endswith(f":{op}") for name in stepped), (op, stepped)
-    interpreted = sorted(name for name in stepped if (name.startswith("_checks.py:") or ":_check" in name)
-                         and not name.endswith(":check_values_enabled"))  # the eager-only value checks' switch
-    assert not interpreted, f"checks interpreted by Dynamo: {interpreted}"
+    assert not _interpreted_checks(stepped), f"checks interpreted by Dynamo: {_interpreted_checks(stepped)}"
+
+
+def _w4_weights(k=64, n=32, g=32):
+    qweight = torch.randint(-2**31, 2**31 - 1, (k, n // 8), dtype=torch.int32)
+    zeros = torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), dtype=torch.int32)
+    return qweight, torch.rand(k // g, n) * 0.01, zeros
+
+
+def _quantised_layer(x, g, w8, w8_scale, qweight, scales, zeros):
+    xq, x_scale = ops.rms_norm_w8a8(x, g, 1e-6)
+    y = ops.linear_w8a8(xq, w8, x_scale, w8_scale, torch.float32)
+    yq, y_scale, r = ops.add_rms_norm_w8a8(y, x, g, 1e-6)
+    zq, z_scale = ops.dynamic_quant(r)
+    return ops.weight_quant_matmul(r, qweight, scales, zeros, group_size=32), yq, y_scale, zq, z_scale
+
+
+def test_the_quantised_ops_checks_are_not_interpreted_while_tracing(monkeypatch):
+    args = (torch.randn(2, 64), torch.randn(64), torch.randint(-127, 128, (64, 64), dtype=torch.int8),
+            torch.rand(64) * 0.01, *_w4_weights())
+    stepped = _count_steps(monkeypatch)
+    got = torch.compile(_quantised_layer, backend="eager", fullgraph=True)(*args)
+    for g, w in zip(got, _quantised_layer(*args)):
+        torch.testing.assert_close(g, w)
+    for op in ("rms_norm_w8a8", "linear_w8a8", "add_rms_norm_w8a8", "dynamic_quant", "weight_quant_matmul"):
+        assert any(name.endswith(f":{op}") for name in stepped), (op, stepped)
+    assert not _interpreted_checks(stepped), f"checks interpreted by Dynamo: {_interpreted_checks(stepped)}"
+
+
+def _with(args, i, value):
+    return args[:i] + (value,) + args[i + 1:]
+
+
+def _decode_attention(q, key_cache, value_cache, block_table, q_lens, kv_lens):
+    return ops.paged_decode_attention(q, key_cache, value_cache, block_table, 16, q_lens, kv_lens, 32, 4, 2)
+
+
+def _fill(k, v, key_cache, value_cache, slots):
+    return ops.fill_kv_cache(k, v, key_cache, value_cache, slots)
+
+
+def _bad_layer_calls():
+    x, _, _, _, _, _, kc, vc, slots, table, q_lens, kv_lens = _decode_inputs()
+    q, k = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
+    attention = (q, kc, vc, table, q_lens, kv_lens)
+    fill = (k, k.clone(), kc, vc, slots)
+    w8a8 = (torch.randint(-127, 128, (2, 64), dtype=torch.int8), torch.randint(-127, 128, (8, 64), dtype=torch.int8),
+            torch.rand(2), torch.rand(8), torch.float32)
+    qweight, scales, zeros = _w4_weights()
+    w4 = (x, qweight, scales, zeros)
+    return [
+        pytest.param(_decode_attention, _with(attention, 3, table.float()), id="decode-attention-table-dtype"),
+        pytest.param(_decode_attention, _with(attention, 0, torch.randn(2, 4, 8)), id="decode-attention-head-dim"),
+        pytest.param(_fill, _with(fill, 4, slots[:1]), id="fill-kv-cache-slots"),
+        pytest.param(ops.linear_w8a8, _with(w8a8, 3, torch.rand(7)), id="linear-w8a8-scale"),
+        pytest.param(ops.weight_quant_matmul, _with(w4, 2, scales[:, :30]), id="weight-quant-scale-n"),
+    ]
+
+
+@pytest.mark.parametrize("fn, args", _bad_layer_calls())
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
+def test_bad_arguments_to_the_decode_and_quantised_ops_are_refused_while_tracing(fn, args, fullgraph):
+    expected = _eager_error(fn, *args)
+    raises = torch._dynamo.exc.Unsupported if fullgraph else InvalidArgumentError
+    with pytest.raises(raises) as info:
+        torch.compile(fn, backend="eager", fullgraph=fullgraph)(*args)
+    assert expected in str(info.value)
+
+
+def test_a_symbolic_float_argument_passes_the_native_check():
+    """With dynamic shapes Dynamo holds a float argument as a SymFloat, which plain Python's
+    isinstance(x, float) does not take: the check then runs interpreted, and a valid call compiles
+    (fullgraph) to eager's result."""
+    x, w = torch.randn(4, 64), torch.randn(64)
+    compiled = torch.compile(lambda x, w, eps: ops.rms_norm(x, w, eps), backend="eager", fullgraph=True,
+                             dynamic=True)
+    torch.testing.assert_close(compiled(x, w, 1e-5), ops.rms_norm(x, w, 1e-5))
+    torch.testing.assert_close(compiled(x, w, 1e-3), ops.rms_norm(x, w, 1e-3))
+
+
+class _Norm(torch.nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden), requires_grad=False)
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, 1e-6)
+
+
+def test_non_strict_export_runs_the_checks_as_plain_python():
+    """torch.export's non-strict mode compiles without Dynamo (is_compiling() is True, Dynamo is not
+    tracing): the checks still run, plainly, and a good model exports with its dlinfer node."""
+    exported = torch.export.export(_Norm(64), (torch.randn(4, 64),), strict=False)
+    assert any("dlinfer.rms_norm" in str(node.target) for node in exported.graph.nodes)
+    with pytest.raises(InvalidArgumentError, match="argument 'weight': expected size 32 in dim 0"):
+        torch.export.export(_Norm(64), (torch.randn(4, 32),), strict=False)
 
 
 def test_a_failed_check_is_interpreted_only_to_raise(monkeypatch):
