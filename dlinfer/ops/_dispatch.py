@@ -9,7 +9,7 @@ from typing import Callable, Tuple
 import torch
 
 from dlinfer.errors import UnsupportedError
-from dlinfer.vendor import registry, selection
+from dlinfer.vendor import registry
 from dlinfer.vendor.base import Vendor
 from dlinfer.vendor.selection import resolve
 
@@ -44,11 +44,6 @@ class _Tracing:
     def supports(vendor_name: str, feature: str) -> bool:
         return registry.load(vendor_name).supports(feature)
 
-    @staticmethod
-    @_constant_result
-    def kv_layout(device_type: str) -> str:
-        return selection.kv_layout(device_type)
-
 
 def kernel_for(op: str, device: torch.device) -> Tuple[Callable, Vendor]:
     """(what to call with the canonical arguments, the vendor behind it) for `op` on `device`.
@@ -66,14 +61,6 @@ def kernel_for(op: str, device: torch.device) -> Tuple[Callable, Vendor]:
     return fn, vendor
 
 
-def kv_layout(device: torch.device) -> str:
-    """The KV-cache layout the ops expect for tensors on `device` (`dlinfer.vendor.kv_layout`),
-    read once as a constant while tracing."""
-    if torch.compiler.is_compiling():
-        return _Tracing.kv_layout(device.type)
-    return selection.kv_layout(device.type)
-
-
 def require(vendor: Vendor, op: str, feature: str) -> None:
     ok = _Tracing.supports(vendor.name, feature) if torch.compiler.is_compiling() else vendor.supports(feature)
     if not ok:
@@ -89,3 +76,4 @@ def check_head_dim(vendor: Vendor, op: str, head_dim: int) -> None:
     dims = vendor.capabilities.head_dims
     if dims is not None and head_dim not in dims:
         raise UnsupportedError(vendor.name, op, f"head dim {head_dim} (supported: {dims})")
+

@@ -29,11 +29,12 @@ from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
 from dlinfer.ops import kv_quant
 from dlinfer.ops._compile_time import checked
-from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, kv_layout, require
+from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
 from dlinfer.ops.kv_cache import cache_dims
 from dlinfer.utils.memo import LastCallMemo
 from dlinfer.vendor import kv_layouts
 from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_SLIDING_WINDOW, FEATURE_SOFTCAP
+from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
 def _query(op: str, query) -> Tensor:
@@ -239,7 +240,7 @@ def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_s
     bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
-    layout = kv_layout(query.device)
+    layout = active_kv_layout(query.device.type)
     dtypes = kv_quant.cache_dtypes(bits, query.dtype)
     _, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, query.device, dtypes)
     dv = _value_head_dim(op, value_cache, head_size_v, d)
@@ -280,7 +281,7 @@ def _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_
         query = query[0]
     t, _, d = query.shape
     bits = 8 if quant_bits else 0
-    layout = kv_layout(query.device)
+    layout = active_kv_layout(query.device.type)
     dv = value_cache.shape[-1]  # == head_size_v when that is set (checked)
     quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, num_kv_heads, query.device)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)

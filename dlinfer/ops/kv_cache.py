@@ -11,8 +11,9 @@ from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
 from dlinfer.ops import kv_quant
 from dlinfer.ops._compile_time import checked
-from dlinfer.ops._dispatch import check_dtype, kernel_for, kv_layout
+from dlinfer.ops._dispatch import check_dtype, kernel_for
 from dlinfer.vendor import kv_layouts
+from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
 def cache_dims(op: str, name: str, cache, layout: str, heads: int, head_dim, device, dtypes: tuple) -> Tuple[int, int]:
@@ -61,7 +62,7 @@ def fill_kv_cache(
         kv_indices = kv_indices.view(-1)
     t, hkv = key.shape[0], key.shape[1]
     bits = 8 if quant_bits else 0
-    layout = kv_layout(key.device)
+    layout = active_kv_layout(key.device.type)
     quant = kv_quant.fill_args(op, bits, k_scales_zeros, v_scales_zeros, hkv, key.device)
     if C.check_values_enabled() and t:
         nb, bs = kv_layouts.blocks_and_size(key_cache, layout)
@@ -93,7 +94,7 @@ def _check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_b
     kernel, vendor = kernel_for(op, key.device)
     bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, key.dtype)
-    layout = kv_layout(key.device)
+    layout = active_kv_layout(key.device.type)
     dtypes = kv_quant.cache_dtypes(bits, key.dtype)
     nb, _ = cache_dims(op, "key_cache", key_cache, layout, hkv, d, key.device, dtypes)
     cache_dims(op, "value_cache", value_cache, layout, hkv, value.shape[2], key.device, dtypes)

@@ -266,3 +266,21 @@ def test_a_failed_check_is_interpreted_only_to_raise(monkeypatch):
     with pytest.raises(InvalidArgumentError):
         torch.compile(_norm, backend="eager")(torch.randn(4, 64), torch.randn(32))
     assert stepped["norm.py:_check_rms_norm"] and stepped["_checks.py:tensor"], stepped
+
+
+def test_a_kv_layout_switch_after_compiling_reaches_the_cache_write():
+    """The KV layout stays a guarded read while tracing: after `using(..., kv_layout=...)` switches
+    it, the compiled fill_kv_cache writes where eager does, even when both layouts give the caches
+    the same shape (Hkv == BS), where only the layout tells them apart."""
+    def fill(k, v, key_cache, value_cache, slots):
+        return ops.fill_kv_cache(k, v, key_cache, value_cache, slots)
+
+    k, v, slots = torch.randn(3, 4, 8), torch.randn(3, 4, 8), torch.tensor([1, 6, 13])
+    compiled = torch.compile(fill, backend="eager", fullgraph=True)
+    for layout in ("token_major", "head_major"):
+        with dlinfer_vendor.using("torch", kv_layout=layout):
+            got = [torch.zeros(4, 4, 4, 8) for _ in range(2)]  # [NB, BS, Hkv, D] or [NB, Hkv, BS, D]: BS = Hkv = 4
+            want = [torch.zeros(4, 4, 4, 8) for _ in range(2)]
+            compiled(k, v, *got, slots)
+            fill(k, v, *want, slots)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
