@@ -30,7 +30,7 @@ from dlinfer.ops import _checks as C
 from dlinfer.ops import kv_quant
 from dlinfer.ops._compile_time import checked
 from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
-from dlinfer.ops.kv_cache import cache_dims
+from dlinfer.ops.kv_cache import cache_dims, token_rows
 from dlinfer.utils.memo import LastCallMemo
 from dlinfer.vendor import kv_layouts
 from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_SLIDING_WINDOW, FEATURE_SOFTCAP
@@ -38,9 +38,7 @@ from dlinfer.vendor.selection import kv_layout as active_kv_layout
 
 
 def _query(op: str, query) -> Tensor:
-    if isinstance(query, Tensor) and query.dim() == 4 and query.shape[0] == 1:
-        query = query[0]
-    return C.tensor(op, "query", query, ("T", "Hq", "D"), C.FLOAT_DTYPES)
+    return C.tensor(op, "query", token_rows(query), ("T", "Hq", "D"), C.FLOAT_DTYPES)
 
 
 def _heads(op: str, query: Tensor, num_q_heads, num_kv_heads) -> int:
@@ -58,16 +56,10 @@ def _output(op: str, query: Tensor, head_size_v: int, attn_output) -> Tensor:
     t, hq, _ = query.shape
     if attn_output is None:
         return query.new_empty((t, hq, head_size_v))
-    if isinstance(attn_output, Tensor) and attn_output.dim() == 4 and attn_output.shape[0] == 1:
-        attn_output = attn_output[0]
+    attn_output = token_rows(attn_output)
     C.tensor(op, "attn_output", attn_output, (t, hq, head_size_v), None, query.device)
     C.same_dtype(op, "attn_output", attn_output, query, "query")
     return attn_output
-
-
-def _output_rows(attn_output: Tensor) -> Tensor:
-    """A checked attn_output [1, T, Hq, Dv] as [T, Hq, Dv] (itself when 3-D)."""
-    return attn_output[0] if attn_output.dim() == 4 else attn_output
 
 
 def _scale(op: str, softmax_scale, head_dim: int) -> float:
@@ -87,20 +79,28 @@ def _alibi(op: str, vendor, alibi_slopes, query: Tensor) -> Optional[Tensor]:
 
 
 def _score_options(op: str, vendor, sliding_window, logit_softcapping) -> dict:
-    """The kernel keywords of a window and a soft cap that are set (an empty dict for neither)."""
-    kwargs = {}
+    """Checks a window and a soft cap (and that the vendor runs the ones set); returns
+    `_option_kwargs`."""
     if sliding_window is not None and sliding_window != -1:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise InvalidArgumentError(op, "sliding_window", "an int >= 1, or None / -1 for no window",
                                        C.describe(sliding_window))
         require(vendor, op, FEATURE_SLIDING_WINDOW)
-        kwargs["sliding_window"] = int(sliding_window)
     if logit_softcapping is not None and logit_softcapping != 0:
         if (isinstance(logit_softcapping, bool) or not isinstance(logit_softcapping, (int, float))
                 or not logit_softcapping > 0 or logit_softcapping == float("inf")):
             raise InvalidArgumentError(op, "logit_softcapping", "a finite float > 0, or None / 0 for none",
                                        C.describe(logit_softcapping))
         require(vendor, op, FEATURE_SOFTCAP)
+    return _option_kwargs(sliding_window, logit_softcapping)
+
+
+def _option_kwargs(sliding_window, logit_softcapping) -> dict:
+    """The kernel keywords of a checked window and soft cap that are set (an empty dict for neither)."""
+    kwargs = {}
+    if sliding_window is not None and sliding_window != -1:
+        kwargs["sliding_window"] = int(sliding_window)
+    if logit_softcapping is not None and logit_softcapping != 0:
         kwargs["logit_softcapping"] = float(logit_softcapping)
     return kwargs
 
@@ -232,9 +232,9 @@ def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_s
                  num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window,
                  logit_softcapping):
     """Checks what both paged attention ops take (the int8 cache's scales: `kv_quant.attention_args`);
-    returns the vendor's function (`kernel_for`)."""
+    returns (the vendor's function (`kernel_for`), query as [T, Hq, D], Dv)."""
     query = _query(op, query)
-    t, hq, d = query.shape
+    d = query.shape[2]
     hkv = _heads(op, query, num_q_heads, num_kv_heads)
     kernel, vendor = kernel_for(op, query.device)
     bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
@@ -243,7 +243,9 @@ def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_s
     layout = active_kv_layout(query.device.type)
     dtypes = kv_quant.cache_dtypes(bits, query.dtype)
     _, bs = cache_dims(op, "key_cache", key_cache, layout, hkv, d, query.device, dtypes)
-    dv = _value_head_dim(op, value_cache, head_size_v, d)
+    dv = value_cache.shape[-1] if isinstance(value_cache, Tensor) and value_cache.dim() == 4 else d
+    if head_size_v:
+        dv = C.integer(op, "head_size_v", head_size_v, 1)
     cache_dims(op, "value_cache", value_cache, layout, hkv, dv, query.device, dtypes)
     if value_cache.dtype != key_cache.dtype:
         raise InvalidArgumentError(op, "value_cache", f"dtype {key_cache.dtype} like key_cache",
@@ -263,34 +265,22 @@ def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_s
     _score_options(op, vendor, sliding_window, logit_softcapping)
     if attn_output is not None:
         _output(op, query, dv, attn_output)
-    return kernel
-
-
-def _value_head_dim(op: str, value_cache, head_size_v, d: int) -> int:
-    """Dv: head_size_v when set (checked), else the value cache's last dim (D when it has none)."""
-    if head_size_v:
-        return C.integer(op, "head_size_v", head_size_v, 1)
-    return value_cache.shape[-1] if isinstance(value_cache, Tensor) and value_cache.dim() == 4 else d
+    return kernel, query, dv
 
 
 def _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
                   head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
                   sliding_window, logit_softcapping) -> _Paged:
     """What both paged attention ops derive from arguments `_check_paged` passed."""
-    if query.dim() == 4:  # [1, T, Hq, D] (checked)
-        query = query[0]
+    query = token_rows(query)
     t, _, d = query.shape
     bits = 8 if quant_bits else 0
     layout = active_kv_layout(query.device.type)
     dv = value_cache.shape[-1]  # == head_size_v when that is set (checked)
     quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, num_kv_heads, query.device)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    options = {}
-    if sliding_window is not None and sliding_window != -1:
-        options["sliding_window"] = int(sliding_window)
-    if logit_softcapping is not None and logit_softcapping != 0:
-        options["logit_softcapping"] = float(logit_softcapping)
-    out = _output_rows(attn_output) if attn_output is not None else query.new_empty((t, query.shape[1], dv))
+    options = _option_kwargs(sliding_window, logit_softcapping)
+    out = token_rows(attn_output) if attn_output is not None else query.new_empty((t, query.shape[1], dv))
     cu, kv = _paged_lengths_memo(q_seq_len, kv_seq_len, query.device)
     check_values = C.check_values_enabled()
     if check_values and block_table.shape[0]:
@@ -384,16 +374,13 @@ def paged_prefill_attention(
 def _check_paged_prefill(op, query, key, value, key_cache, value_cache, block_table, block_size, q_seq_len,
                          kv_seq_len, max_q_seq_len, max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v,
                          softmax_scale, alibi_slopes, attn_output, quant_bits, sliding_window, logit_softcapping):
-    kernel = _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
-                          num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                          quant_bits, sliding_window, logit_softcapping)
-    query = _query(op, query)
+    kernel, query, dv = _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_seq_len,
+                                     kv_seq_len, num_q_heads, num_kv_heads, head_size_v, softmax_scale,
+                                     alibi_slopes, attn_output, quant_bits, sliding_window, logit_softcapping)
     t, _, d = query.shape
-    dims = (("key", key, d), ("value", value, _value_head_dim(op, value_cache, head_size_v, d)))
-    for name, new, dim in dims:
+    for name, new, dim in (("key", key, d), ("value", value, dv)):
         if new is not None:  # unused (already in the cache), but a wrong one means wrong metadata
-            if isinstance(new, Tensor) and new.dim() == 4 and new.shape[0] == 1:
-                new = new[0]
+            new = token_rows(new)
             C.tensor(op, name, new, (t, num_kv_heads, dim), C.FLOAT_DTYPES, query.device)
             C.same_dtype(op, name, new, query, "query")
     C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
@@ -464,8 +451,8 @@ def paged_decode_attention(
 def _check_paged_decode(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
                         max_kv_seq_len, num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes,
                         attn_output, quant_bits, sliding_window, logit_softcapping):
-    kernel = _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
-                          num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
-                          quant_bits, sliding_window, logit_softcapping)
+    kernel, _, _ = _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_seq_len, kv_seq_len,
+                                num_q_heads, num_kv_heads, head_size_v, softmax_scale, alibi_slopes, attn_output,
+                                quant_bits, sliding_window, logit_softcapping)
     C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     return kernel

@@ -57,7 +57,7 @@ def fill_kv_cache(
     args = (key, value, key_cache, value_cache, kv_indices, quant_bits)
     kernel = (_check_fill_kv_cache(*args) if not torch.compiler.is_compiling()
               else checked(op, _check_fill_kv_cache, *args))
-    key, value = _token_rows(key), _token_rows(value)
+    key, value = token_rows(key), token_rows(value)
     if kv_indices.dim() == 2:  # [T, 1] (checked)
         kv_indices = kv_indices.view(-1)
     t, hkv = key.shape[0], key.shape[1]
@@ -74,8 +74,8 @@ def fill_kv_cache(
     return key_cache, value_cache
 
 
-def _token_rows(t: Tensor) -> Tensor:
-    """[1, T, H, D] as [T, H, D] (itself otherwise)."""
+def token_rows(t: Tensor) -> Tensor:
+    """[1, T, H, D] as [T, H, D] (itself otherwise, a non-tensor too: the checks refuse it)."""
     return t[0] if isinstance(t, Tensor) and t.dim() == 4 and t.shape[0] == 1 else t
 
 
@@ -83,7 +83,7 @@ def _check_fill_kv_cache(key, value, key_cache, value_cache, kv_indices, quant_b
     """Checks fill_kv_cache's tensors and quant_bits (the scale pairs: `kv_quant.fill_args`);
     returns the vendor's function (`kernel_for`)."""
     op = "fill_kv_cache"
-    key, value = _token_rows(key), _token_rows(value)
+    key, value = token_rows(key), token_rows(value)
     C.tensor(op, "key", key, ("T", "Hkv", "D"), C.FLOAT_DTYPES)
     t, hkv, d = key.shape
     C.tensor(op, "value", value, (t, hkv, "Dv"), C.FLOAT_DTYPES, key.device)
