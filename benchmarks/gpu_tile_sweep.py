@@ -7,14 +7,16 @@ the launcher's own output and timed (gpu_timing.device_time: CUDA events, L2 flu
 
 The H200 runs (docs/gpu.md) left these short of LMDeploy: W4A16 at prefill, paged prefill
 attention, fused_moe at prefill, and dynamic_quant at prefill (issue-bound on its division: the
-quotient's other exact form is timed here, its codes required equal to the launcher's;
+quotient's two exact forms are timed here, their codes required equal;
 prefill attention's walk of the fully visible key tiles without a mask likewise, bit for bit).
-Each launcher takes its tiles from one function (`_group_tiles`, `_tiles`, `_linear_tiles`,
-W4A16's K split `_group_splits`, the quantisers' `quotient_form`, prefill attention's
-`mask_split`); the sweep replaces that function for a call, so what is timed is the real launcher
-with another tile. A configuration the GPU cannot launch (shared memory) is reported as such; an
-alternative that must not change a bit and does, as a MISMATCH. The table says, per case, the
-launcher's time, the best alternative and the speedup: what to change next, measured.
+Paged decode attention, 0.96x of LMDeploy at batch 64 x 4k and 0.80x at batch 8 x 1k, has its split
+rule's constants, keys per tile, warps and stages swept. Each launcher takes its tiles from one
+function (`_group_tiles`, `_tiles`, `_linear_tiles`, W4A16's K split `_group_splits`, the
+quantisers' `quotient_form`, prefill attention's `mask_split`); the sweep replaces that function
+for a call, so what is timed is the real launcher with another tile. A configuration the GPU cannot
+launch (shared memory) is reported as such; an alternative that must not change a bit and does, as
+a MISMATCH. The table says, per case, the launcher's time, the best alternative and the speedup:
+what to change next, measured.
 """
 
 from __future__ import annotations
@@ -102,15 +104,41 @@ def quant_cases(dev, dtype, dry):
     r = torch.randn(t, h, generator=g, device=dev).to(dtype)
     w = torch.rand(h, generator=g, device=dev).to(dtype) + 0.5
 
-    def codes(q_scale):
-        return torch.cat([q_scale[0].float().flatten(), q_scale[1].float().flatten()])
-
-    forms = [1]  # form 0 is the launcher's own
-    yield (f"dynamic_quant T={t} H={h}", Q, "quotient_form", lambda: codes(Q.dynamic_quant(x)), forms,
+    forms = [0]  # form 1 is the launcher's own; the calls' outputs (codes, scales) are compared whole
+    yield (f"dynamic_quant T={t} H={h}", Q, "quotient_form", lambda: Q.dynamic_quant(x), forms,
            t * h * (x.element_size() + 1) + 4 * t, None, True)
     yield (f"add_rms_norm_w8a8 T={t} H={h}", Q, "quotient_form",
-           lambda: codes(Q.add_rms_norm_w8a8(x, r, w, 1e-6)), forms, t * h * (3 * x.element_size() + 1) + 4 * t,
+           lambda: Q.add_rms_norm_w8a8(x, r, w, 1e-6), forms, t * h * (3 * x.element_size() + 1) + 4 * t,
            None, True)
+
+
+def decode_cases(dev, dtype, dry):
+    """Paged decode attention: the split rule's programs per SM, keys per tile, warps and stages
+    (attention_decode._tiles). Bytes: the keys and values read, the query and output."""
+    from bench_triton_attention import paged_setup
+
+    from dlinfer.vendor.triton import attention_decode as A
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    hq, hkv, d, bs = (4, 2, 64, 16) if dry else (32, 8, 128, 64)
+    shapes = [("b2 x 300", 2, 300)] if dry else [("b64 x 4k", 64, 4096), ("b8 x 1k", 8, 1024)]
+    # (programs per SM, fewest keys a segment, keys per tile, num_warps, num_stages); own: (4, 256, 0, 4, 0)
+    alts = [(8, 256, 0, 4, 0), (2, 256, 0, 4, 0), (8, 128, 0, 4, 0), (16, 64, 0, 4, 0), (4, 256, 0, 4, 2),
+            (4, 256, 0, 4, 4), (4, 256, 0, 8, 0), (4, 256, 32, 4, 0), (4, 256, 128, 4, 0)]
+    for label, batch, ctx in shapes:
+        kc, vc, table = paged_setup(batch, [ctx] * batch, hkv, d, bs, dtype, dev, g)
+        q = torch.randn(batch, hq, d, generator=g, device=dev).to(dtype)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+        kv = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+
+        def call(q=q, kc=kc, vc=vc, table=table, cu=cu, kv=kv, ctx=ctx):
+            out = torch.empty_like(q)
+            A.paged_decode(q, kc, vc, table, cu, kv, ctx, d ** -0.5, None, out, "token_major")
+            return out
+
+        nbytes = 2 * batch * ctx * hkv * d * kc.element_size() + 2 * q.numel() * q.element_size()
+        yield (f"paged_decode_attention {label} Hq {hq} Hkv {hkv} D {d}", A, "_tiles", call,
+               alts[:2] if dry else alts, nbytes, 4 * batch * ctx * hq * d)
 
 
 def prefill_cases(dev, dtype, dry):
@@ -131,12 +159,12 @@ def prefill_cases(dev, dtype, dry):
         q = torch.randn(t, hq, d, generator=g, device=dev).to(dtype)
         cu = torch.tensor([0] + list(torch.tensor([n for _, n in seqs]).cumsum(0)), dtype=torch.int32, device=dev)
         kv = torch.tensor(kv_lens, dtype=torch.int32, device=dev)
-        out = torch.empty(t, hq, d, dtype=dtype, device=dev)
         max_q, max_kv = max(n for _, n in seqs), max(kv_lens)
 
-        def call(q=q, kc=kc, vc=vc, table=table, cu=cu, kv=kv, out=out, max_q=max_q, max_kv=max_kv):
+        def call(q=q, kc=kc, vc=vc, table=table, cu=cu, kv=kv, max_q=max_q, max_kv=max_kv):
+            out = torch.empty_like(q)
             P.paged_prefill(q, kc, vc, table, cu, kv, max_q, max_kv, d ** -0.5, None, out, "token_major")
-            return out.clone()
+            return out
 
         flops = sum(4 * n * (h + (n + 1) / 2) * hq * d for h, n in seqs)
         yield (f"paged_prefill_attention {label} Hq {hq} Hkv {hkv} D {d}", P, "_tiles", call,
@@ -164,17 +192,24 @@ def moe_cases(dev, dtype, dry):
            2 * t * topk * 3 * h * inter)
 
 
+def flat(out) -> torch.Tensor:
+    """A call's output (a tensor or a tuple of them) as one float vector, for the comparison only:
+    the timed call returns what the op returns, with no copy of its own."""
+    parts = out if isinstance(out, (tuple, list)) else (out,)
+    return torch.cat([p.float().flatten() for p in parts])
+
+
 def sweep(case, reps, dev) -> dict:
     name, module, fn_name, call, alts, nbytes, flops, *rest = case
     exact = bool(rest and rest[0])  # the optional last field: alternatives must match bit for bit
-    base = call()
+    base = flat(call())
     row = {"case": name, "function": f"{module.__name__.rsplit('.', 1)[-1]}.{fn_name}", "configs": []}
     for cfg in [None] + list(alts):
         entry = {"tiles": "launcher's own" if cfg is None else list(cfg) if isinstance(cfg, (tuple, list)) else cfg}
         try:
             with tiles(module, fn_name, cfg):
                 t0 = time.perf_counter()
-                got = call()
+                got = flat(call())
                 took = time.perf_counter() - t0
                 entry["max_abs_diff"] = float((got.float() - base.float()).abs().max()) if got.numel() else 0.0
                 # the dry run (CPU) times the call it checked: one interpreted call per alternative
@@ -213,7 +248,7 @@ def main(argv=None) -> int:
         dev, reps = torch.device("cuda"), args.reps
     dtype = torch.bfloat16
     rows = []
-    for make in (w4_cases, w8a8_cases, quant_cases, prefill_cases, moe_cases):
+    for make in (w4_cases, w8a8_cases, quant_cases, decode_cases, prefill_cases, moe_cases):
         for case in make(dev, dtype, args.dry_run):
             try:
                 row = sweep(case, reps, dev)

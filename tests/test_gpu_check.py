@@ -48,7 +48,8 @@ def test_the_dry_run_runs_every_step_and_reports(tmp_path):
     assert all(r["err"] == "exact" for r in ops if r["op"] == "fill_kv_cache")
     tiles = steps["tiles"]["output"]["rows"]
     assert {r["function"] for r in tiles} == {"weight_quant._group_tiles", "weight_quant._group_splits",
-                                             "quant._linear_tiles", "quant.quotient_form", "attention_prefill._tiles",
+                                             "quant._linear_tiles", "quant.quotient_form", "attention_decode._tiles",
+                                             "attention_prefill._tiles",
                                              "attention_prefill.mask_split", "moe._tiles"}, tiles
     assert all(isinstance(r.get("triton_host_us"), float) for r in ops), ops  # the host time, measured apart
     # every alternative ran and gave the launcher's own result (the dry run times nothing)

@@ -47,24 +47,33 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 
 
-def num_kv_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, num_sms: int) -> int:
+def num_kv_splits(num_tokens: int, num_kv_heads: int, max_kv_len: int, num_sms: int,
+                  programs_per_sm: int = PROGRAMS_PER_SM, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
     """How many KV segments each (token, kv head) is split into; see the module docstring."""
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, num_tokens * num_kv_heads))
-    cap = max(1, triton.cdiv(max_kv_len, MIN_KEYS_PER_SPLIT))
+    want = triton.cdiv(programs_per_sm * num_sms, max(1, num_tokens * num_kv_heads))
+    cap = max(1, triton.cdiv(max_kv_len, min_keys))
     return max(1, min(want, cap, MAX_SPLITS))
 
 
-def split_plan(max_kv_len: int, num_splits: int, d_tile: int, fp32: bool = False):
-    """(splits, keys per segment, keys per tile). Keys per tile: 64 (32 for head dims up to 256,
-    16 above: MLA's 576 / 512; half that for fp32), at least 16 for tl.dot, never much above a
-    segment: every launch fits sm_80's shared memory (scripts/triton_targets.py). Segments are
-    whole tiles; splits that the rounding left empty are dropped."""
+def split_plan(max_kv_len: int, num_splits: int, d_tile: int, fp32: bool = False, tile_keys: int = 0):
+    """(splits, keys per segment, keys per tile). Keys per tile: `tile_keys` if given, else 64 (32
+    for head dims up to 256, 16 above: MLA's 576 / 512; half that for fp32), at least 16 for tl.dot,
+    never much above a segment: every launch fits sm_80's shared memory
+    (scripts/triton_targets.py). Segments are whole tiles; splits that the rounding left empty are
+    dropped."""
     max_kv = max(1, max_kv_len)
     seg_len = triton.cdiv(max_kv, max(1, num_splits))
-    cap = max(16, (64 if d_tile <= 128 else 32 if d_tile <= 256 else 16) // (2 if fp32 else 1))
+    cap = tile_keys or max(16, (64 if d_tile <= 128 else 32 if d_tile <= 256 else 16) // (2 if fp32 else 1))
     block_n = min(cap, max(16, triton.next_power_of_2(seg_len)))
     seg_len = triton.cdiv(seg_len, block_n) * block_n
     return triton.cdiv(max_kv, seg_len), seg_len, block_n
+
+
+def _tiles(d_tile: int, fp32: bool):
+    """(programs per SM and fewest keys a segment for the split rule, keys per tile (0:
+    split_plan's rule), num_warps, num_stages (0: Triton's default)) of the split kernel.
+    benchmarks/gpu_tile_sweep.py replaces this function to time alternatives on a GPU."""
+    return PROGRAMS_PER_SM, MIN_KEYS_PER_SPLIT, 0, 8 if fp32 or d_tile > 128 else 4, 0
 
 
 @triton.jit
@@ -208,11 +217,12 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
     m = block_table.shape[1]
     block_d, block_dv = block_dim(d), block_dim(dv)
     span = min(max_kv_seq_len, window) if window > 0 else max_kv_seq_len  # the most keys a token sees
-    if num_splits is None:
-        num_splits = num_kv_splits(t, hkv, span, num_sms(query.device))
     is_quant = quant[0] is not None
     fp32 = query.dtype == torch.float32
-    num_splits, seg_len, block_n = split_plan(span, num_splits, max(block_d, block_dv), fp32)
+    per_sm, min_keys, tile_keys, warps, stages = _tiles(max(block_d, block_dv), fp32)
+    if num_splits is None:
+        num_splits = num_kv_splits(t, hkv, span, num_sms(query.device), per_sm, min_keys)
+    num_splits, seg_len, block_n = split_plan(span, num_splits, max(block_d, block_dv), fp32, tile_keys)
     split = num_splits > 1
     if split:
         opart = torch.empty((t, hq, num_splits, dv), device=query.device, dtype=torch.float32)
@@ -229,8 +239,7 @@ def paged_decode(query, key_cache, value_cache, block_table, cu_seqlens_q, kv_se
         G=g, D=d, DV=dv, BLOCK_H=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n,
         BLOCK_D=block_d, BLOCK_DV=block_dv, HAS_ALIBI=alibi_slopes is not None,
         F32=dots_in_fp32(query.dtype) or is_quant, SPLIT=split, QUANT=is_quant, WINDOW=window > 0,
-        SOFTCAP=softcap > 0,
-        num_warps=8 if fp32 or max(block_d, block_dv) > 128 else 4,
+        SOFTCAP=softcap > 0, num_warps=warps, **({"num_stages": stages} if stages else {}),
     )
     if split:
         _decode_reduce_kernel[(t, hq)](

@@ -4,9 +4,9 @@ Quantisation (one program per row, the whole row in one block, as norm.py): fp32
 scale = amax / 127 correctly rounded (`tl.div_rn`), the quotient x / scale correctly rounded to
 fp32, round half to even, clamp to [-128, 127]: the torch vendor's bytes and scales exactly. The
 quotient has two forms, both giving the correctly rounded fp32 quotient (`quotient_form`):
-  0 div_rn: a correctly rounded division per element, rounding with floor (the H200 found this
-    kernel issue-bound, docs/gpu.md);
-  1 recip64: x times the float64 reciprocal of the scale, in float64, rounded once to fp32. The
+  0 div_rn: a correctly rounded division per element, rounding with floor (the H200 found the
+    kernel issue-bound with it, docs/gpu.md);
+  1 recip64 (the default): x times the float64 reciprocal of the scale, in float64, rounded once to fp32. The
     float64 product is within ~2**-52 (relative) of x / scale, and x / scale for fp32 x and scale
     is never within 2**-49 of a point halfway between two fp32 values (it is never exactly one: a
     quotient with 25 significant bits would need a 25-bit x), so rounding the product gives the
@@ -77,9 +77,11 @@ def quantize(x, FORM: tl.constexpr = 0):
 
 
 def quotient_form() -> int:
-    """The quotient's form the launchers use (module docstring); benchmarks/gpu_tile_sweep.py
-    replaces this function to time form 1. 0 until a GPU has measured it."""
-    return 0
+    """The quotient's form the launchers use (module docstring): 1, the float64 reciprocal, which
+    the H200 measured faster with the same codes (docs/gpu.md); benchmarks/gpu_tile_sweep.py
+    replaces this function to time form 0 against it. A GPU whose float64 rate is a small
+    fraction of its float32 one may prefer form 0: the codes are the same either way."""
+    return 1
 
 
 @triton.jit

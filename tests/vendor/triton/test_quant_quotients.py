@@ -98,8 +98,8 @@ def test_dynamic_quant_codes_equal_the_torch_vendors_in_every_form(form, monkeyp
     assert (q.cpu()[~finite][:, 1:] == 0).all()
 
 
-def test_a_nan_row_gets_a_nan_scale_and_zero_codes(monkeypatch):
-    form = 1
+@pytest.mark.parametrize("form", [0, 1])
+def test_a_nan_row_gets_a_nan_scale_and_zero_codes(form, monkeypatch):
     monkeypatch.setattr(Q, "quotient_form", lambda: form)
     x = torch.randn(3, 40)
     x[1, 7] = float("nan")
@@ -111,11 +111,11 @@ def test_a_nan_row_gets_a_nan_scale_and_zero_codes(monkeypatch):
 
 def test_add_rms_norm_w8a8_is_the_same_in_both_forms(monkeypatch):
     """The fused norm quantises in the kernel: form 1 gives form 0's bytes and scales."""
-    form = 1
     g = torch.Generator().manual_seed(7)
     h, r, w = torch.randn(9, 200, generator=g), torch.randn(9, 200, generator=g), torch.rand(200, generator=g) + 0.5
     args = (h.to(DEVICE), r.to(DEVICE), w.to(DEVICE), 1e-6)
+    monkeypatch.setattr(Q, "quotient_form", lambda: 0)
     want = load().ops["add_rms_norm_w8a8"](*args)
-    monkeypatch.setattr(Q, "quotient_form", lambda: form)
+    monkeypatch.setattr(Q, "quotient_form", lambda: 1)
     got = load().ops["add_rms_norm_w8a8"](*args)
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, want))
