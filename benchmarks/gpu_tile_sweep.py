@@ -122,9 +122,9 @@ def decode_cases(dev, dtype, dry):
     g = torch.Generator(device=dev).manual_seed(0)
     hq, hkv, d, bs = (4, 2, 64, 16) if dry else (32, 8, 128, 64)
     shapes = [("b2 x 300", 2, 300)] if dry else [("b64 x 4k", 64, 4096), ("b8 x 1k", 8, 1024)]
-    # (programs per SM, fewest keys a segment, keys per tile, num_warps, num_stages); own: (4, 256, 0, 4, 0)
-    alts = [(8, 256, 0, 4, 0), (2, 256, 0, 4, 0), (8, 128, 0, 4, 0), (16, 64, 0, 4, 0), (4, 256, 0, 4, 2),
-            (4, 256, 0, 4, 4), (4, 256, 0, 8, 0), (4, 256, 32, 4, 0), (4, 256, 128, 4, 0)]
+    # (programs per SM, fewest keys a segment, keys per tile, num_warps, num_stages); own: (4, 128, 0, 4, 0)
+    alts = [(4, 256, 0, 4, 0), (2, 128, 0, 4, 0), (8, 128, 0, 4, 0), (16, 64, 0, 4, 0), (4, 128, 0, 4, 2),
+            (4, 128, 0, 8, 0), (4, 128, 128, 4, 0)]
     for label, batch, ctx in shapes:
         kc, vc, table = paged_setup(batch, [ctx] * batch, hkv, d, bs, dtype, dev, g)
         q = torch.randn(batch, hq, d, generator=g, device=dev).to(dtype)
@@ -151,7 +151,7 @@ def prefill_cases(dev, dtype, dry):
     shapes = [("b1 x 40 new", [(0, 40)])] if dry else [("b4 x (3k history + 1k new)", [(3072, 1024)] * 4),
                                                        ("b1 x 2k new", [(0, 2048)])]
     # (BLOCK_M, BLOCK_N, num_stages, num_warps)
-    alts = [(128, 64, 2, 8), (128, 64, 3, 8), (128, 128, 2, 8), (64, 64, 3, 4), (128, 32, 3, 4), (64, 128, 2, 4)]
+    alts = [(128, 64, 2, 8), (128, 128, 3, 8), (128, 128, 2, 4), (64, 64, 3, 4), (64, 128, 2, 4)]
     for label, seqs in shapes:
         kv_lens = [h + n for h, n in seqs]
         kc, vc, table = paged_setup(len(seqs), kv_lens, hkv, d, bs, dtype, dev, g)

@@ -45,6 +45,13 @@ def num_sms(device: torch.device) -> int:
     return 1
 
 
+@functools.lru_cache(maxsize=None)
+def hopper(device: torch.device) -> bool:
+    """sm_90 or newer: some launchers take larger tiles there (their shared memory and spills are
+    checked for sm_90 and sm_80 by scripts/triton_targets.py); never on a CPU."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
 

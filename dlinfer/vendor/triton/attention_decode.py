@@ -16,7 +16,8 @@ read. A soft cap bends the scores first (attention_common.soft_cap).
 
 Split rule (`num_kv_splits`): programs = tokens x kv heads x splits. Split only until there are
 about 4 programs per SM (enough K/V loads in flight to saturate HBM), never into segments shorter
-than 256 keys (below that the partial write + reduce costs more than the parallelism gains), and
+than 128 keys (below that the partial write + reduce costs more than the parallelism gains: on the
+H200, batch 8 x 1k context, 8 segments of 128 keys beat 4 of 256 and 16 of 64, docs/gpu.md), and
 never into more than 64. No autotuning; a CPU device counts as one SM.
 
 No host syncs: the sequence of each token is found inside the kernel (a guess that is exact for
@@ -42,7 +43,7 @@ from dlinfer.vendor.triton.attention_common import (
     soft_cap,
 )
 
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 128
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from dlinfer.vendor.kv_layouts import canonical
-from dlinfer.vendor.triton._common import cast_to
+from dlinfer.vendor.triton._common import cast_to, hopper
 from dlinfer.vendor.triton.attention_common import (
     block_dim,
     dots_in_fp32,
@@ -170,18 +170,23 @@ def _prefill_kernel(
              mask=row_ok[:, None] & (dv < DV)[None, :])
 
 
-def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool):
-    """(BLOCK_M, BLOCK_N, num_stages, num_warps). Head dims up to 128: 128 query rows x 64 keys;
-    up to 256: 64 x 32; above (MLA's 576 and 512): 32 x 16; fp32 (twice the bytes, IEEE dots
-    without tensor cores): half as tall and wide, 16 x 16 at least, one stage for head dims above
-    256. Tiles never far above the longest sequence (>= 16 for tl.dot). 8 warps, except 4 for
+def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool, wide: bool = False):
+    """(BLOCK_M, BLOCK_N, num_stages, num_warps). Head dims up to 128: 128 query rows x 64 keys,
+    x 128 keys when `wide` (sm_90 on, fp16 / bf16: the H200's tiles step measured it 1.04-1.06x
+    faster in three runs, docs/gpu.md, with Triton 3.7.1 compiling it to a 1.6 KB spill for
+    sm_90; for sm_80 the spill would be ~32 KB); up to
+    256: 64 x 32; above (MLA's 576 and 512): 32 x 16; fp32 (twice the bytes, IEEE dots without
+    tensor cores): half as tall and wide, 16 x 16 at least, one stage for head dims above 256.
+    Tiles never far above the longest sequence (>= 16 for tl.dot). 8 warps, except 4 for
     fp16/bf16 tiles of fewer than 64 rows with head dims up to 128. Chosen so that every launch
-    fits sm_80's shared memory (the smallest of sm_80 / sm_90), checked without a GPU by
+    fits the shared memory of its target (sm_80 without `wide`), checked without a GPU by
     scripts/triton_targets.py (tests/vendor/triton/test_triton_targets.py). Registers depend on
     the compiler: on the H200 (Triton 3.6) the 128 x 64 bf16 tile at D 128 ran with 176 registers
     (Nsight Compute); Triton 3.7.1 compiles it to 255 and a 572-byte spill for sm_90 (docs/gpu.md)."""
     d_tile = max(block_dim(d), block_dim(dv))
     block_m, block_n = (128, 64) if d_tile <= 128 else (64, 32) if d_tile <= 256 else (32, 16)
+    if wide and not fp32 and d_tile <= 128:
+        block_n = 128
     if fp32:
         block_m, block_n = max(16, block_m // 2), max(16, block_n // 2)
     stages = 1 if fp32 and d_tile > 256 else 2
@@ -212,7 +217,8 @@ def _launch(query, k, v, bt, cu, kvlen, max_q, max_kv, softmax_scale, alibi_slop
     out.masked_fill_((rows >= cu.max()).view(t, 1, 1), 0)
     is_quant = quant[0] is not None
     f32 = dots_in_fp32(query.dtype) or is_quant
-    block_m, block_n, stages, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32 or is_quant)
+    block_m, block_n, stages, warps = _tiles(max_q, max_kv, d, dv, query.dtype == torch.float32 or is_quant,
+                                        hopper(query.device))
     _prefill_kernel[(triton.cdiv(max_q, block_m), b, hq)](
         query, k, v, bt, cu, kvlen, alibi_slopes if alibi_slopes is not None else query, out,
         torch.stack(quant) if is_quant else query, t, m, nb, bs, hkv, score_scale(softmax_scale, softcap),

@@ -22,14 +22,13 @@ fp32 operands use input_precision="ieee" (no TF32); half operands run on tensor 
 fp32 accumulation. Under the interpreter tiles are upcast to fp32 first (exact for half products).
 """
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlinfer.vendor.triton._common import INTERPRET, cast_to, next_pow2
+from dlinfer.vendor.triton._common import INTERPRET, cast_to, hopper, next_pow2
 
 # ---------------------------------------------------------------- router
 
@@ -229,11 +228,6 @@ def _moe_combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, E, H, stride_wt, stride_
 # ---------------------------------------------------------------- launcher
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _tiles(n_pairs: int, num_experts: int, dtype: torch.dtype, wide: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by a simple rule, no autotuning. `wide`
     (sm_90 on): from 256 (token, expert) pairs an expert on average, 128-row tiles in bf16 / fp16:
@@ -261,7 +255,7 @@ def fused_moe(hidden_states: Tensor, gate_up_weights: Tensor, down_weights: Tens
     if t == 0:
         return out
     n_pairs = t * topk
-    block_m, block_n, block_k, warps, stages = _tiles(n_pairs, num_experts, dtype, _hopper(dev))
+    block_m, block_n, block_k, warps, stages = _tiles(n_pairs, num_experts, dtype, hopper(dev))
     upcast = INTERPRET or dtype == torch.float32
     precision = "ieee" if upcast else "tf32"  # "tf32" is the default and unused for half operands
 

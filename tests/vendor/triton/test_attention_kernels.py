@@ -110,9 +110,9 @@ def test_split_rule():
     f = AD.num_kv_splits
     assert f(256, 8, 4096, 132) == 1  # 2048 programs already fill an H100
     assert f(64, 8, 4096, 132) == 2  # 512 programs: ~4 per SM wanted
-    assert f(8, 8, 1024, 132) == 4  # wants 9, capped at 1024 / 256 keys per segment
+    assert f(8, 8, 1024, 132) == 8  # wants 9, capped at 1024 / 128 keys per segment
     assert f(1, 8, 1 << 20, 132) == AD.MAX_SPLITS
-    assert f(4, 8, 100, 132) == 1  # short context: never below 256 keys per segment
+    assert f(4, 8, 100, 132) == 1  # short context: never below 128 keys per segment
     assert f(3, 2, 50, 1) == 1  # CPU (1 "SM"): no split
     for t in (1, 3, 17, 200):
         for ctx in (1, 255, 257, 5000, 70000):

@@ -266,7 +266,7 @@ def test_fused_moe_128_row_tiles_in_half_precision(monkeypatch):
     assert MOE._tiles(tokens * topk, experts, torch.bfloat16, wide=True)[0] == 128
     assert MOE._tiles(tokens * topk, experts, torch.bfloat16, wide=False)[0] == 64
     assert MOE._tiles(tokens * topk, experts, torch.float32, wide=True)[0] == 64
-    monkeypatch.setattr(MOE, "_hopper", lambda device: True)
+    monkeypatch.setattr(MOE, "hopper", lambda device: True)
     x = torch.randn(tokens, h, generator=g).to(torch.bfloat16)
     gate_up = (torch.randn(experts, 2 * inter, h, generator=g) * h**-0.5).to(torch.bfloat16)
     down = (torch.randn(experts, h, inter, generator=g) * inter**-0.5).to(torch.bfloat16)
