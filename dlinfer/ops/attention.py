@@ -22,118 +22,17 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from dlinfer.errors import InvalidArgumentError
+from dlinfer.ops import _attention_args as AA
 from dlinfer.ops import _checks as C
 from dlinfer.ops import kv_quant
 from dlinfer.ops._compile_time import checked
-from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for, require
+from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for
 from dlinfer.ops.kv_cache import cache_dims, token_rows
-from dlinfer.utils.memo import LastCallMemo
 from dlinfer.vendor import kv_layouts
-from dlinfer.vendor.base import FEATURE_ALIBI, FEATURE_SLIDING_WINDOW, FEATURE_SOFTCAP
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
-
-
-def _query(op: str, query) -> Tensor:
-    return C.tensor(op, "query", token_rows(query), ("T", "Hq", "D"), C.FLOAT_DTYPES)
-
-
-def _heads(op: str, query: Tensor, num_q_heads, num_kv_heads) -> int:
-    hq = query.shape[1]
-    C.integer(op, "num_q_heads", num_q_heads, 1)
-    C.integer(op, "num_kv_heads", num_kv_heads, 1)
-    if num_q_heads != hq:
-        raise InvalidArgumentError(op, "num_q_heads", f"query's head count {hq}", str(num_q_heads))
-    if hq % num_kv_heads:
-        raise InvalidArgumentError(op, "num_kv_heads", f"a divisor of num_q_heads={hq}", str(num_kv_heads))
-    return num_kv_heads
-
-
-def _output(op: str, query: Tensor, head_size_v: int, attn_output) -> Tensor:
-    t, hq, _ = query.shape
-    if attn_output is None:
-        return query.new_empty((t, hq, head_size_v))
-    attn_output = token_rows(attn_output)
-    C.tensor(op, "attn_output", attn_output, (t, hq, head_size_v), None, query.device)
-    C.same_dtype(op, "attn_output", attn_output, query, "query")
-    return attn_output
-
-
-def _scale(op: str, softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return head_dim ** -0.5
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (float, int)) or not softmax_scale > 0:
-        raise InvalidArgumentError(op, "softmax_scale", "a float > 0 or None", C.describe(softmax_scale))
-    return float(softmax_scale)
-
-
-def _alibi(op: str, vendor, alibi_slopes, query: Tensor) -> Optional[Tensor]:
-    if alibi_slopes is None:
-        return None
-    require(vendor, op, FEATURE_ALIBI)
-    C.tensor(op, "alibi_slopes", alibi_slopes, (query.shape[1],), (torch.float32,), query.device)
-    return alibi_slopes
-
-
-def _score_options(op: str, vendor, sliding_window, logit_softcapping) -> dict:
-    """Checks a window and a soft cap (and that the vendor runs the ones set); returns
-    `_option_kwargs`."""
-    if sliding_window is not None and sliding_window != -1:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise InvalidArgumentError(op, "sliding_window", "an int >= 1, or None / -1 for no window",
-                                       C.describe(sliding_window))
-        require(vendor, op, FEATURE_SLIDING_WINDOW)
-    if logit_softcapping is not None and logit_softcapping != 0:
-        if (isinstance(logit_softcapping, bool) or not isinstance(logit_softcapping, (int, float))
-                or not logit_softcapping > 0 or logit_softcapping == float("inf")):
-            raise InvalidArgumentError(op, "logit_softcapping", "a finite float > 0, or None / 0 for none",
-                                       C.describe(logit_softcapping))
-        require(vendor, op, FEATURE_SOFTCAP)
-    return _option_kwargs(sliding_window, logit_softcapping)
-
-
-def _option_kwargs(sliding_window, logit_softcapping) -> dict:
-    """The kernel keywords of a checked window and soft cap that are set (an empty dict for neither)."""
-    kwargs = {}
-    if sliding_window is not None and sliding_window != -1:
-        kwargs["sliding_window"] = int(sliding_window)
-    if logit_softcapping is not None and logit_softcapping != 0:
-        kwargs["logit_softcapping"] = float(logit_softcapping)
-    return kwargs
-
-
-def _on_device_int32(t: Tensor, device: torch.device) -> Tensor:
-    # Always a new tensor: these results are memoised across calls, and the caller may edit its
-    # own length tensors in place later.
-    return t.to(device=device, dtype=torch.int32, non_blocking=True, copy=True)
-
-
-def _cu_from_ends(ends: Tensor, device: torch.device) -> Tensor:
-    return F.pad(_on_device_int32(ends, device), (1, 0))
-
-
-def _paged_lengths(q_seq_len: Tensor, kv_seq_len: Tensor, device: torch.device):
-    return _cu_from_ends(q_seq_len, device), _on_device_int32(kv_seq_len, device)
-
-
-def _prefill_lengths(q_seq_len: Tensor, actual_seq_lengths_cpu: Optional[Tensor], device: torch.device):
-    if actual_seq_lengths_cpu is not None:
-        return _cu_from_ends(actual_seq_lengths_cpu, device)
-    return F.pad(torch.cumsum(_on_device_int32(q_seq_len, device), 0, dtype=torch.int32), (1, 0))
-
-
-# Every layer of a step passes the same lengths: derive the canonical ones once per step.
-_paged_lengths_memo = LastCallMemo(_paged_lengths)
-_prefill_lengths_memo = LastCallMemo(_prefill_lengths)
-
-
-def _check_cu_values(op: str, name: str, cu: Tensor, t: int) -> None:
-    cu = cu.cpu()
-    if bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) != t:
-        raise InvalidArgumentError(op, name, f"non-decreasing cumulative ends finishing at T={t}", str(cu[1:].tolist()))
 
 
 def prefill_attention(
@@ -171,9 +70,9 @@ def prefill_attention(
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
     op = "prefill_attention"
-    query = _query(op, query)
+    query = AA.check_query(op, query)
     t, hq, d = query.shape
-    hkv = _heads(op, query, num_q_heads, num_kv_heads)
+    hkv = AA.check_heads(op, query, num_q_heads, num_kv_heads)
     key3 = key[0] if key.dim() == 4 and key.shape[0] == 1 else key
     C.tensor(op, "key", key3, (t, hkv, d), C.FLOAT_DTYPES, query.device)
     key = key.view(t, hkv, d)
@@ -191,13 +90,13 @@ def prefill_attention(
     kernel, vendor = kernel_for(op, query.device)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
-    scale = _scale(op, softmax_scale, d)
-    alibi = _alibi(op, vendor, alibi_slopes, query)
-    options = _score_options(op, vendor, sliding_window, logit_softcapping)
-    out = _output(op, query, value.shape[2], attn_output)
-    cu = _prefill_lengths_memo(q_seq_len, actual_seq_lengths_cpu, query.device)
+    scale = AA.check_scale(op, softmax_scale, d)
+    alibi = AA.check_alibi(op, vendor, alibi_slopes, query)
+    options = AA.check_score_options(op, vendor, sliding_window, logit_softcapping)
+    out = AA.check_output(op, query, value.shape[2], attn_output)
+    cu = AA.prefill_lengths(q_seq_len, actual_seq_lengths_cpu, query.device)
     if C.check_values_enabled():
-        _check_cu_values(op, "q_seq_len" if actual_seq_lengths_cpu is None else "actual_seq_lengths_cpu", cu, t)
+        AA.check_cu_values(op, "q_seq_len" if actual_seq_lengths_cpu is None else "actual_seq_lengths_cpu", cu, t)
         if actual_seq_lengths_cpu is not None and not torch.equal(
                 torch.cumsum(q_seq_len.cpu().long(), 0), actual_seq_lengths_cpu.cpu().long()):
             raise InvalidArgumentError(op, "actual_seq_lengths_cpu", "the cumulative sum of q_seq_len",
@@ -233,9 +132,9 @@ def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_s
                  logit_softcapping):
     """Checks what both paged attention ops take (the int8 cache's scales: `kv_quant.attention_args`);
     returns (the vendor's function (`kernel_for`), query as [T, Hq, D], Dv)."""
-    query = _query(op, query)
+    query = AA.check_query(op, query)
     d = query.shape[2]
-    hkv = _heads(op, query, num_q_heads, num_kv_heads)
+    hkv = AA.check_heads(op, query, num_q_heads, num_kv_heads)
     kernel, vendor = kernel_for(op, query.device)
     bits = kv_quant.check_quant_bits(op, vendor, quant_bits)
     check_dtype(vendor, op, query.dtype)
@@ -260,11 +159,11 @@ def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_s
     b = block_table.shape[0]
     C.length_tensor(op, "q_seq_len", q_seq_len, b, query.device)
     C.length_tensor(op, "kv_seq_len", kv_seq_len, b, query.device)
-    _scale(op, softmax_scale, d)
-    _alibi(op, vendor, alibi_slopes, query)
-    _score_options(op, vendor, sliding_window, logit_softcapping)
+    AA.check_scale(op, softmax_scale, d)
+    AA.check_alibi(op, vendor, alibi_slopes, query)
+    AA.check_score_options(op, vendor, sliding_window, logit_softcapping)
     if attn_output is not None:
-        _output(op, query, dv, attn_output)
+        AA.check_output(op, query, dv, attn_output)
     return kernel, query, dv
 
 
@@ -279,30 +178,15 @@ def _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_
     dv = value_cache.shape[-1]  # == head_size_v when that is set (checked)
     quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, num_kv_heads, query.device)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
-    options = _option_kwargs(sliding_window, logit_softcapping)
+    options = AA.option_kwargs(sliding_window, logit_softcapping)
     out = token_rows(attn_output) if attn_output is not None else query.new_empty((t, query.shape[1], dv))
-    cu, kv = _paged_lengths_memo(q_seq_len, kv_seq_len, query.device)
+    cu, kv = AA.paged_lengths(q_seq_len, kv_seq_len, query.device)
     check_values = C.check_values_enabled()
     if check_values and block_table.shape[0]:
         nb, bs = kv_layouts.blocks_and_size(key_cache, layout)
-        _check_paged_values(op, cu, kv_seq_len, block_table, nb, bs, t)
+        AA.check_paged_values(op, cu, kv_seq_len, block_table, nb, bs, t)
     caches = (kv_quant.int8_view(key_cache), kv_quant.int8_view(value_cache))
     return _Paged(kernel, query, caches, layout, cu, kv, scale, alibi_slopes, out, check_values, quant, options)
-
-
-def _check_paged_values(op, cu: Tensor, kv_seq_len: Tensor, block_table: Tensor, nb: int, bs: int, t: int) -> None:
-    """The lengths and the used block ids against the cache (DLINFER_CHECK_VALUES=1)."""
-    _check_cu_values(op, "q_seq_len", cu, t)
-    m = block_table.shape[1]
-    kv_cpu, n_cpu = kv_seq_len.cpu().long(), (cu[1:] - cu[:-1]).cpu().long()
-    if bool((kv_cpu < n_cpu).any()) or bool((kv_cpu > m * bs).any()):
-        raise InvalidArgumentError(op, "kv_seq_len", f"per sequence >= its new tokens and <= M*BS = {m * bs}",
-                                   str(kv_cpu.tolist()))
-    used = torch.arange(m).unsqueeze(0) < ((kv_cpu + bs - 1) // bs).unsqueeze(1)
-    ids = block_table.cpu().long()[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
-        raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
-                                   f"ids in [{int(ids.min())}, {int(ids.max())}]")
 
 
 def paged_prefill_attention(
@@ -361,9 +245,9 @@ def paged_prefill_attention(
     p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
                       head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
                       sliding_window, logit_softcapping)
-    max_q, max_kv = _int(max_q_seq_len), _int(max_kv_seq_len)
+    max_q, max_kv = AA.as_int(max_q_seq_len), AA.as_int(max_kv_seq_len)
     if p.check_values and p.kv.numel():
-        _check_bounds(op, p.cu, p.kv, max_q, max_kv)
+        AA.check_bounds(op, p.cu, p.kv, max_q, max_kv)
     if p.query.shape[0] == 0:
         return p.out
     p.kernel(p.query, *p.caches, block_table, p.cu, p.kv, max_q, max_kv, p.scale, p.alibi, p.out, p.layout, *p.quant,
@@ -386,19 +270,6 @@ def _check_paged_prefill(op, query, key, value, key_cache, value_cache, block_ta
     C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
     C.integer(op, "max_kv_seq_len", max_kv_seq_len, 0)
     return kernel
-
-
-def _int(value):
-    """A checked integer argument as an int (a one-element tensor read, as `C.integer` does)."""
-    return int(value.item()) if isinstance(value, Tensor) else value
-
-
-def _check_bounds(op: str, cu: Tensor, kv: Tensor, max_q: Optional[int], max_kv: int) -> None:
-    n = (cu[1:] - cu[:-1]).cpu()
-    if max_q is not None and int(n.max()) > max_q:
-        raise InvalidArgumentError(op, "max_q_seq_len", f">= {int(n.max())}", str(max_q))
-    if int(kv.max()) > max_kv:
-        raise InvalidArgumentError(op, "max_kv_seq_len", f">= {int(kv.max())}", str(max_kv))
 
 
 def paged_decode_attention(
@@ -438,9 +309,9 @@ def paged_decode_attention(
     p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
                       head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
                       sliding_window, logit_softcapping)
-    max_kv = _int(max_kv_seq_len)
+    max_kv = AA.as_int(max_kv_seq_len)
     if p.check_values and p.kv.numel():
-        _check_bounds(op, p.cu, p.kv, None, max_kv)
+        AA.check_bounds(op, p.cu, p.kv, None, max_kv)
     if p.query.shape[0] == 0:
         return p.out
     p.kernel(p.query, *p.caches, block_table, p.cu, p.kv, max_kv, p.scale, p.alibi, p.out, p.layout, *p.quant,
