@@ -10,7 +10,7 @@ import torch
 
 import dlinfer.ops as ops
 import dlinfer.vendor as dlinfer_vendor
-from dlinfer.errors import InvalidArgumentError
+from dlinfer.errors import InvalidArgumentError, UnsupportedError
 from dlinfer.ops import _checks as C
 
 
@@ -139,7 +139,9 @@ def _decode_inputs():
 
 
 def _interpreted_checks(stepped) -> list:
-    return sorted(name for name in stepped if (name.startswith("_checks.py:") or ":_check" in name)
+    # the shared helpers (_checks.py), an op's `_check_*`, the attention ops' shared `check_*`
+    return sorted(name for name in stepped
+                  if (name.startswith("_checks.py:") or ":_check" in name or name.startswith("_attention_args.py:check_"))
                   and not name.endswith(":check_values_enabled"))  # the eager-only value checks' switch
 
 
@@ -192,6 +194,73 @@ def test_the_quantised_ops_checks_are_not_interpreted_while_tracing(monkeypatch)
 
 def _with(args, i, value):
     return args[:i] + (value,) + args[i + 1:]
+
+
+class _MoeMetadata:
+    """A stand-in for LMDeploy's MoE metadata object: the ops read ep_size and router_n_groups."""
+
+    def __init__(self, ep_size=1, router_n_groups=-1):
+        self.ep_size, self.router_n_groups = ep_size, router_n_groups
+
+
+def _moe_layer(x, router, gate_up, down, gate_up8, gate_up8_scales, down8, down8_scales, meta):
+    weights, ids = ops.moe_gating_topk_softmax(x @ router, 2, meta)
+    y = ops.fused_moe(x, gate_up, down, weights, ids, 2, True, meta)
+    return y + ops.fused_moe_w8a8(x, gate_up8, gate_up8_scales, down8, down8_scales, weights, ids, 2, False, meta)
+
+
+def _moe_inputs(meta=None):
+    e, h, i = 4, 32, 24
+    return (torch.randn(3, h), torch.randn(h, e), torch.randn(e, 2 * i, h) / 8, torch.randn(e, h, i) / 8,
+            torch.randint(-127, 128, (e, 2 * i, h), dtype=torch.int8), torch.rand(e, 2 * i, 1) / 500,
+            torch.randint(-127, 128, (e, h, i), dtype=torch.int8), torch.rand(e, h) / 500,
+            _MoeMetadata() if meta is None else meta)
+
+
+def test_the_moe_ops_checks_are_not_interpreted_while_tracing(monkeypatch):
+    """The router, fused_moe and fused_moe_w8a8 compile (fullgraph, LMDeploy's metadata object among
+    the arguments) to what eager gives, with no instruction of their checks interpreted."""
+    args = _moe_inputs()
+    stepped = _count_steps(monkeypatch)
+    got = torch.compile(_moe_layer, backend="eager", fullgraph=True)(*args)
+    torch.testing.assert_close(got, _moe_layer(*args))
+    for op in ("moe_gating_topk_softmax", "fused_moe", "fused_moe_w8a8"):
+        assert any(name.endswith(f":{op}") for name in stepped), (op, stepped)
+    assert not _interpreted_checks(stepped), f"checks interpreted by Dynamo: {_interpreted_checks(stepped)}"
+
+
+def _bad_moe_calls():
+    x, router, gate_up, down, gate_up8, gate_up8_scales, down8, down8_scales, meta = _moe_inputs()
+    weights, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    moe = (x, gate_up, down, weights, ids, 2, True)
+    moe8 = (x, gate_up8, gate_up8_scales, down8, down8_scales, weights, ids, 2, False)
+    return [
+        pytest.param(ops.moe_gating_topk_softmax, (x @ router, 5), id="gating-topk-past-experts"),
+        pytest.param(ops.fused_moe, _with(moe, 2, down[:, :, :20]), id="fused-moe-down-size"),
+        pytest.param(ops.fused_moe, _with(moe, 5, 3), id="fused-moe-topk"),
+        pytest.param(ops.fused_moe_w8a8, _with(moe8, 2, gate_up8_scales[:2]), id="fused-moe-w8a8-scales"),
+    ]
+
+
+@pytest.mark.parametrize("fn, args", _bad_moe_calls())
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
+def test_bad_arguments_to_the_moe_ops_are_refused_while_tracing(fn, args, fullgraph):
+    expected = _eager_error(fn, *args)
+    raises = torch._dynamo.exc.Unsupported if fullgraph else InvalidArgumentError
+    with pytest.raises(raises) as info:
+        torch.compile(fn, backend="eager", fullgraph=fullgraph)(*args)
+    assert expected in str(info.value)
+
+
+def test_expert_parallel_metadata_is_refused_while_tracing():
+    """The metadata's ep_size reaches the check through the op body: a vendor without expert
+    parallelism refuses it under torch.compile as it does eagerly."""
+    args = _moe_inputs(_MoeMetadata(ep_size=2))
+    with pytest.raises(UnsupportedError) as eager:
+        _moe_layer(*args)
+    with pytest.raises(UnsupportedError) as traced:
+        torch.compile(_moe_layer, backend="eager")(*args)
+    assert str(traced.value) == str(eager.value) and "expert" in str(eager.value).lower()
 
 
 def _decode_attention(q, key_cache, value_cache, block_table, q_lens, kv_lens):
