@@ -140,8 +140,8 @@ def _decode_inputs():
 
 def _interpreted_checks(stepped) -> list:
     # the shared helpers (_checks.py), an op's `_check_*`, the attention ops' shared `check_*`
-    return sorted(name for name in stepped
-                  if (name.startswith("_checks.py:") or ":_check" in name or name.startswith("_attention_args.py:check_"))
+    checks = ("_checks.py:", "_attention_args.py:check_")
+    return sorted(name for name in stepped if (name.startswith(checks) or ":_check" in name)
                   and not name.endswith(":check_values_enabled"))  # the eager-only value checks' switch
 
 
@@ -242,16 +242,6 @@ def _bad_moe_calls():
     ]
 
 
-@pytest.mark.parametrize("fn, args", _bad_moe_calls())
-@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
-def test_bad_arguments_to_the_moe_ops_are_refused_while_tracing(fn, args, fullgraph):
-    expected = _eager_error(fn, *args)
-    raises = torch._dynamo.exc.Unsupported if fullgraph else InvalidArgumentError
-    with pytest.raises(raises) as info:
-        torch.compile(fn, backend="eager", fullgraph=fullgraph)(*args)
-    assert expected in str(info.value)
-
-
 def test_expert_parallel_metadata_is_refused_while_tracing():
     """The metadata's ep_size reaches the check through the op body: a vendor without expert
     parallelism refuses it under torch.compile as it does eagerly."""
@@ -289,9 +279,9 @@ def _bad_layer_calls():
     ]
 
 
-@pytest.mark.parametrize("fn, args", _bad_layer_calls())
+@pytest.mark.parametrize("fn, args", _bad_layer_calls() + _bad_moe_calls())
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
-def test_bad_arguments_to_the_decode_and_quantised_ops_are_refused_while_tracing(fn, args, fullgraph):
+def test_bad_arguments_to_the_decode_quantised_and_moe_ops_are_refused_while_tracing(fn, args, fullgraph):
     expected = _eager_error(fn, *args)
     raises = torch._dynamo.exc.Unsupported if fullgraph else InvalidArgumentError
     with pytest.raises(raises) as info:
