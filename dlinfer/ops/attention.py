@@ -69,15 +69,39 @@ def prefill_attention(
     sliding_window, logit_softcapping: see the module docstring (None: off).
     Returns attn_output (or a new [T, Hq, Dv] tensor).
     """
+    args = (query, key, value, q_seq_len, kv_seq_len, max_q_seq_len, num_q_heads, num_kv_heads, softmax_scale,
+            alibi_slopes, attn_output, actual_seq_lengths_cpu, sliding_window, logit_softcapping)
+    kernel = (_check_prefill(*args) if not torch.compiler.is_compiling()
+              else checked("prefill_attention", _check_prefill, *args))
+    query = token_rows(query)
+    t, hq, d = query.shape
+    key = key.view(t, key.shape[-2], d)
+    if value.dim() == 4 and value.shape[0] == 1:
+        value = value[0]
+    max_q = t if max_q_seq_len is None else AA.as_int(max_q_seq_len)
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    options = AA.option_kwargs(sliding_window, logit_softcapping)
+    out = token_rows(attn_output) if attn_output is not None else query.new_empty((t, hq, value.shape[2]))
+    cu = AA.prefill_lengths(q_seq_len, actual_seq_lengths_cpu, query.device)
+    if C.check_values_enabled():
+        _check_prefill_values(cu, q_seq_len, kv_seq_len, actual_seq_lengths_cpu, max_q, t)
+    if t == 0:
+        return out
+    kernel(query, key, value, cu, max_q, scale, alibi_slopes, out, **options)
+    return out
+
+
+def _check_prefill(query, key, value, q_seq_len, kv_seq_len, max_q_seq_len, num_q_heads, num_kv_heads,
+                   softmax_scale, alibi_slopes, attn_output, actual_seq_lengths_cpu, sliding_window,
+                   logit_softcapping):
+    """Checks prefill_attention's arguments (metadata only); returns the vendor's function."""
     op = "prefill_attention"
     query = AA.check_query(op, query)
     t, hq, d = query.shape
     hkv = AA.check_heads(op, query, num_q_heads, num_kv_heads)
-    key3 = key[0] if key.dim() == 4 and key.shape[0] == 1 else key
-    C.tensor(op, "key", key3, (t, hkv, d), C.FLOAT_DTYPES, query.device)
-    key = key.view(t, hkv, d)
-    if value.dim() == 4 and value.shape[0] == 1:
-        value = value[0]
+    key = key[0] if isinstance(key, Tensor) and key.dim() == 4 and key.shape[0] == 1 else key
+    C.tensor(op, "key", key, (t, hkv, d), C.FLOAT_DTYPES, query.device)
+    value = value[0] if isinstance(value, Tensor) and value.dim() == 4 and value.shape[0] == 1 else value
     C.tensor(op, "value", value, (t, hkv, "Dv"), C.FLOAT_DTYPES, query.device)
     C.same_dtype(op, "key", key, query, "query")
     C.same_dtype(op, "value", value, query, "query")
@@ -86,29 +110,32 @@ def prefill_attention(
     C.length_tensor(op, "kv_seq_len", kv_seq_len, b, query.device)
     if actual_seq_lengths_cpu is not None:
         C.length_tensor(op, "actual_seq_lengths_cpu", actual_seq_lengths_cpu, b, query.device)
-    max_q = t if max_q_seq_len is None else C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
+    if max_q_seq_len is not None:
+        C.integer(op, "max_q_seq_len", max_q_seq_len, 0)
     kernel, vendor = kernel_for(op, query.device)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
-    scale = AA.check_scale(op, softmax_scale, d)
-    alibi = AA.check_alibi(op, vendor, alibi_slopes, query)
-    options = AA.check_score_options(op, vendor, sliding_window, logit_softcapping)
-    out = AA.check_output(op, query, value.shape[2], attn_output)
-    cu = AA.prefill_lengths(q_seq_len, actual_seq_lengths_cpu, query.device)
-    if C.check_values_enabled():
-        AA.check_cu_values(op, "q_seq_len" if actual_seq_lengths_cpu is None else "actual_seq_lengths_cpu", cu, t)
-        if actual_seq_lengths_cpu is not None and not torch.equal(
-                torch.cumsum(q_seq_len.cpu().long(), 0), actual_seq_lengths_cpu.cpu().long()):
-            raise InvalidArgumentError(op, "actual_seq_lengths_cpu", "the cumulative sum of q_seq_len",
-                                       str(actual_seq_lengths_cpu.tolist()))
-        if not torch.equal(q_seq_len.cpu().long(), kv_seq_len.cpu().long()):
-            raise InvalidArgumentError(op, "kv_seq_len", "equal to q_seq_len (no history)", str(kv_seq_len.tolist()))
-        if b and int(q_seq_len.max()) > max_q:
-            raise InvalidArgumentError(op, "max_q_seq_len", f">= {int(q_seq_len.max())}", str(max_q))
-    if t == 0:
-        return out
-    kernel(query, key, value, cu, max_q, scale, alibi, out, **options)
-    return out
+    AA.check_scale(op, softmax_scale, d)
+    AA.check_alibi(op, vendor, alibi_slopes, query)
+    AA.check_score_options(op, vendor, sliding_window, logit_softcapping)
+    if attn_output is not None:
+        AA.check_output(op, query, value.shape[2], attn_output)
+    return kernel
+
+
+def _check_prefill_values(cu: Tensor, q_seq_len: Tensor, kv_seq_len: Tensor, actual_seq_lengths_cpu, max_q: int,
+                          t: int) -> None:
+    """prefill_attention's lengths against each other and T (DLINFER_CHECK_VALUES=1; a device sync)."""
+    op = "prefill_attention"
+    AA.check_cu_values(op, "q_seq_len" if actual_seq_lengths_cpu is None else "actual_seq_lengths_cpu", cu, t)
+    if actual_seq_lengths_cpu is not None and not torch.equal(
+            torch.cumsum(q_seq_len.cpu().long(), 0), actual_seq_lengths_cpu.cpu().long()):
+        raise InvalidArgumentError(op, "actual_seq_lengths_cpu", "the cumulative sum of q_seq_len",
+                                   str(actual_seq_lengths_cpu.tolist()))
+    if not torch.equal(q_seq_len.cpu().long(), kv_seq_len.cpu().long()):
+        raise InvalidArgumentError(op, "kv_seq_len", "equal to q_seq_len (no history)", str(kv_seq_len.tolist()))
+    if q_seq_len.shape[0] and int(q_seq_len.max()) > max_q:
+        raise InvalidArgumentError(op, "max_q_seq_len", f">= {int(q_seq_len.max())}", str(max_q))
 
 
 class _Paged(NamedTuple):

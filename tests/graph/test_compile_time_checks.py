@@ -217,19 +217,32 @@ def _moe_inputs(meta=None):
             _MoeMetadata() if meta is None else meta)
 
 
-def test_the_moe_ops_checks_are_not_interpreted_while_tracing(monkeypatch):
-    """The router, fused_moe and fused_moe_w8a8 compile (fullgraph, LMDeploy's metadata object among
-    the arguments) to what eager gives, with no instruction of their checks interpreted."""
-    args = _moe_inputs()
+def _prefill(q, k, v, lens):
+    return ops.prefill_attention(q, k, v, None, None, lens, lens, 5, 4, 2)
+
+
+def _prefill_inputs():
+    return torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16), torch.tensor([3, 5], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("fn, make, names", [
+    (_moe_layer, _moe_inputs, ("moe_gating_topk_softmax", "fused_moe", "fused_moe_w8a8")),
+    (_prefill, _prefill_inputs, ("prefill_attention",)),
+], ids=["moe", "prefill-attention"])
+def test_the_moe_and_prefill_checks_are_not_interpreted_while_tracing(monkeypatch, fn, make, names):
+    """The router, fused_moe and fused_moe_w8a8 (LMDeploy's metadata object among the arguments),
+    and attention over new tokens alone, compile (fullgraph) to what eager gives, with no
+    instruction of their checks interpreted."""
+    args = make()
     stepped = _count_steps(monkeypatch)
-    got = torch.compile(_moe_layer, backend="eager", fullgraph=True)(*args)
-    torch.testing.assert_close(got, _moe_layer(*args))
-    for op in ("moe_gating_topk_softmax", "fused_moe", "fused_moe_w8a8"):
+    got = torch.compile(fn, backend="eager", fullgraph=True)(*args)
+    torch.testing.assert_close(got, fn(*args))
+    for op in names:
         assert any(name.endswith(f":{op}") for name in stepped), (op, stepped)
     assert not _interpreted_checks(stepped), f"checks interpreted by Dynamo: {_interpreted_checks(stepped)}"
 
 
-def _bad_moe_calls():
+def _bad_moe_and_prefill_calls():
     x, router, gate_up, down, gate_up8, gate_up8_scales, down8, down8_scales, meta = _moe_inputs()
     weights, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
     moe = (x, gate_up, down, weights, ids, 2, True)
@@ -239,6 +252,8 @@ def _bad_moe_calls():
         pytest.param(ops.fused_moe, _with(moe, 2, down[:, :, :20]), id="fused-moe-down-size"),
         pytest.param(ops.fused_moe, _with(moe, 5, 3), id="fused-moe-topk"),
         pytest.param(ops.fused_moe_w8a8, _with(moe8, 2, gate_up8_scales[:2]), id="fused-moe-w8a8-scales"),
+        pytest.param(_prefill, _with(_prefill_inputs(), 1, torch.randn(8, 2, 8)), id="prefill-attention-key-dim"),
+        pytest.param(_prefill, _with(_prefill_inputs(), 3, torch.tensor([3.0, 5.0])), id="prefill-attention-lengths"),
     ]
 
 
@@ -279,7 +294,7 @@ def _bad_layer_calls():
     ]
 
 
-@pytest.mark.parametrize("fn, args", _bad_layer_calls() + _bad_moe_calls())
+@pytest.mark.parametrize("fn, args", _bad_layer_calls() + _bad_moe_and_prefill_calls())
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
 def test_bad_arguments_to_the_decode_quantised_and_moe_ops_are_refused_while_tracing(fn, args, fullgraph):
     expected = _eager_error(fn, *args)
