@@ -169,13 +169,34 @@ def _check_add_rms_norm_w8a8(hidden_states, residual, weight, epsilon, quant_dty
     return kernel
 
 
-def _single_value(op: str, name: str, t, dtypes, device) -> Tensor:
+def _check_single_value(op: str, name: str, t, dtypes, device) -> None:
+    """t: one value for the layer, a tensor [1] (or a 0-d one) of `dtypes` on `device`."""
     if not isinstance(t, Tensor) or t.numel() != 1 or t.dim() > 1:
         raise C.InvalidArgumentError(op, name, "a tensor [1] (one value for the layer)", C.describe(t))
     C.dtype_in(op, name, t, dtypes)
     if t.device != device:
         raise C.InvalidArgumentError(op, name, f"device {device}", C.describe(t))
-    return t.reshape(1).to(torch.float32)
+
+
+def _check_linear_w8a8_static(x, weight, input_scale, input_offset, deq_scale, out_dtype, quant_dtype, quant_bias):
+    """Checks linear_w8a8_static's arguments (metadata only); returns the vendor's function."""
+    op = "linear_w8a8_static"
+    C.rank_at_least(op, "x", x, 1, "[..., K]")
+    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
+    k, device = x.shape[-1], x.device
+    C.tensor(op, "weight", weight, ("N", k), INT8, device)
+    n = weight.shape[0]
+    _check_single_value(op, "input_scale", input_scale, C.FLOAT_DTYPES, device)
+    _check_single_value(op, "input_offset", input_offset, INT8 + C.FLOAT_DTYPES, device)
+    C.tensor(op, "deq_scale", deq_scale, (n,), F32, device)
+    if out_dtype not in C.FLOAT_DTYPES:
+        raise C.InvalidArgumentError(op, "out_dtype", "float32/float16/bfloat16", C.describe(out_dtype))
+    _check_quant_dtype(op, quant_dtype)
+    if quant_bias is not None:
+        C.tensor(op, "quant_bias", quant_bias, (n,), (torch.int32,), device)
+    kernel, vendor = kernel_for(op, device)
+    check_dtype(vendor, op, out_dtype)
+    return kernel
 
 
 def linear_w8a8_static(x: Tensor, weight: Tensor, input_scale: Tensor, input_offset: Tensor, deq_scale: Tensor,
@@ -192,25 +213,15 @@ def linear_w8a8_static(x: Tensor, weight: Tensor, input_scale: Tensor, input_off
         xq = clamp(round_half_even(x_f32 / input_scale + input_offset), -128, 127)  (float32 steps)
         out = float32(xq @ weight.T + quant_bias) * deq_scale   (the integer sum exact)
     """
-    op = "linear_w8a8_static"
-    ndim = C.rank_at_least(op, "x", x, 1, "[..., K]")
-    C.dtype_in(op, "x", x, C.FLOAT_DTYPES)
-    k, device = x.shape[-1], x.device
-    C.tensor(op, "weight", weight, ("N", k), INT8, device)
-    n = weight.shape[0]
-    scale = _single_value(op, "input_scale", input_scale, C.FLOAT_DTYPES, device)
-    offset = _single_value(op, "input_offset", input_offset, INT8 + C.FLOAT_DTYPES, device)
-    C.tensor(op, "deq_scale", deq_scale, (n,), F32, device)
-    if out_dtype not in C.FLOAT_DTYPES:
-        raise C.InvalidArgumentError(op, "out_dtype", "float32/float16/bfloat16", C.describe(out_dtype))
-    _check_quant_dtype(op, quant_dtype)
-    if quant_bias is not None:
-        C.tensor(op, "quant_bias", quant_bias, (n,), (torch.int32,), device)
+    args = (x, weight, input_scale, input_offset, deq_scale, out_dtype, quant_dtype, quant_bias)
+    kernel = (_check_linear_w8a8_static(*args) if not torch.compiler.is_compiling()
+              else checked("linear_w8a8_static", _check_linear_w8a8_static, *args))
+    scale, offset = input_scale.reshape(1).to(torch.float32), input_offset.reshape(1).to(torch.float32)
     if C.check_values_enabled() and (not bool(torch.isfinite(scale).all()) or float(scale) <= 0):
-        raise C.InvalidArgumentError(op, "input_scale", "a finite scale > 0", str(scale.tolist()))
-    kernel, vendor = kernel_for(op, device)
-    check_dtype(vendor, op, out_dtype)
+        raise C.InvalidArgumentError("linear_w8a8_static", "input_scale", "a finite scale > 0", str(scale.tolist()))
+    k, n = x.shape[-1], weight.shape[0]
+    if x.dim() == 2:
+        return kernel(x, weight, scale, offset, deq_scale, out_dtype, quant_bias)
     lead = tuple(x.shape[:-1])
-    x2 = x if ndim == 2 else x.reshape(math.prod(lead), k)
-    out = kernel(x2, weight, scale, offset, deq_scale, out_dtype, quant_bias)
-    return out if ndim == 2 else out.view(*lead, n)
+    out = kernel(x.reshape(math.prod(lead), k), weight, scale, offset, deq_scale, out_dtype, quant_bias)
+    return out.view(*lead, n)

@@ -71,6 +71,13 @@ def _check_rotary(query, key, cos, sin):
     return kernel
 
 
+def _drop_unit_dim2(x):
+    """LMDeploy's [T, H, 1, D] as [T, H, D]; anything else as it is."""
+    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[2] == 1:
+        return x.reshape(x.shape[0], x.shape[1], x.shape[3])
+    return x
+
+
 def apply_rotary_pos_emb_interleaved(x: Tensor, cos: Tensor, sin: Tensor, return_native_layout: bool = True) -> Tensor:
     """Adjacent-pair ("interleaved", complex-number) RoPE, as LMDeploy's dlinfer kernel calls it
     (kernels/dlinfer/apply_rotary_pos_emb.py: query and key heads concatenated).
@@ -85,25 +92,28 @@ def apply_rotary_pos_emb_interleaved(x: Tensor, cos: Tensor, sin: Tensor, return
         a = x[..., 0::2], b = x[..., 1::2], c = cos[..., :D/2], s = sin[..., :D/2]
         a' = a * c - b * s,  b' = b * c + a * s.
     """
+    kernel = (_check_interleaved(x, cos, sin, return_native_layout) if not torch.compiler.is_compiling()
+              else checked("apply_rotary_pos_emb_interleaved", _check_interleaved, x, cos, sin, return_native_layout))
+    x3 = _drop_unit_dim2(x)
+    t, _, d = x3.shape
+    out = kernel(x3, cos.reshape(t, d), sin.reshape(t, d), return_native_layout)
+    return out if x3 is x else out.view(x.shape)
+
+
+def _check_interleaved(x, cos, sin, return_native_layout):
+    """Checks apply_rotary_pos_emb_interleaved's arguments; returns the vendor's function."""
     op = "apply_rotary_pos_emb_interleaved"
-    if isinstance(x, Tensor) and x.dim() == 4 and x.shape[2] == 1:
-        x3 = x.reshape(x.shape[0], x.shape[1], x.shape[3])
-    else:
-        x3 = x
+    x3 = _drop_unit_dim2(x)
     C.tensor(op, "x", x3, ("T", "H", "D"), C.FLOAT_DTYPES)
     t, _, d = x3.shape
     if d % 2:
         raise C.InvalidArgumentError(op, "x", "an even head dim D", C.describe(x))
-    device = x3.device
-    tables = []
     for name, table in (("cos", cos), ("sin", sin)):
-        _check_table(op, name, table, device)
+        _check_table(op, name, table, x3.device)
         if table.numel() != t * d or table.shape[0] != t or table.shape[-1] != d:
             raise C.InvalidArgumentError(op, name, f"[T={t}, 1, 1, D={d}] or [T, D]", C.describe(table))
-        tables.append(table.reshape(t, d))
     if not isinstance(return_native_layout, bool):
         raise C.InvalidArgumentError(op, "return_native_layout", "a bool", C.describe(return_native_layout))
-    kernel, vendor = kernel_for(op, device)
+    kernel, vendor = kernel_for(op, x3.device)
     check_dtype(vendor, op, x3.dtype)
-    out = kernel(x3, tables[0], tables[1], return_native_layout)
-    return out if x3 is x else out.view(x.shape)
+    return kernel

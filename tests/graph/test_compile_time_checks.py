@@ -225,14 +225,33 @@ def _prefill_inputs():
     return torch.randn(8, 4, 16), torch.randn(8, 2, 16), torch.randn(8, 2, 16), torch.tensor([3, 5], dtype=torch.int32)
 
 
+def _interleaved(x, cos, sin):
+    return ops.apply_rotary_pos_emb_interleaved(x, cos, sin)
+
+
+def _interleaved_inputs():
+    return torch.randn(3, 6, 1, 16), torch.randn(3, 1, 1, 16), torch.randn(3, 1, 1, 16)
+
+
+def _static(x, weight, scale, offset, deq_scale):
+    return ops.linear_w8a8_static(x, weight, scale, offset, deq_scale, torch.float32)
+
+
+def _static_inputs():
+    return (torch.randn(2, 3, 32), torch.randint(-127, 128, (8, 32), dtype=torch.int8), torch.tensor([0.02]),
+            torch.tensor([3], dtype=torch.int8), torch.rand(8) / 100)
+
+
 @pytest.mark.parametrize("fn, make, names", [
     (_moe_layer, _moe_inputs, ("moe_gating_topk_softmax", "fused_moe", "fused_moe_w8a8")),
     (_prefill, _prefill_inputs, ("prefill_attention",)),
-], ids=["moe", "prefill-attention"])
-def test_the_moe_and_prefill_checks_are_not_interpreted_while_tracing(monkeypatch, fn, make, names):
+    (_interleaved, _interleaved_inputs, ("apply_rotary_pos_emb_interleaved",)),
+    (_static, _static_inputs, ("linear_w8a8_static",)),
+], ids=["moe", "prefill-attention", "interleaved-rotary", "linear-w8a8-static"])
+def test_the_other_ops_checks_are_not_interpreted_while_tracing(monkeypatch, fn, make, names):
     """The router, fused_moe and fused_moe_w8a8 (LMDeploy's metadata object among the arguments),
-    and attention over new tokens alone, compile (fullgraph) to what eager gives, with no
-    instruction of their checks interpreted."""
+    attention over new tokens alone, the interleaved rotary and the static W8A8 linear compile
+    (fullgraph) to what eager gives, with no instruction of their checks interpreted."""
     args = make()
     stepped = _count_steps(monkeypatch)
     got = torch.compile(fn, backend="eager", fullgraph=True)(*args)
@@ -242,7 +261,7 @@ def test_the_moe_and_prefill_checks_are_not_interpreted_while_tracing(monkeypatc
     assert not _interpreted_checks(stepped), f"checks interpreted by Dynamo: {_interpreted_checks(stepped)}"
 
 
-def _bad_moe_and_prefill_calls():
+def _bad_other_calls():
     x, router, gate_up, down, gate_up8, gate_up8_scales, down8, down8_scales, meta = _moe_inputs()
     weights, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
     moe = (x, gate_up, down, weights, ids, 2, True)
@@ -254,6 +273,9 @@ def _bad_moe_and_prefill_calls():
         pytest.param(ops.fused_moe_w8a8, _with(moe8, 2, gate_up8_scales[:2]), id="fused-moe-w8a8-scales"),
         pytest.param(_prefill, _with(_prefill_inputs(), 1, torch.randn(8, 2, 8)), id="prefill-attention-key-dim"),
         pytest.param(_prefill, _with(_prefill_inputs(), 3, torch.tensor([3.0, 5.0])), id="prefill-attention-lengths"),
+        pytest.param(_interleaved, (torch.randn(3, 6, 1, 15), torch.randn(3, 15), torch.randn(3, 15)),
+                     id="interleaved-rotary-odd-d"),
+        pytest.param(_static, _with(_static_inputs(), 4, torch.rand(7)), id="linear-w8a8-static-deq-scale"),
     ]
 
 
@@ -294,9 +316,9 @@ def _bad_layer_calls():
     ]
 
 
-@pytest.mark.parametrize("fn, args", _bad_layer_calls() + _bad_moe_and_prefill_calls())
+@pytest.mark.parametrize("fn, args", _bad_layer_calls() + _bad_other_calls())
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
-def test_bad_arguments_to_the_decode_quantised_and_moe_ops_are_refused_while_tracing(fn, args, fullgraph):
+def test_bad_arguments_are_refused_while_tracing(fn, args, fullgraph):
     expected = _eager_error(fn, *args)
     raises = torch._dynamo.exc.Unsupported if fullgraph else InvalidArgumentError
     with pytest.raises(raises) as info:
