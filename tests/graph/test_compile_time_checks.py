@@ -279,15 +279,36 @@ def _bad_other_calls():
     ]
 
 
-def test_expert_parallel_metadata_is_refused_while_tracing():
-    """The metadata's ep_size reaches the check through the op body: a vendor without expert
-    parallelism refuses it under torch.compile as it does eagerly."""
-    args = _moe_inputs(_MoeMetadata(ep_size=2))
+def _moe_refusals():
+    x, router, gate_up, down, gate_up8, gate_up8_scales, down8, down8_scales, _ = _moe_inputs()
+    weights, ids = torch.rand(3, 2), torch.randint(0, 4, (3, 2))
+    ep, layout = _MoeMetadata(ep_size=2), object()  # made here: Dynamo cannot trace object()
+    return [
+        pytest.param(lambda: ops.moe_gating_topk_softmax(x @ router, 2, _MoeMetadata(router_n_groups=2)),
+                     "grouped top-k routing", id="gating-router-groups"),
+        pytest.param(lambda: ops.fused_moe(x, gate_up, down, weights, ids, 2, True, ep), "expert parallelism",
+                     id="fused-moe-ep"),
+        pytest.param(lambda: ops.fused_moe_w8a8(x, gate_up8, gate_up8_scales, down8, down8_scales, weights, ids, 2,
+                                                False, ep), "expert parallelism", id="fused-moe-w8a8-ep"),
+        pytest.param(lambda: ops.fused_moe(x, gate_up, down, weights, ids, 2, True, None, layout),
+                     "chunked MoE weight layout", id="fused-moe-chunked-layout"),
+    ]
+
+
+@pytest.mark.parametrize("call, feature", _moe_refusals())
+def test_what_the_vendor_lacks_in_the_moe_metadata_is_refused_while_tracing(call, feature):
+    """The metadata's ep_size and router groups (and a chunked weight layout) reach the checks
+    through the op body: a vendor without them refuses under torch.compile as it does eagerly."""
     with pytest.raises(UnsupportedError) as eager:
-        _moe_layer(*args)
+        call()
+    assert feature in str(eager.value)
     with pytest.raises(UnsupportedError) as traced:
-        torch.compile(_moe_layer, backend="eager")(*args)
-    assert str(traced.value) == str(eager.value) and "expert" in str(eager.value).lower()
+        torch.compile(call, backend="eager")()
+    assert str(traced.value) == str(eager.value)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported) as full:
+        torch.compile(call, backend="eager", fullgraph=True)()
+    assert str(eager.value) in str(full.value)
 
 
 def _decode_attention(q, key_cache, value_cache, block_table, q_lens, kv_lens):

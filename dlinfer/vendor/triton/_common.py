@@ -47,9 +47,12 @@ def num_sms(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def hopper(device: torch.device) -> bool:
-    """sm_90 or newer: some launchers take larger tiles there (their shared memory and spills are
-    checked for sm_90 and sm_80 by scripts/triton_targets.py); never on a CPU."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """An NVIDIA data-centre GPU of sm_90 (Hopper) or sm_100 (Blackwell), with ~227 KB of shared
+    memory a block: some launchers take larger tiles there (their shared memory and spills are
+    checked for sm_90 and sm_80 by scripts/triton_targets.py). Not sm_120 / sm_121 (consumer
+    Blackwell, ~99 KB a block like sm_86), not ROCm (whose GPUs also report major 9), never a CPU."""
+    return (device.type == "cuda" and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
 def next_pow2(n: int) -> int:

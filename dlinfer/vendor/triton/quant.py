@@ -56,7 +56,7 @@ def quotient(x, d, FORM: tl.constexpr):
 
 
 @triton.jit
-def quantize(x, FORM: tl.constexpr = 0):
+def quantize(x, FORM: tl.constexpr):
     """x: fp32 row block (padding 0) -> (q int8, scale fp32 scalar): dynamic_quant's rule. A row
     holding a NaN gets scale NaN and codes 0 (tl.max, like fmax, would skip the NaN and hide it
     from the next linear_w8a8). FORM: the quotient's form (module docstring)."""

@@ -115,7 +115,7 @@ def test_split_rule():
     assert f(4, 8, 100, 132) == 1  # short context: never below 128 keys per segment
     assert f(3, 2, 50, 1) == 1  # CPU (1 "SM"): no split
     for t in (1, 3, 17, 200):
-        for ctx in (1, 255, 257, 5000, 70000):
+        for ctx in (1, 127, 129, 255, 257, 5000, 70000):
             s = f(t, 4, ctx, 108)
             assert 1 <= s <= AD.MAX_SPLITS and (s == 1 or (ctx + s - 1) // s >= AD.MIN_KEYS_PER_SPLIT // 2)
     # the launcher's plan: whole tiles per segment, no empty trailing split
@@ -259,6 +259,38 @@ def test_int64_cache_offsets():
 
 
 # ---------------------------------------------------------------- prefill's unmasked key tiles
+
+
+def test_prefill_tiles_widen_only_at_head_dim_128_in_half_precision():
+    """`wide` (sm_90 / sm_100) gives 128 x 128 tiles at head dim 128 in fp16 / bf16 alone: not in
+    fp32 or with an int8 cache (both pass fp32=True), not at other head dims (unmeasured)."""
+    from dlinfer.vendor.triton import attention_prefill as P
+
+    assert P._tiles(2048, 2048, 128, 128, False, wide=True)[:2] == (128, 128)
+    assert P._tiles(2048, 2048, 128, 128, False, wide=False)[:2] == (128, 64)
+    assert P._tiles(2048, 2048, 128, 128, True, wide=True)[:2] == (64, 32)
+    for d in (64, 80, 96, 192, 256, 576):
+        assert P._tiles(2048, 2048, d, d, False, wide=True) == P._tiles(2048, 2048, d, d, False), d
+    assert P._tiles(40, 100, 128, 128, False, wide=True)[:2] == (64, 128)  # still capped by the lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_with_wide_tiles(dtype, monkeypatch):
+    """The 128 x 128 tiles sm_90 takes at head dim 128, run here: two query tiles of one sequence,
+    a history past one key tile, GQA 2, against the fp64 reference."""
+    from dlinfer.vendor.triton import attention_prefill as P
+
+    monkeypatch.setattr(P, "hopper", lambda device: True)
+    hq, hkv, d, bs = 4, 2, 128, 16
+    new, hist = [140, 3], [70, 200]
+    bt = paged_batch(new, hist, hq, hkv, d, d, bs, "token_major", dtype, torch.int32, seed=5)
+    assert P._tiles(max(new), max(bt["kv"]), d, d, False, True)[:2] == (128, 128)
+    x = to_dev(bt)
+    kv = torch.tensor(bt["kv"], dtype=torch.int32, device=DEVICE)
+    out = torch.full((sum(new), hq, d), float("nan"), dtype=dtype, device=DEVICE)
+    A.paged_prefill_attention(x["query"], x["kc"], x["vc"], x["table"], x["cu"], kv, max(new), max(bt["kv"]), 0.3,
+                              None, out, "token_major")
+    assert_close(out, expected(bt, 0.3, False), dtype, "wide tiles")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -291,3 +291,17 @@ def test_fused_moe_ids_outside_experts_count_as_zero(dtype):
     assert not out[3].any()
     tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
     assert (out.double().cpu() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("capability, hip, wide", [
+    ((9, 0), None, True), ((10, 0), None, True),  # H100 / H200, B200: ~227 KB of shared memory a block
+    ((8, 0), None, False), ((8, 9), None, False), ((12, 0), None, False),  # A100, Ada, consumer Blackwell
+    ((9, 4), "6.2", False),  # an MI300 reports major 9 through ROCm
+])
+def test_the_wide_tiles_go_to_sm90_and_sm100_alone(capability, hip, wide, monkeypatch):
+    from dlinfer.vendor.triton._common import hopper
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert hopper.__wrapped__(torch.device("cuda", 0)) is wide
+    assert hopper.__wrapped__(torch.device("cpu")) is False

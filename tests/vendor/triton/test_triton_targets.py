@@ -87,6 +87,7 @@ def test_wide_prefill_tiles_fit_sm90_and_spill_no_more_than_measured(tmp_path):
         "        cu, kv = torch.tensor([0, 512], dtype=torch.int32), torch.tensor([512], dtype=torch.int32)\n"
         "        P.paged_prefill(q, kc, kc, torch.zeros(1, 10, dtype=torch.int32), cu, kv, 512, 512, 0.1, None, q,\n"
         "                        'token_major')\n"
+        "        P.prefill(q, q[:, :2], q[:, :2], cu, 512, 0.1, None, q)\n"
         "rows = []\n"
         "for fn, sig, const, opts, consts in rec.launches.values():\n"
         "    rows.append(dict(tile=[consts.get('BLOCK_M'), consts.get('BLOCK_N')], **T.compile_for(fn, sig, const,\n"
@@ -96,7 +97,7 @@ def test_wide_prefill_tiles_fit_sm90_and_spill_no_more_than_measured(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
-    assert len(rows) == 2 and all(r["tile"] == [128, 128] for r in rows), rows
+    assert len(rows) == 4 and all(r["tile"] == [128, 128] for r in rows), rows  # paged and plain, bf16 and fp16
     assert all(r["ok"] and r["shared"] <= r["limit"] for r in rows), rows
     assert all(r["spill_bytes"] <= 2048 for r in rows), rows
 
