@@ -230,10 +230,11 @@ def _moe_combine_kernel(y_ptr, w_ptr, ids_ptr, out_ptr, E, H, stride_wt, stride_
 
 def _tiles(n_pairs: int, num_experts: int, dtype: torch.dtype, wide: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by a simple rule, no autotuning. `wide`
-    (`hopper()`: sm_90 / sm_100): from 256 (token, expert) pairs an expert on average, 128-row tiles in bf16 / fp16:
-    on an H200 (docs/gpu.md, the tiles step) T = 2048, E = 8, top 2 took 768 us with 128 x 128 x 64
-    against 977 with 64 x 128, although the gate-up kernel's two 128 x 128 fp32 accumulators spill
-    ~1.4 KB there; on sm_80 they would spill ~15 KB (scripts/triton_targets.py), so 64 rows."""
+    (`hopper()`: sm_90 / sm_100): from 256 (token, expert) pairs an expert on average, 128-row
+    tiles in bf16 / fp16: on an H200 (docs/gpu.md, the tiles step) T = 2048, E = 8, top 2 took 768
+    us with 128 x 128 x 64 against 977 with 64 x 128, although the gate-up kernel's two 128 x 128
+    fp32 accumulators spill ~1.4 KB there; on sm_80 they would spill ~15 KB
+    (scripts/triton_targets.py), so 64 rows."""
     avg = n_pairs / num_experts
     big = wide and avg >= 256 and dtype != torch.float32
     block_m = 16 if avg <= 16 else 32 if avg <= 48 else 128 if big else 64
