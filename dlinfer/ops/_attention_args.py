@@ -2,9 +2,9 @@
 lengths and kernel keywords the op bodies derive from them.
 
 The `check_*` functions run once per call, eagerly or natively while torch.compile traces
-(dlinfer/ops/_compile_time.py); `option_kwargs`, `as_int` and the two length memos run in the
-op bodies, which Dynamo traces. Shapes: query [T, Hq, D]; cumulative offsets cu [B + 1]; per-
-sequence lengths [B].
+(dlinfer/ops/_compile_time.py); `option_kwargs` and the two length memos run in the op bodies,
+which Dynamo traces. Shapes: query [T, Hq, D]; cumulative offsets cu [B + 1]; per-sequence
+lengths [B].
 """
 
 from __future__ import annotations
@@ -135,11 +135,6 @@ def check_paged_values(op, cu: Tensor, kv_seq_len: Tensor, block_table: Tensor, 
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= nb):
         raise InvalidArgumentError(op, "block_table", f"block ids in [0, {nb}) for used entries",
                                    f"ids in [{int(ids.min())}, {int(ids.max())}]")
-
-
-def as_int(value):
-    """A checked integer argument as an int (a one-element tensor read, as `C.integer` does)."""
-    return int(value.item()) if isinstance(value, Tensor) else value
 
 
 def check_bounds(op: str, cu: Tensor, kv: Tensor, max_q: Optional[int], max_kv: int) -> None:

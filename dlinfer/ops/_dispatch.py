@@ -77,3 +77,10 @@ def check_head_dim(vendor: Vendor, op: str, head_dim: int) -> None:
     if dims is not None and head_dim not in dims:
         raise UnsupportedError(vendor.name, op, f"head dim {head_dim} (supported: {dims})")
 
+
+def int_arg(value):
+    """An integer argument its check accepted (a Python int or a one-element integer tensor, as
+    `_checks.integer` takes it), as the int the kernel is called with. In the op body, which Dynamo
+    traces: not among the checks."""
+    return int(value.item()) if isinstance(value, torch.Tensor) else value
+

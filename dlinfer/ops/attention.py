@@ -29,7 +29,7 @@ from dlinfer.ops import _attention_args as AA
 from dlinfer.ops import _checks as C
 from dlinfer.ops import kv_quant
 from dlinfer.ops._compile_time import checked
-from dlinfer.ops._dispatch import check_dtype, check_head_dim, kernel_for
+from dlinfer.ops._dispatch import check_dtype, check_head_dim, int_arg, kernel_for
 from dlinfer.ops.kv_cache import cache_dims, token_rows
 from dlinfer.vendor import kv_layouts
 from dlinfer.vendor.selection import kv_layout as active_kv_layout
@@ -78,7 +78,7 @@ def prefill_attention(
     key = key.view(t, key.shape[-2], d)
     if value.dim() == 4 and value.shape[0] == 1:
         value = value[0]
-    max_q = t if max_q_seq_len is None else AA.as_int(max_q_seq_len)
+    max_q = t if max_q_seq_len is None else int_arg(max_q_seq_len)
     scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     options = AA.option_kwargs(sliding_window, logit_softcapping)
     out = token_rows(attn_output) if attn_output is not None else query.new_empty((t, hq, value.shape[2]))
@@ -272,7 +272,7 @@ def paged_prefill_attention(
     p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
                       head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
                       sliding_window, logit_softcapping)
-    max_q, max_kv = AA.as_int(max_q_seq_len), AA.as_int(max_kv_seq_len)
+    max_q, max_kv = int_arg(max_q_seq_len), int_arg(max_kv_seq_len)
     if p.check_values and p.kv.numel():
         AA.check_bounds(op, p.cu, p.kv, max_q, max_kv)
     if p.query.shape[0] == 0:
@@ -336,7 +336,7 @@ def paged_decode_attention(
     p = _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_len, kv_seq_len, num_kv_heads,
                       head_size_v, softmax_scale, alibi_slopes, attn_output, kv_scales, kv_zeros, quant_bits,
                       sliding_window, logit_softcapping)
-    max_kv = AA.as_int(max_kv_seq_len)
+    max_kv = int_arg(max_kv_seq_len)
     if p.check_values and p.kv.numel():
         AA.check_bounds(op, p.cu, p.kv, None, max_kv)
     if p.query.shape[0] == 0:

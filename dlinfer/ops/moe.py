@@ -16,7 +16,7 @@ from torch import Tensor
 from dlinfer.errors import InvalidArgumentError
 from dlinfer.ops import _checks as C
 from dlinfer.ops._compile_time import checked
-from dlinfer.ops._dispatch import check_dtype, kernel_for, require
+from dlinfer.ops._dispatch import check_dtype, int_arg, kernel_for, require
 from dlinfer.vendor.base import FEATURE_EXPERT_PARALLEL, FEATURE_GROUPED_ROUTER
 
 
@@ -48,11 +48,6 @@ def _check_gating(router_logits, topk, ep_size, router_groups):
     return kernel
 
 
-def _as_int(value):
-    """A checked integer argument (an int or a one-element integer tensor) as an int."""
-    return int(value.item()) if isinstance(value, Tensor) else value
-
-
 def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata=None) -> Tuple[Tensor, Tensor]:
     """Router: fp32 softmax over the E experts, then the top-k.
 
@@ -67,7 +62,7 @@ def moe_gating_topk_softmax(router_logits: Tensor, topk: int, moe_metadata=None)
     args = (router_logits, topk, *_metadata_values(moe_metadata))
     kernel = (_check_gating(*args) if not torch.compiler.is_compiling()
               else checked("moe_gating_topk_softmax", _check_gating, *args))
-    return kernel(router_logits, _as_int(topk))
+    return kernel(router_logits, int_arg(topk))
 
 
 def _check_routing(op: str, topk, topk_weights: Tensor, topk_ids: Tensor, t: int, dev) -> None:

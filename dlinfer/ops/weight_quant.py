@@ -17,7 +17,7 @@ from torch import Tensor
 
 from dlinfer.ops import _checks as C
 from dlinfer.ops._compile_time import checked
-from dlinfer.ops._dispatch import check_dtype, kernel_for
+from dlinfer.ops._dispatch import check_dtype, int_arg, kernel_for
 from dlinfer.ops.linear import sum_over_group
 from dlinfer.vendor import w4_layouts as L
 from dlinfer.vendor.selection import resolve
@@ -101,7 +101,7 @@ def weight_quant_matmul(x: Tensor, qweight: Tensor, scale: Tensor, offset: Optio
     kernel = (_check_weight_quant_matmul(*args) if not torch.compiler.is_compiling()
               else checked("weight_quant_matmul", _check_weight_quant_matmul, *args))
     k = x.shape[-1]
-    g = (int(group_size.item()) if isinstance(group_size, Tensor) else group_size) or k
+    g = int_arg(group_size) or k
     if x.dim() == 2:
         out = kernel(x, qweight, scale, offset, bias, g)
     else:
