@@ -2,8 +2,8 @@
 lengths and kernel keywords the op bodies derive from them.
 
 The `check_*` functions run once per call, eagerly or natively while torch.compile traces
-(dlinfer/ops/_compile_time.py); `option_kwargs` and the two length memos run in the op bodies,
-which Dynamo traces. Shapes: query [T, Hq, D]; cumulative offsets cu [B + 1]; per-sequence
+(dlinfer/ops/_compile_time.py); `scale_value`, `option_kwargs` and the two length memos run in
+the op bodies, which Dynamo traces. Shapes: query [T, Hq, D]; cumulative offsets cu [B + 1]; per-sequence
 lengths [B].
 """
 
@@ -38,35 +38,30 @@ def check_heads(op: str, query: Tensor, num_q_heads, num_kv_heads) -> int:
     return num_kv_heads
 
 
-def check_output(op: str, query: Tensor, head_size_v: int, attn_output) -> Tensor:
+def check_output(op: str, query: Tensor, head_size_v: int, attn_output) -> None:
+    """A given attn_output: [T, Hq, Dv] (or [1, T, Hq, Dv]) like query, on its device."""
     t, hq, _ = query.shape
-    if attn_output is None:
-        return query.new_empty((t, hq, head_size_v))
     attn_output = token_rows(attn_output)
     C.tensor(op, "attn_output", attn_output, (t, hq, head_size_v), None, query.device)
     C.same_dtype(op, "attn_output", attn_output, query, "query")
-    return attn_output
 
 
-def check_scale(op: str, softmax_scale, head_dim: int) -> float:
+def check_scale(op: str, softmax_scale) -> None:
     if softmax_scale is None:
-        return head_dim ** -0.5
+        return
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (float, int)) or not softmax_scale > 0:
         raise InvalidArgumentError(op, "softmax_scale", "a float > 0 or None", C.describe(softmax_scale))
-    return float(softmax_scale)
 
 
-def check_alibi(op: str, vendor, alibi_slopes, query: Tensor) -> Optional[Tensor]:
+def check_alibi(op: str, vendor, alibi_slopes, query: Tensor) -> None:
     if alibi_slopes is None:
-        return None
+        return
     require(vendor, op, FEATURE_ALIBI)
     C.tensor(op, "alibi_slopes", alibi_slopes, (query.shape[1],), (torch.float32,), query.device)
-    return alibi_slopes
 
 
-def check_score_options(op: str, vendor, sliding_window, logit_softcapping) -> dict:
-    """Checks a window and a soft cap (and that the vendor runs the ones set); returns
-    `option_kwargs`."""
+def check_score_options(op: str, vendor, sliding_window, logit_softcapping) -> None:
+    """Checks a window and a soft cap (and that the vendor runs the ones set)."""
     if sliding_window is not None and sliding_window != -1:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise InvalidArgumentError(op, "sliding_window", "an int >= 1, or None / -1 for no window",
@@ -78,7 +73,11 @@ def check_score_options(op: str, vendor, sliding_window, logit_softcapping) -> d
             raise InvalidArgumentError(op, "logit_softcapping", "a finite float > 0, or None / 0 for none",
                                        C.describe(logit_softcapping))
         require(vendor, op, FEATURE_SOFTCAP)
-    return option_kwargs(sliding_window, logit_softcapping)
+
+
+def scale_value(softmax_scale, head_dim: int) -> float:
+    """The softmax scale a checked `softmax_scale` gives: head_dim ** -0.5 for None."""
+    return head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
 def option_kwargs(sliding_window, logit_softcapping) -> dict:

@@ -83,4 +83,3 @@ def int_arg(value):
     `_checks.integer` takes it), as the int the kernel is called with. In the op body, which Dynamo
     traces: not among the checks."""
     return int(value.item()) if isinstance(value, torch.Tensor) else value
-

@@ -75,11 +75,9 @@ def prefill_attention(
               else checked("prefill_attention", _check_prefill, *args))
     query = token_rows(query)
     t, hq, d = query.shape
-    key = key.view(t, key.shape[-2], d)
-    if value.dim() == 4 and value.shape[0] == 1:
-        value = value[0]
+    key, value = key.view(t, key.shape[-2], d), token_rows(value)
     max_q = t if max_q_seq_len is None else int_arg(max_q_seq_len)
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = AA.scale_value(softmax_scale, d)
     options = AA.option_kwargs(sliding_window, logit_softcapping)
     out = token_rows(attn_output) if attn_output is not None else query.new_empty((t, hq, value.shape[2]))
     cu = AA.prefill_lengths(q_seq_len, actual_seq_lengths_cpu, query.device)
@@ -99,9 +97,8 @@ def _check_prefill(query, key, value, q_seq_len, kv_seq_len, max_q_seq_len, num_
     query = AA.check_query(op, query)
     t, hq, d = query.shape
     hkv = AA.check_heads(op, query, num_q_heads, num_kv_heads)
-    key = key[0] if isinstance(key, Tensor) and key.dim() == 4 and key.shape[0] == 1 else key
+    key, value = token_rows(key), token_rows(value)
     C.tensor(op, "key", key, (t, hkv, d), C.FLOAT_DTYPES, query.device)
-    value = value[0] if isinstance(value, Tensor) and value.dim() == 4 and value.shape[0] == 1 else value
     C.tensor(op, "value", value, (t, hkv, "Dv"), C.FLOAT_DTYPES, query.device)
     C.same_dtype(op, "key", key, query, "query")
     C.same_dtype(op, "value", value, query, "query")
@@ -115,7 +112,7 @@ def _check_prefill(query, key, value, q_seq_len, kv_seq_len, max_q_seq_len, num_
     kernel, vendor = kernel_for(op, query.device)
     check_dtype(vendor, op, query.dtype)
     check_head_dim(vendor, op, d)
-    AA.check_scale(op, softmax_scale, d)
+    AA.check_scale(op, softmax_scale)
     AA.check_alibi(op, vendor, alibi_slopes, query)
     AA.check_score_options(op, vendor, sliding_window, logit_softcapping)
     if attn_output is not None:
@@ -186,7 +183,7 @@ def _check_paged(op, query, key_cache, value_cache, block_table, block_size, q_s
     b = block_table.shape[0]
     C.length_tensor(op, "q_seq_len", q_seq_len, b, query.device)
     C.length_tensor(op, "kv_seq_len", kv_seq_len, b, query.device)
-    AA.check_scale(op, softmax_scale, d)
+    AA.check_scale(op, softmax_scale)
     AA.check_alibi(op, vendor, alibi_slopes, query)
     AA.check_score_options(op, vendor, sliding_window, logit_softcapping)
     if attn_output is not None:
@@ -204,7 +201,7 @@ def _paged_common(op, kernel, query, key_cache, value_cache, block_table, q_seq_
     layout = active_kv_layout(query.device.type)
     dv = value_cache.shape[-1]  # == head_size_v when that is set (checked)
     quant = kv_quant.attention_args(op, bits, kv_scales, kv_zeros, num_kv_heads, query.device)
-    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale = AA.scale_value(softmax_scale, d)
     options = AA.option_kwargs(sliding_window, logit_softcapping)
     out = token_rows(attn_output) if attn_output is not None else query.new_empty((t, query.shape[1], dv))
     cu, kv = AA.paged_lengths(q_seq_len, kv_seq_len, query.device)

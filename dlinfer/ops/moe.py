@@ -77,7 +77,8 @@ def _check_routing(op: str, topk, topk_weights: Tensor, topk_ids: Tensor, t: int
 def _check_experts(op: str, hidden_states, gate_up_weights, down_weights, weight_dtypes, topk, topk_weights,
                    topk_ids, ep_size):
     """What both fused MoE ops take: hidden_states [T, H] float, gate_up_weights [E, 2I, H] and
-    down_weights [E, H, I] of `weight_dtypes`, the routing; returns (the vendor's function, E, 2I, H)."""
+    down_weights [E, H, I] of `weight_dtypes`, the routing; returns (the vendor's function, the
+    vendor, E, 2I, H)."""
     C.tensor(op, "hidden_states", hidden_states, ("T", "H"), C.FLOAT_DTYPES)
     t, h = hidden_states.shape
     dev = hidden_states.device
@@ -90,7 +91,7 @@ def _check_experts(op: str, hidden_states, gate_up_weights, down_weights, weight
     kernel, vendor = kernel_for(op, dev)
     _check_metadata(op, vendor, ep_size, 1)
     check_dtype(vendor, op, hidden_states.dtype)
-    return kernel, e, two_i, h
+    return kernel, vendor, e, two_i, h
 
 
 def _expert_ids_in_range(op: str, topk_ids: Tensor, e: int) -> None:
@@ -105,12 +106,12 @@ def _check_fused_moe(hidden_states, gate_up_weights, down_weights, topk_weights,
                      chunked_layout: bool):
     """Checks fused_moe's arguments; returns the vendor's function (`kernel_for`)."""
     op = "fused_moe"
-    kernel, *_ = _check_experts(op, hidden_states, gate_up_weights, down_weights, C.FLOAT_DTYPES, topk,
-                                topk_weights, topk_ids, ep_size)
+    kernel, vendor, *_ = _check_experts(op, hidden_states, gate_up_weights, down_weights, C.FLOAT_DTYPES, topk,
+                                        topk_weights, topk_ids, ep_size)
     C.same_dtype(op, "gate_up_weights", gate_up_weights, hidden_states, "hidden_states")
     C.same_dtype(op, "down_weights", down_weights, hidden_states, "hidden_states")
     if chunked_layout:
-        require(kernel_for(op, hidden_states.device)[1], op, "chunked MoE weight layout")
+        require(vendor, op, "chunked MoE weight layout")
     return kernel
 
 
@@ -162,8 +163,8 @@ def _check_fused_moe_w8a8(hidden_states, gate_up_weights, gate_up_scales, down_w
                           topk_ids, topk, ep_size):
     """Checks fused_moe_w8a8's arguments; returns the vendor's function (`kernel_for`)."""
     op = "fused_moe_w8a8"
-    kernel, e, two_i, h = _check_experts(op, hidden_states, gate_up_weights, down_weights, (torch.int8,), topk,
-                                         topk_weights, topk_ids, ep_size)
+    kernel, _, e, two_i, h = _check_experts(op, hidden_states, gate_up_weights, down_weights, (torch.int8,), topk,
+                                            topk_weights, topk_ids, ep_size)
     _check_expert_scales(op, "gate_up_scales", gate_up_scales, e, two_i, hidden_states.device)
     _check_expert_scales(op, "down_scales", down_scales, e, h, hidden_states.device)
     return kernel

@@ -171,18 +171,18 @@ def _prefill_kernel(
 
 
 def _tiles(max_q: int, max_kv: int, d: int, dv: int, fp32: bool, wide: bool = False):
-    """(BLOCK_M, BLOCK_N, num_stages, num_warps). Head dims up to 128: 128 query rows x 64 keys;
-    at head dim 128 exactly, x 128 keys when `wide` (`hopper()`, fp16 / bf16: the H200's tiles
-    step measured it 1.04-1.06x faster in three runs, docs/gpu.md, with Triton 3.7.1 compiling it
-    to a 1.6 KB spill for sm_90; for sm_80 the spill would be ~32 KB); up to 256: 64 x 32; above
-    (MLA's 576 and 512): 32 x 16; fp32 (twice the bytes, IEEE dots without tensor cores): half as
-    tall and wide, 16 x 16 at least, one stage for head dims above 256.
-    Tiles never far above the longest sequence (>= 16 for tl.dot). 8 warps, except 4 for
-    fp16/bf16 tiles of fewer than 64 rows with head dims up to 128. Chosen so that every launch
-    fits the shared memory of its target (sm_80 without `wide`), checked without a GPU by
-    scripts/triton_targets.py (tests/vendor/triton/test_triton_targets.py). Registers depend on
-    the compiler: on the H200 (Triton 3.6) the 128 x 64 bf16 tile at D 128 ran with 176 registers
-    (Nsight Compute); Triton 3.7.1 compiles it to 255 and a 572-byte spill for sm_90 (docs/gpu.md)."""
+    """(BLOCK_M, BLOCK_N, num_stages, num_warps). Head dims up to 128: 128 query rows x 64 keys; at
+    head dim 128 exactly, x 128 keys when `wide` (`hopper()`, fp16 / bf16: the H200's tiles step
+    measured it 1.04-1.06x faster in three runs, docs/gpu.md, with Triton 3.7.1 compiling it to a
+    1.6 KB spill for sm_90; for sm_80 the spill would be ~32 KB); up to 256: 64 x 32; above (MLA's
+    576 and 512): 32 x 16; fp32 (twice the bytes, IEEE dots without tensor cores): half as tall and
+    wide, 16 x 16 at least, one stage for head dims above 256. Tiles never far above the longest
+    sequence (>= 16 for tl.dot). 8 warps, except 4 for fp16/bf16 tiles of fewer than 64 rows with
+    head dims up to 128. Chosen so that every launch fits the shared memory of its target (sm_80
+    without `wide`), checked without a GPU by scripts/triton_targets.py
+    (tests/vendor/triton/test_triton_targets.py). Registers depend on the compiler: on the H200
+    (Triton 3.6) the 128 x 64 bf16 tile at D 128 ran with 176 registers (Nsight Compute); Triton
+    3.7.1 compiles it to 255 and a 572-byte spill for sm_90 (docs/gpu.md)."""
     d_tile = max(block_dim(d), block_dim(dv))
     block_m, block_n = (128, 64) if d_tile <= 128 else (64, 32) if d_tile <= 256 else (32, 16)
     if wide and not fp32 and max(d, dv) == 128:  # measured at D = 128 only

@@ -22,7 +22,6 @@ fp32 operands use input_precision="ieee" (no TF32); half operands run on tensor 
 fp32 accumulation. Under the interpreter tiles are upcast to fp32 first (exact for half products).
 """
 
-
 import torch
 import triton
 import triton.language as tl

@@ -6,14 +6,14 @@ fp32, round half to even, clamp to [-128, 127]: the torch vendor's bytes and sca
 quotient has two forms, both giving the correctly rounded fp32 quotient (`quotient_form`):
   0 div_rn: a correctly rounded division per element, rounding with floor (the H200 found the
     kernel issue-bound with it, docs/gpu.md);
-  1 recip64 (the default): x times the float64 reciprocal of the scale, in float64, rounded once to fp32. The
-    float64 product is within ~2**-52 (relative) of x / scale, and x / scale for fp32 x and scale
-    is never within 2**-49 of a point halfway between two fp32 values (it is never exactly one: a
-    quotient with 25 significant bits would need a 25-bit x), so rounding the product gives the
-    correctly rounded quotient (subnormal scales included: they are normal in float64). Form 1
-    rounds half to even with 1.5 * 2**23 added and subtracted (exact for |q| < 2**22; |q| is at most
-    ~190, reached with subnormal scales, before the clamp) and finds a NaN row through the same
-    NaN-propagating max that gives amax.
+  1 recip64 (the default): x times the float64 reciprocal of the scale, in float64, rounded once to
+    fp32. The float64 product is within ~2**-52 (relative) of x / scale, and x / scale for fp32 x
+    and scale is never within 2**-49 of a point halfway between two fp32 values (it is never
+    exactly one: a quotient with 25 significant bits would need a 25-bit x), so rounding the
+    product gives the correctly rounded quotient (subnormal scales included: they are normal in
+    float64). Form 1 rounds half to even with 1.5 * 2**23 added and subtracted (exact for |q| <
+    2**22; |q| is at most ~190, reached with subnormal scales, before the clamp) and finds a NaN
+    row through the same NaN-propagating max that gives amax.
 An fp32 form (Markstein's correction, y = RN(1 / s), q = RN(x y), two fmas) was tried and dropped:
 q = RN(x RN(1 / s)) can be more than an ulp from x / s, outside what the correction's proof needs.
 rms_norm_w8a8 / add_rms_norm_w8a8: norm.py's arithmetic for the row (the norm rounded to the
