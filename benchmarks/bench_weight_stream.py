@@ -21,7 +21,9 @@ Kernels (the cpu vendor's functions, as the engine calls them):
   register-kernel limit, 128 rows on AVX2 and 4096 on AVX-512, column_tiled calls time the
   dequantise + BLAS path, as the engine would run them);
 - w4-a8: the k_interleaved kernel with 8-bit activations (path 4, what
-  DLINFER_CPU_W4_ACTIVATIONS=int8 runs; AVX-512 VNNI, or AVX2 alone).
+  DLINFER_CPU_W4_ACTIVATIONS=int8 runs; AVX-512 VNNI, or AVX2 alone);
+- w4-a16: the k_interleaved kernel with 16-bit activations (path 5, what a bfloat16 W4 model runs
+  by default on an AVX2 build; AVX2 builds only).
 GB/s counts every byte a call must read (weights, scales, zero points).
 
 `--hot MB` asks what a kernel reads when memory is not the limit: each side's weight is cut to about
@@ -81,8 +83,8 @@ MODELS = {
     "3b": Model(3072, 8192, 24, 8, 128, 28, 128256),
     "8b": Model(4096, 14336, 32, 8, 128, 32, 128256),
 }
-KERNELS = ("f32", "bf16", "w8a8", "w4-ct", "w4-ki", "w4-a8")
-KI_KERNELS = ("w4-ki", "w4-a8")  # the sides on k_interleaved weights (AVX-512 VNNI)
+KERNELS = ("f32", "bf16", "w8a8", "w4-ct", "w4-ki", "w4-a8", "w4-a16")
+KI_KERNELS = ("w4-ki", "w4-a8", "w4-a16")  # the sides on k_interleaved weights
 
 
 def _default_bytes() -> int:
@@ -130,10 +132,10 @@ def make_calls(kernel: str, weights, m: int, k: int, g: torch.Generator,
         x, xs = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8), torch.rand(m, generator=g)
         return [(lambda w=w: fn(x, w[0], xs, w[1], torch.float32, None)) for w in weights]
     x = x32.to(w4_activations)
-    if kernel == "w4-a8":
+    if kernel in ("w4-a8", "w4-a16"):
         from dlinfer.vendor.cpu import weight_quant as wq
 
-        path = wq.INT8_PATH
+        path = wq.INT8_PATH if kernel == "w4-a8" else wq.INT16_PATH
         return [(lambda w=w: wq._w4_matmul_k_interleaved(x, w[0], w[1], w[2], None, group_for(k), path))
                 for w in weights]
     fn = selection.resolve("weight_quant_matmul", "cpu")[0]
@@ -201,10 +203,10 @@ def main(argv=None) -> int:
         if name not in KERNELS:
             parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
     for name in KI_KERNELS:
-        runs = wq.INT8_ACTIVATIONS if name == "w4-a8" else wq.VNNI
+        runs = {"w4-a8": wq.INT8_ACTIVATIONS, "w4-a16": wq.INT16_ACTIVATIONS}.get(name, wq.VNNI)
         if name in kernels and not runs:
-            print(f"{name} skipped: this CPU has no AVX-512 VNNI (the k_interleaved kernel's one-row path; "
-                  "w4-a8 also runs on an AVX2 build)", file=sys.stderr)
+            print(f"{name} skipped: this build does not run it (w4-ki needs AVX-512 VNNI, w4-a16 an AVX2 build; "
+                  "w4-a8 runs on either)", file=sys.stderr)
             kernels.remove(name)
     if "cpu" not in dlinfer.vendor.available():
         print("the cpu vendor does not load here", file=sys.stderr)
@@ -240,8 +242,9 @@ def main(argv=None) -> int:
     return 0
 
 
-BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "w8a8": 1.0, "w4-ct": 0.5, "w4-ki": 0.5, "w4-a8": 0.5}
-COLUMN_TILE = {"w4-ct": 128, "w4-ki": 64, "w4-a8": 64}  # the 4-bit layouts store N in tiles of this many columns
+BYTES_PER_WEIGHT = {"f32": 4.0, "bf16": 2.0, "w8a8": 1.0, "w4-ct": 0.5, "w4-ki": 0.5, "w4-a8": 0.5, "w4-a16": 0.5}
+# the 4-bit layouts store N in tiles of this many columns
+COLUMN_TILE = {"w4-ct": 128, "w4-ki": 64, "w4-a8": 64, "w4-a16": 64}
 
 
 def shape(model: Model, lname: str, kernel: str, hot_mb) -> Tuple[int, int]:

@@ -66,7 +66,7 @@ def test_gguf_step_bytes_skips_an_unread_embedding(tmp_path):
     assert gguf_step_bytes(tmp_path / "untied.gguf") == 2 * 8 * 16 * 4
 
 
-@pytest.mark.parametrize("kernel", ["f32", "bf16", "w8a8", "w4-ct", "w4-ki", "w4-a8"])
+@pytest.mark.parametrize("kernel", ["f32", "bf16", "w8a8", "w4-ct", "w4-ki", "w4-a8", "w4-a16"])
 def test_hot_sides_fit_their_budget_and_keep_k(kernel):
     """bench_weight_stream --hot: a side's weight is cut to fit the budget (N a whole number of the
     layout's column tiles, at least one, never above the model's), K untouched, and the bytes one call
@@ -75,8 +75,9 @@ def test_hot_sides_fit_their_budget_and_keep_k(kernel):
 
     from dlinfer.vendor.cpu import weight_quant as wq
 
-    if kernel in bws.KI_KERNELS and not wq.VNNI:
-        pytest.skip("k_interleaved needs AVX-512 VNNI")
+    runs = {"w4-ki": wq.VNNI, "w4-a8": wq.INT8_ACTIVATIONS, "w4-a16": wq.INT16_ACTIVATIONS}.get(kernel, True)
+    if not runs:
+        pytest.skip(f"{kernel} does not run on this build")
     model = bws.MODELS["1b"]
     tile = bws.COLUMN_TILE.get(kernel, 64)
     g = torch.Generator().manual_seed(0)
@@ -88,6 +89,6 @@ def test_hot_sides_fit_their_budget_and_keep_k(kernel):
         assert weight_bytes <= 2e6 or hn == tile
         _, nbytes = bws.make_weights(kernel, hk, hn, 0, g, copies=1)
         assert weight_bytes <= nbytes <= 1.1 * weight_bytes, (lname, hn, nbytes)
-        if kernel == "w4-a8":  # its calls run path 4 on the cut weight
+        if kernel in ("w4-a8", "w4-a16"):  # its calls run path 4 / 5 on the cut weight
             calls = bws.make_calls(kernel, *bws.make_weights(kernel, hk, hn, 0, g, copies=1)[:1], 2, hk, g)
             assert calls[0]().shape == (2, hn)
