@@ -5,8 +5,8 @@
 // path 3's nibble-to-bfloat16 decode (docs/design.md, "W4 with 8-bit activations"); on an AVX2
 // build vpmaddubsw + vpmaddwd give vpdpbusd's sums (the AVX2 block below). Path 5 (AVX2 builds,
 // DLINFER_CPU_W4_ACTIVATIONS=int16; docs/design.md, "W4 with 16-bit activations") takes x as 16-bit
-// integers per row and group (`quantise_group16`, its rule there), two rows of bytes through the
-// same product (`group_row_int16`).
+// integers per row and group (`quantise_group16`, its rule there) and multiplies them by the nibbles
+// as int16 pairs, one vpmaddwd per 16 weights (`group_row_int16`).
 //
 // Arithmetic, per row m and group G of g rows of k (the weight's group):
 //   a = max_{k in G} |x[m, k]|; sx = a / 127 and r = 127 / a (float32, each rounded once);
@@ -99,36 +99,45 @@ GroupInt8 quantise_group(const float* x, int64_t g, int8_t* d) {
 // |X_k| <= 2^14 (the product is exact: a power of two, in float32 where 2^(14 - e) is one, else in
 // double); the step sx = 2^(e - 14) (a float32, exact: at least 2^-149). Every x_k within a factor
 // 2^6 of a keeps all of a bfloat16's bits, and no X_k is off by more than half a step: |x_k - X_k
-// sx| <= 2^(e - 15) <= a 2^-14. X_k = 256 hi_k + lo_k with lo_k its low byte as signed ([-128,
-// 127]) and hi_k in [-64, 64]: two rows of bytes for the kernels, S = sum_k X_k.
-GroupInt8 quantise_group16(const float* x, int64_t g, int8_t* hi, int8_t* lo) {
+// sx| <= 2^(e - 15) <= a 2^-14. X [g] int16 in pair order (`kPairOrder`), S = sum_k X_k.
+//
+// Pair order: each block of 8 rows of k is stored as rows 0, 2, 4, 6, 1, 3, 5, 7, so its 32-bit
+// words hold the pairs (0, 2), (4, 6), (1, 3), (5, 7): the rows of k whose nibbles a line half's
+// 32-bit lane holds in its 16-bit halves at bits 0, 4, 8 and 12 (`group_row_int16`).
+constexpr int kPairOrder[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // row j of a block -> its slot
+
+GroupInt8 quantise_group16(const float* x, int64_t g, int16_t* X) {
   float amax = 0.f;
   const bool finite = group_absmax(x, g, amax);
   if (!finite || amax == 0.f) {
-    std::memset(hi, 0, static_cast<size_t>(g));
-    std::memset(lo, 0, static_cast<size_t>(g));
+    std::memset(X, 0, static_cast<size_t>(g) * sizeof(int16_t));
     return {finite ? 0.f : std::numeric_limits<float>::quiet_NaN(), 0};
   }
   int e = 0;
   std::frexp(amax, &e);
   e = std::max(e, -135);
   int32_t sum = 0;
-  const auto put = [&](int64_t k, int32_t X) {
-    const int8_t low = static_cast<int8_t>(X);  // X mod 256 in [-128, 127]
-    lo[k] = low;
-    hi[k] = static_cast<int8_t>((X - low) >> 8);  // exact
-    sum += X;
+  const auto put = [&](int64_t k, int32_t v) {
+    X[(k & ~int64_t{7}) + kPairOrder[k & 7]] = static_cast<int16_t>(v);
+    sum += v;
   };
   int64_t k = 0;
   if (e >= -113) {  // 2^(14 - e) <= 2^127: a float32
     const float r = std::ldexp(1.0f, 14 - e);
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-    alignas(32) int32_t X[8];
+    const __m256i pairs = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256i vsum = _mm256_setzero_si256();
     for (; k + 8 <= g; k += 8) {  // cvtps2dq: round half to even in the default mode, as nearbyint
-      _mm256_store_si256(reinterpret_cast<__m256i*>(X),
-                         _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(r))));
-      for (int i = 0; i < 8; ++i) put(k + i, X[i]);
+      const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(r)));
+      const __m256i p = _mm256_permutevar8x32_epi32(q, pairs);  // |q| <= 2^14: the pack keeps every value
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(X + k),
+                       _mm_packs_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+      vsum = _mm256_add_epi32(vsum, q);
     }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    sum = _mm_cvtsi128_si32(s4);
 #endif
     for (; k < g; ++k) put(k, static_cast<int32_t>(std::nearbyint(x[k] * r)));
   } else {
@@ -138,8 +147,8 @@ GroupInt8 quantise_group16(const float* x, int64_t g, int8_t* hi, int8_t* lo) {
   return {std::ldexp(1.0f, e - 14), sum};
 }
 
-// The activations of one call: DIG rows of bytes a row of x (DIG = 1, path 4: its bytes; DIG = 2,
-// path 5: hi then lo), d [M * DIG, K], and per (m, group) (sx, S). One allocation.
+// The activations of one call: DIG bytes a value (DIG = 1, path 4: d [M, K] signed bytes; DIG = 2,
+// path 5: [M, K] int16 in pair order, from d), and per (m, group) (sx, S). One allocation.
 struct Int8Rows {
   int64_t G;  // groups a row
   std::unique_ptr<char[]> buffer;
@@ -159,8 +168,8 @@ Int8Rows quantise_rows(const float* x, int64_t M, int64_t K, int64_t g) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t gi = 0; gi < G; ++gi) {
         const float* xg = x + m * K + gi * g;
-        int8_t* d = out.d + m * DIG * K + gi * g;
-        out.groups[m * G + gi] = DIG == 1 ? quantise_group(xg, g, d) : quantise_group16(xg, g, d, d + K);
+        int8_t* d = out.d + DIG * (m * K + gi * g);
+        out.groups[m * G + gi] = DIG == 1 ? quantise_group(xg, g, d) : quantise_group16(xg, g, reinterpret_cast<int16_t*>(d));
       }
   });
   return out;
@@ -316,39 +325,45 @@ inline void group_row_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_
     }
 }
 
-// Path 5, one row of x (rows of bytes m0: hi, m0 + 1: lo) of tile t in group gi, the lines in memory
-// order as group_row_int8: per line half the hi bytes' sums times 256 (vpmaddwd by 256: exact in
-// int32) and the lo bytes' sums go to one accumulator, so 8 of them, the integer 256 hi + lo sum.
+// Path 5, row m of x (its int16 values in pair order) of tile t in group gi, the lines in memory
+// order as group_row_int8. A line half's 32-bit lane (one column, rows k..k+7) holds in each 16-bit
+// half two bytes, (k | k+4 << 4) and (k+1 | k+5 << 4) in the low one: masked with 15 after shifts
+// by 0, 4, 8 and 12 bits, the lane's two halves are the nibbles of rows (k, k+2), (k+4, k+6),
+// (k+1, k+3), (k+5, k+7), the pairs x's words hold, so vpmaddwd gives q_k X_k + q_k' X_k' (exact:
+// at most 2 x 15 x 2^14) and the int32 sums are path 4's integer acc for 16-bit X (|acc| <= 15 x
+// 2^14 x g < 2^31 for g <= 1024). Four vpmaddwd per 64 weights, where two bytes a value cost four
+// vpmaddubsw and two vpmaddwd (docs/notes/cpu-ops.md, "Path 5 on int16 pairs").
 template <bool LEAD, typename S, typename Out>
-inline void group_row_int16(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t gi, bool first,
+inline void group_row_int16(const Layout& w, const Int8Rows& a, int64_t t, int64_t m, int64_t gi, bool first,
                             Out out) {
-  const int64_t per = w.g / kBlockK, K = w.K;
+  const int64_t per = w.g / kBlockK;
   const uint8_t* const end = w.end() - kLineBytes;
   const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
-  const __m256i by256 = _mm256_set1_epi16(256), by1 = _mm256_set1_epi16(1);
+  const int8_t* const words = a.d + 2 * (m * w.K + gi * w.g);
+  const __m256i low = _mm256_set1_epi16(15);
   __m256i acc[kVecs][2];
   for (int v = 0; v < kVecs; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_si256();
   for (int64_t b = 0; b < per; ++b) {
     const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
     if (LEAD)
       for (int u = 0; u < kVecs; ++u) _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
-    const int8_t* const hk = a.d + m0 * K + kBlockK * (gi * per + b);
-    const int8_t* const lk = hk + K;
-    const __m256i h03 = _mm256_set1_epi32(four_bytes(hk)), h47 = _mm256_set1_epi32(four_bytes(hk + 4));
-    const __m256i l03 = _mm256_set1_epi32(four_bytes(lk)), l47 = _mm256_set1_epi32(four_bytes(lk + 4));
+    const int8_t* const xb = words + 2 * kBlockK * b;  // rows (0, 2), (4, 6), (1, 3), (5, 7): 4 bytes each
+    const __m256i x02 = _mm256_set1_epi32(four_bytes(xb)), x46 = _mm256_set1_epi32(four_bytes(xb + 4));
+    const __m256i x13 = _mm256_set1_epi32(four_bytes(xb + 8)), x57 = _mm256_set1_epi32(four_bytes(xb + 12));
 #pragma GCC unroll 8  // unrolled, acc[u / 2][u % 2] stays in registers
     for (int u = 0; u < 2 * kVecs; ++u) {
-      const Nibbles n = nibbles(row_of_lines + 32 * u);
-      const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(n.lo, h03), _mm256_maddubs_epi16(n.hi, h47));
-      const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(n.lo, l03), _mm256_maddubs_epi16(n.hi, l47));
-      acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2],
-                                           _mm256_add_epi32(_mm256_madd_epi16(ph, by256), _mm256_madd_epi16(pl, by1)));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_of_lines + 32 * u));
+      const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, low), x02),
+                                          _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x46));
+      const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), low), x13),
+                                          _mm256_madd_epi16(_mm256_srli_epi16(v, 12), x57));
+      acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2], _mm256_add_epi32(p0, p1));
     }
   }
   for (int v = 0; v < w.vectors(t); ++v)
     for (int h = 0; h < 2; ++h) {
       const int c = 16 * v + 8 * h;
-      add_group8(acc[v][h], zeros8(w, t, gi, c), scales8<S>(w, t, gi, c), a.group(m0 / 2, gi), first, out(m0 / 2) + c);
+      add_group8(acc[v][h], zeros8(w, t, gi, c), scales8<S>(w, t, gi, c), a.group(m, gi), first, out(m) + c);
     }
 }
 
@@ -404,15 +419,15 @@ inline void block_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0
 }
 
 // Path 5: rows 0..M-1 of tile t over groups g0..g1, group by group, one row at a time (its lines in
-// memory order: on the Zen 3 EPYC, 2 threads, the 1B shapes' four linears from memory, one row took
-// 0.57-0.63 of column_tiled's float kernel's time this way against 0.92-1.07 vector by vector (its
-// two rows of bytes as group_rows_int8 reads them); four rows 0.66-0.67 against 0.72 in blocks of
-// two rows of x); the first row prefetches the stream.
+// memory order: on the Zen 3 EPYC, 2 threads, the 1B shapes' four linears from memory, the first
+// form of path 5 (x as two rows of bytes) took 0.57-0.63 of column_tiled's float kernel's time at
+// one row this way against 0.92-1.07 vector by vector as group_rows_int8 reads its rows; four rows
+// 0.66-0.67 against 0.72 in blocks of two rows of x); the first row prefetches the stream.
 template <typename S, typename Out>
 inline void tile_int16(const Layout& w, const Int8Rows& a, int64_t t, int64_t M, int64_t g0, int64_t g1, Out out) {
   for (int64_t gi = g0; gi < g1; ++gi) {
     group_row_int16<true, S>(w, a, t, 0, gi, gi == g0, out);
-    for (int64_t m = 1; m < M; ++m) group_row_int16<false, S>(w, a, t, 2 * m, gi, gi == g0, out);
+    for (int64_t m = 1; m < M; ++m) group_row_int16<false, S>(w, a, t, m, gi, gi == g0, out);
   }
 }
 #endif

@@ -163,7 +163,7 @@ void run_int8(const Layout& w, const float* x, int64_t M, const float* bias, flo
 // Whether this build runs path 5 (quant_w4_a8.cpp: AVX2 builds; not written for AVX-512 yet).
 bool int16_path_here();
 
-// Path 5 (quant_w4_a8.cpp): as run_int8 with x as 16-bit integers per row and group (two bytes).
+// Path 5 (quant_w4_a8.cpp): as run_int8 with x as 16-bit integers per row and group (int16 pairs).
 template <typename S>
 void run_int16(const Layout& w, const float* x, int64_t M, const float* bias, float* y);
 
