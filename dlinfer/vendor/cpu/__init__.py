@@ -66,7 +66,7 @@ NOTES = {
                            "int8 per row and group, exact int32 sums (vpdpbusd, or vpmaddubsw + vpmaddwd), one fp32 "
                            "epilogue per group, one decode per 4 rows; =int16 (AVX2 builds, where auto, the default, "
                            "takes it for bfloat16 models; k_interleaved): x as 16-bit integers per row "
-                           "and group (power-of-two step), two rows of bytes through the same sums (past 256 rows: "
+                           "and group (power-of-two step), exact int32 sums of int16 pairs (vpmaddwd; past 256 rows: "
                            "the dequantised weight by BLAS)",
     "linear_w8a8_static": "the torch vendor's (static-scale quantisation, exact int8 product + int32 bias, fp32 "
                           "dequant)",

@@ -194,7 +194,7 @@ def activations_for(dtype: Optional[torch.dtype]) -> str:
     it needs AVX-512 VNNI, or a CPU with AVX2 alone (vpmaddubsw, the same bits). int16 takes x as
     16-bit integers per row and group (a power-of-two step: a bfloat16 x within 2^6 of its group's
     largest is exact, no value is off by more than 2^-14 of that largest) and path 5: four
-    vpmaddubsw and two vpmaddwd a line half (64 weights) and row, where the float kernel decodes
+    vpmaddwd a line half (64 weights) and row on x's int16 pairs, where the float kernel decodes
     every nibble to float32 (docs/design.md, "W4 with 16-bit activations"), up to INT16_MAX_ROWS
     rows (then dequantise + BLAS, x unquantised); an AVX2 build only so far. auto: int16 where
     `int16_by_default` (bfloat16 on AVX2 builds), else native."""
