@@ -75,6 +75,21 @@ def test_strided_rows_and_a_weight_split_across_threads(dtype, m):
         _check(_ops().linear_few_rows_16bit(x, w, b, path), _reference(x, w, b), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n", [(100, 257), (2048, 96), (8192, 40)])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, k, n):
+    """Every path gives each of 5 to 8 rows the bits of that row alone (AVX2 builds run such calls
+    as two passes, rows 0-3 and the rest: csrc/linear_16bit.cpp's run)."""
+    g = torch.Generator().manual_seed(k + n)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    for m in (5, 6, 7, 8):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        for path in _paths(dtype):
+            alone = torch.cat([_ops().linear_few_rows_16bit(x[i:i + 1], w, b, path) for i in range(m)])
+            assert torch.equal(_ops().linear_few_rows_16bit(x, w, b, path), alone), (m, path)
+
+
 @pytest.mark.parametrize("path", [PORTABLE, AVX512_BF16])
 def test_one_rounding_after_the_bias(path):
     """1 + 2^-8 lies halfway between two bf16 values. Summed in float32 with a bias of 2^-8 it
