@@ -111,7 +111,8 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
   // 3 EPYC: 1B gate_up at 4 rows 10.5-10.7 -> 4.5-5.9 ms with this and the unrolled loops). The
   // walk is then chosen by x's float32 bytes (on AVX2 builds two rows at any K: two_chains).
   // From 5 rows on x stays 16-bit: its float32 chunks left the two-row walk's 2 x M sums fewer
-  // registers (1B down at 8 rows 3.2-3.7 -> 5.3-6.0 ms).
+  // registers (1B down at 8 rows 3.2-3.7 -> 5.3-6.0 ms). (AVX2 builds no longer come here with more
+  // than 4 rows: `run` splits them.)
   if constexpr (M <= 4) {
     std::unique_ptr<float[]> xf(new float[M * K]);
     for (int m = 0; m < M; ++m) to_float(x + m * ldx, xf.get() + m * K, K);
