@@ -205,8 +205,8 @@ def main(argv=None) -> int:
     for name in KI_KERNELS:
         runs = {"w4-a8": wq.INT8_ACTIVATIONS, "w4-a16": wq.INT16_ACTIVATIONS}.get(name, wq.VNNI)
         if name in kernels and not runs:
-            print(f"{name} skipped: this build does not run it (w4-ki needs AVX-512 VNNI, w4-a16 an AVX2 build; "
-                  "w4-a8 runs on either)", file=sys.stderr)
+            print(f"{name} skipped: this build does not run it (w4-ki needs AVX-512 VNNI, w4-a8 VNNI or an AVX2 "
+                  "build, w4-a16 an AVX2 build)", file=sys.stderr)
             kernels.remove(name)
     if "cpu" not in dlinfer.vendor.available():
         print("the cpu vendor does not load here", file=sys.stderr)

@@ -1,7 +1,8 @@
 // linear for few rows in bfloat16 / float16: y[M, N] = x[M, K] W[N, K]^T (+ bias), M <= 8.
 //
 // The float32 kernel's loop (linear.cpp: each thread walks a band of W's rows in few_rows_walk.h's
-// order, every W vector used for all M rows of x, a software prefetch 16 KB ahead), with W read
+// order, every W vector used for all M rows of x, a software prefetch 16 KB ahead; on a Zen 1 CPU
+// an AVX2 build runs 5 to 8 rows as two passes of at most 4: see run), with W read
 // as 16-bit values, half of float32's bytes: the weights stream as stored, never widened into
 // memory (x is, at up to 4 rows on the portable path: M x K floats, see run_rows). Sums are
 // float32; each output is rounded once to the activation dtype (round to nearest even), after
@@ -39,6 +40,18 @@ int best_path() {
   return kPortable;
 #endif
 }
+
+#if defined(CPU_CAPABILITY_AVX2)
+// Whether this CPU executes a 256-bit operation as two 128-bit halves (AMD Zen 1 and Zen+, which
+// GCC reports as znver1): there 5 to 8 rows run as two passes (`run`).
+bool split_rows_here() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("znver1") != 0;
+  }();
+  return yes;
+}
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512)
 
@@ -111,8 +124,8 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
   // 3 EPYC: 1B gate_up at 4 rows 10.5-10.7 -> 4.5-5.9 ms with this and the unrolled loops). The
   // walk is then chosen by x's float32 bytes (on AVX2 builds two rows at any K: two_chains).
   // From 5 rows on x stays 16-bit: its float32 chunks left the two-row walk's 2 x M sums fewer
-  // registers (1B down at 8 rows 3.2-3.7 -> 5.3-6.0 ms). (AVX2 builds no longer come here with more
-  // than 4 rows: `run` splits them.)
+  // registers (1B down at 8 rows 3.2-3.7 -> 5.3-6.0 ms, the Zen 3 VM). (On a Zen 1 CPU AVX2 builds
+  // no longer come here with more than 4 rows: `run` splits them.)
   if constexpr (M <= 4) {
     std::unique_ptr<float[]> xf(new float[M * K]);
     for (int m = 0; m < M; ++m) to_float(x + m * ldx, xf.get() + m * K, K);
@@ -133,14 +146,15 @@ void run_rows(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t K, i
 template <typename T>
 void run(const T* x, int64_t ldx, const T* w, Bias bias, T* y, int64_t M, int64_t K, int64_t N, int path) {
 #if defined(CPU_CAPABILITY_AVX2)
-  // AVX2 builds, 5 to 8 rows: two passes over the weight, rows 0-3 then the rest, each with x
-  // widened to float32 (the <= 4 rows walk), instead of one pass converting x's 16-bit values at
-  // every weight vector (2 operations per x vector and weight row beside 1 FMA). A row's bits do
-  // not depend on the rows beside it, so the outputs are the same. On the 2-vCPU EPYC of
-  // /proc/cpuinfo family 23 (its 256-bit operations issue at half rate), 1B shapes from memory,
-  // bfloat16, 8 rows: gate_up 23.6 -> 10.3 ms, down 8.6 -> 6.1 ms (docs/notes/cpu-ops.md, "bfloat16
-  // at 5 to 8 rows on AVX2: two passes").
-  if (M > 4) {
+  // 5 to 8 rows on a CPU that splits 256-bit operations in two (`split_rows_here`): two passes
+  // over the weight, rows 0-3 then the rest, each with x widened to float32 (the <= 4 rows walk),
+  // instead of one pass converting x's 16-bit values at every weight vector (2 operations per x
+  // vector and weight row beside 1 FMA). A row's bits do not depend on the rows beside it, so the
+  // outputs are the same. On the 2-vCPU EPYC of /proc/cpuinfo family 23 (Zen 1), 1B shapes from
+  // memory, bfloat16, 8 rows: gate_up 23.6 -> 10.3 ms, down 8.6 -> 6.1 ms (docs/notes/cpu-ops.md,
+  // "bfloat16 at 5 to 8 rows on AVX2: two passes"). Elsewhere (the Zen 3 VM: one pass took 3.2-3.7
+  // ms on 8 rows of down, where two four-row passes would take ~4) the one pass stays.
+  if (M > 4 && split_rows_here()) {
     run<T>(x, ldx, w, bias, y, 4, K, N, path);
     run<T>(x + 4 * ldx, ldx, w, bias, y + 4 * N, M - 4, K, N, path);
     return;

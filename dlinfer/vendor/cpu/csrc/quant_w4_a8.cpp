@@ -38,7 +38,8 @@ namespace dlinfer_cpu {
 namespace w4v {
 namespace {
 
-// One group's quantisation: sx (the float32 step of its bytes) and S (the sum of its bytes).
+// One group's quantisation: sx (the float32 step of its integers) and S (their sum): path 4's bytes,
+// path 5's int16 values.
 struct GroupInt8 {
   float scale;
   int32_t sum;

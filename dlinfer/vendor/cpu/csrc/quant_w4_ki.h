@@ -168,7 +168,8 @@ template <typename S>
 void run_int16(const Layout& w, const float* x, int64_t M, const float* bias, float* y);
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// Four digit bytes as one 32-bit lane (vpdpbusd's activation operand; vpmaddubsw's on AVX2).
+// Four bytes as one 32-bit lane (vpdpbusd's activation operand; vpmaddubsw's on AVX2; path 5's
+// pair of int16 values for vpmaddwd).
 inline int32_t four_bytes(const int8_t* d) {
   int32_t v;
   std::memcpy(&v, d, sizeof(v));
