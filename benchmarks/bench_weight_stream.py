@@ -87,6 +87,14 @@ KERNELS = ("f32", "bf16", "w8a8", "w4-ct", "w4-ki", "w4-a8", "w4-a16")
 KI_KERNELS = ("w4-ki", "w4-a8", "w4-a16")  # the sides on k_interleaved weights
 
 
+def side_runs(kernel: str) -> bool:
+    """Whether this build and CPU run the kernel of side `kernel` (w4-ki: AVX-512 VNNI; w4-a8: VNNI
+    or an AVX2 build; w4-a16: an AVX2 build; the others everywhere the cpu vendor loads)."""
+    from dlinfer.vendor.cpu import weight_quant as wq
+
+    return {"w4-ki": wq.VNNI, "w4-a8": wq.INT8_ACTIVATIONS, "w4-a16": wq.INT16_ACTIVATIONS}.get(kernel, True)
+
+
 def _default_bytes() -> int:
     from dlinfer.utils import machine
 
@@ -177,7 +185,6 @@ def main(argv=None) -> int:
     import dlinfer.vendor
     from dlinfer.utils.huge_pages import move_to_huge_pages
     from dlinfer.vendor.cpu import read_probe
-    from dlinfer.vendor.cpu import weight_quant as wq
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1b,3b,8b", help=f"comma-separated, of {','.join(MODELS)}")
@@ -203,8 +210,7 @@ def main(argv=None) -> int:
         if name not in KERNELS:
             parser.error(f"--kernels: {name!r} is not one of {', '.join(KERNELS)}")
     for name in KI_KERNELS:
-        runs = {"w4-a8": wq.INT8_ACTIVATIONS, "w4-a16": wq.INT16_ACTIVATIONS}.get(name, wq.VNNI)
-        if name in kernels and not runs:
+        if name in kernels and not side_runs(name):
             print(f"{name} skipped: this build does not run it (w4-ki needs AVX-512 VNNI, w4-a8 VNNI or an AVX2 "
                   "build, w4-a16 an AVX2 build)", file=sys.stderr)
             kernels.remove(name)

@@ -73,10 +73,7 @@ def test_hot_sides_fit_their_budget_and_keep_k(kernel):
     of the cut side reads are the cut weight's (no padding past N); without --hot the model's shape."""
     import bench_weight_stream as bws
 
-    from dlinfer.vendor.cpu import weight_quant as wq
-
-    runs = {"w4-ki": wq.VNNI, "w4-a8": wq.INT8_ACTIVATIONS, "w4-a16": wq.INT16_ACTIVATIONS}.get(kernel, True)
-    if not runs:
+    if not bws.side_runs(kernel):
         pytest.skip(f"{kernel} does not run on this build")
     model = bws.MODELS["1b"]
     tile = bws.COLUMN_TILE.get(kernel, 64)

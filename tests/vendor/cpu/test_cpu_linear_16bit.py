@@ -78,8 +78,8 @@ def test_strided_rows_and_a_weight_split_across_threads(dtype, m):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k,n", [(100, 257), (2048, 96), (8192, 40)])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, k, n):
-    """Every path gives each of 5 to 8 rows the bits of that row alone (AVX2 builds run such calls
-    as two passes, rows 0-3 and the rest: csrc/linear_16bit.cpp's run)."""
+    """Every path gives each of 5 to 8 rows the bits of that row alone (on a Zen 1 CPU AVX2 builds
+    run such calls as two passes, rows 0-3 and the rest: csrc/linear_16bit.cpp's run)."""
     g = torch.Generator().manual_seed(k + n)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)

@@ -45,6 +45,16 @@ struct GroupInt8 {
   int32_t sum;
 };
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// The sum of a vector's 8 int32 lanes (the quantisers' S).
+inline int32_t sum8(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  return _mm_cvtsi128_si32(s4);
+}
+#endif
+
 // x[0..g) -> d[0..g) and (sx, S), by the rule above.
 GroupInt8 quantise_group(const float* x, int64_t g, int8_t* d) {
   float amax = 0.f;
@@ -73,10 +83,7 @@ GroupInt8 quantise_group(const float* x, int64_t g, int8_t* d) {
       _mm_storel_epi64(reinterpret_cast<__m128i*>(d + k), _mm_packs_epi16(q16, q16));
       vsum = _mm256_add_epi32(vsum, q);
     }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    sum = _mm_cvtsi128_si32(s4);
+    sum = sum8(vsum);
 #endif
     for (; k < g; ++k) {
       const float p = x[k] * r;  // rounded once, as the vector product
@@ -135,10 +142,7 @@ GroupInt8 quantise_group16(const float* x, int64_t g, int16_t* X) {
                        _mm_packs_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
       vsum = _mm256_add_epi32(vsum, q);
     }
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    sum = _mm_cvtsi128_si32(s4);
+    sum = sum8(vsum);
 #endif
     for (; k < g; ++k) put(k, static_cast<int32_t>(std::nearbyint(x[k] * r)));
   } else {
@@ -170,7 +174,8 @@ Int8Rows quantise_rows(const float* x, int64_t M, int64_t K, int64_t g) {
       for (int64_t gi = 0; gi < G; ++gi) {
         const float* xg = x + m * K + gi * g;
         int8_t* d = out.d + DIG * (m * K + gi * g);
-        out.groups[m * G + gi] = DIG == 1 ? quantise_group(xg, g, d) : quantise_group16(xg, g, reinterpret_cast<int16_t*>(d));
+        out.groups[m * G + gi] =
+            DIG == 1 ? quantise_group(xg, g, d) : quantise_group16(xg, g, reinterpret_cast<int16_t*>(d));
       }
   });
   return out;
