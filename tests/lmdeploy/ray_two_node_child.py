@@ -4,6 +4,9 @@ setting.
 
     python tests/lmdeploy/ray_two_node_child.py MODEL_DIR NEW_TOKENS PROMPT [PROMPT ...]
 
+With DLINFER_TEST_STACKS_AFTER_S set, a run still going after that many seconds prints its
+threads' stacks to stderr and exits (the test then shows them).
+
 Prints one JSON line: {"node_ips": [each rank's node address], "steps": the class the executor sent
 its steps through, "results": [Generated as a dict]}.
 """
@@ -21,7 +24,14 @@ from support.engine_helpers import cpu_pipeline, greedy_generate  # noqa: E402
 
 
 def main(model_dir: str, new_tokens: str, *prompts: str) -> None:
+    import faulthandler
+    import os
+
     import ray
+
+    stacks_after = os.environ.get("DLINFER_TEST_STACKS_AFTER_S")
+    if stacks_after:  # the test's limit is near: every thread's stack to stderr, then exit
+        faulthandler.dump_traceback_later(float(stacks_after), exit=True)
 
     with cpu_pipeline(Path(model_dir), tp=2, distributed_executor_backend="ray") as pipe:
         executor = pipe.async_engine.engine.executor

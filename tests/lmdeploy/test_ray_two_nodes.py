@@ -37,7 +37,12 @@ NEW_TOKENS = 12
 # The processes' environment: Ray's own settings for a cluster no other machine reaches, but not
 # the suite's loopback-only switch (tests/conftest.py), which would put every node on 127.0.0.1.
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}  # SIGTERM stops a node at once (tests/conftest.py)
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # SIGTERM stops a node at once (tests/conftest.py)
+           # glibc's resolver: one second and one try for each name server, where the machine's own
+           # may not answer (a machine with no network): the rank outside the namespace looks up
+           # the address of its peer inside (gloo: "hostname of the client socket cannot be retrieved").
+           "RES_OPTIONS": "timeout:1 attempts:1"}
+CHILD_TIMEOUT_S = 300  # ~60 s on a 2-core VM
 
 
 def _ip(*args, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -67,9 +72,13 @@ def network_namespace():
     # machine's name server is unreachable, and every name lookup there (gloo's, Ray's) waited for
     # its timeouts; a server on the namespace's own loopback answers "refused" at once.
     config = Path("/etc/netns") / ns
+    # Its own hosts file too (mounted in the same way), naming both ends of the veth pair: the
+    # lookups of the two nodes' addresses inside are answered from it, not by a name server.
+    hosts = Path("/etc/hosts").read_text(errors="replace") if Path("/etc/hosts").exists() else ""
     try:
         config.mkdir(parents=True, exist_ok=True)
         (config / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        (config / "hosts").write_text(f"{hosts.rstrip()}\n{subnet}.1 dlray-head\n{subnet}.2 dlray-node\n")
     except OSError:
         pass  # not root-writable here: lookups inside then wait as before
     try:
@@ -93,6 +102,18 @@ def _start_node(argv: list[str], log: Path, env: dict) -> subprocess.Popen:
     with open(log, "wb") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=_die_with_parent)
+
+
+def _failure_report(child_stderr: str, temp: Path) -> str:
+    """What a failed run leaves to read: the end of the driver's stderr (with its threads' stacks
+    where it hung: the child dumps them before its limit) and of each Ray worker's stderr on both
+    nodes (the ranks' own logs), which the cluster's folder removed at the end would lose."""
+    parts = [f"driver:\n{child_stderr[-6000:]}"]
+    for log in sorted(temp.glob("*/session_2*/logs/worker-*.err")):  # not session_latest, a link to one
+        text = log.read_text(errors="replace").strip()
+        if text:
+            parts.append(f"{log.relative_to(temp)}:\n{text[-3000:]}")
+    return "\n\n".join(parts)
 
 
 def _stop(nodes: list[subprocess.Popen]) -> list[psutil.Process]:
@@ -137,10 +158,16 @@ def test_tp2_across_two_ray_nodes_gives_hfs_greedy_tokens(network_namespace, mod
         while "Ray runtime started" not in (tmp_path / "node.log").read_text(errors="replace"):
             assert nodes[1].poll() is None and time.monotonic() < deadline, (tmp_path / "node.log").read_text()[-3000:]
             time.sleep(0.5)
-        child = subprocess.run([sys.executable, str(HERE / "ray_two_node_child.py"), str(model_dir("llama")),
-                                str(NEW_TOKENS), *PROMPTS], env=dict(env, RAY_ADDRESS=f"{head_ip}:{port}"),
-                               capture_output=True, text=True, timeout=300)  # ~80 s on a 2-core VM
-        assert child.returncode == 0, child.stderr[-4000:]
+        try:
+            child = subprocess.run([sys.executable, str(HERE / "ray_two_node_child.py"), str(model_dir("llama")),
+                                    str(NEW_TOKENS), *PROMPTS],
+                                   env=dict(env, RAY_ADDRESS=f"{head_ip}:{port}",
+                                            DLINFER_TEST_STACKS_AFTER_S=str(CHILD_TIMEOUT_S - 20)),
+                                   capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired as hung:  # its stack dump did not end it
+            stderr = hung.stderr.decode(errors="replace") if isinstance(hung.stderr, bytes) else hung.stderr or ""
+            pytest.fail(f"the driver ran past {CHILD_TIMEOUT_S} s\n{_failure_report(stderr, temp)}")
+        assert child.returncode == 0, _failure_report(child.stderr, temp)
         out = json.loads(child.stdout.strip().splitlines()[-1])
         assert sorted(out["node_ips"]) == [head_ip, node_ip]  # one rank on each node
         assert out["steps"] == "StepChannels"  # the steps went over the step connections
