@@ -12,6 +12,8 @@
 //  - int16 (kInt16): bytes sign-extended to int16, vpmaddwd (pairs of int16 products, exact in
 //    int32): 32 bytes a step on AVX-512BW, 16 on an AVX2 build (whose CPUs have no VNNI: vpmaddubsw's
 //    32 products need one operand unsigned and saturate int16 for -128 values, so it is not exact).
+//    The AVX2 build widens a to int16 once a call and takes b's bytes as int16 by in-lane shifts
+//    (tile_avx2).
 //  - portable C++ (any build): uint32 wrapping sums, the same exactness.
 // From 3 rows of a past 32 KB (K > 32768 / M: the down projections at 1B and 8B shapes), the VNNI
 // path walks K in chunks (few_rows_walk.h), so a's chunk stays in L1: at M = 8 and K = 8192 0.35 ->
@@ -142,44 +144,65 @@ void tile_vnni_walk(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, in
 
 #elif defined(CPU_CAPABILITY_AVX2)
 
-// tile_avx512's int16 path in 256-bit vectors: 16 bytes of b and of each row of a sign-extended,
-// vpmaddwd, int32 adds (wrapping, as the other paths), 64 bytes of b a step with one prefetch;
-// K's tail past a multiple of 16 in scalar uint32 sums.
+// The AVX2 build's int16 path: vpmaddwd on int16 values, int32 adds (wrapping, as the other
+// paths). a comes widened to int16 and in pair order (int8_gemm does it once a call, wide_a):
+// each block of 32 values of a row stored as its 16 even-indexed values, then its 16 odd ones. A
+// step loads 32 bytes of b and takes its odd bytes as int16 by an arithmetic shift of each 16-bit
+// lane right by 8, its even ones by a shift left by 8 first: both in-lane shifts, where
+// sign-extending 16 bytes (vpmovsxbw, which crosses the 128-bit lanes) cost as much as the
+// multiplies, and sign-extending a's rows again for every row of b doubled that. On the family-23
+// EPYC (Zen 1) the sign extension was the bound. 64 bytes of b a step with one prefetch; K's tail
+// past a multiple of 32 in scalar uint32 sums.
+inline int64_t pair_order(int64_t k) { return (k & ~int64_t{31}) + (k & 1) * 16 + ((k & 31) >> 1); }
+
 template <int M>
-void tile_avx2(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
+void tile_avx2(const int8_t* a_packed, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
                int64_t ldo) {
-  const int64_t k64 = K - K % 64, kv = K - K % 16;
+  const int16_t* a = reinterpret_cast<const int16_t*>(a_packed);  // lda int16 a row, in pair order
+  const int64_t k64 = K - K % 64, kv = K - K % 32;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* br = b + n * K;
     __m256i acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
     auto step = [&](int64_t k) __attribute__((always_inline)) {
-      const __m256i bv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(br + k)));
+      const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(br + k));
+      const __m256i odd = _mm256_srai_epi16(bv, 8), even = _mm256_srai_epi16(_mm256_slli_epi16(bv, 8), 8);
       for (int m = 0; m < M; ++m) {
-        const __m256i av = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + m * lda + k)));
-        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(av, bv));
+        const int16_t* ar = a + m * lda + k;
+        const __m256i pe = _mm256_madd_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar)));
+        const __m256i po = _mm256_madd_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ar + 16)));
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_add_epi32(pe, po));
       }
     };
     for (int64_t k = 0; k < k64; k += 64) {
       __builtin_prefetch(br + k + kPrefetch, 0, 1);
       step(k);
-      step(k + 16);
       step(k + 32);
-      step(k + 48);
     }
-    for (int64_t k = k64; k < kv; k += 16) step(k);
+    if (kv > k64) step(k64);
     for (int m = 0; m < M; ++m) {
       alignas(32) uint32_t lanes[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[m]);
       uint32_t s = 0;
       for (int l = 0; l < 8; ++l) s += lanes[l];
-      for (int64_t k = kv; k < K; ++k) s += static_cast<uint32_t>(static_cast<int32_t>(a[m * lda + k]) * br[k]);
+      for (int64_t k = kv; k < K; ++k)
+        s += static_cast<uint32_t>(static_cast<int32_t>(a[m * lda + pair_order(k)]) * br[k]);
       out[m * ldo + n] = static_cast<int32_t>(s);
     }
   }
 }
 #endif
 
+// Whether `path` takes a widened to int16 in pair order (the AVX2 build's int16 path, tile_avx2)
+// rather than as bytes.
+#if defined(CPU_CAPABILITY_AVX2)
+constexpr bool wide_a(int path) { return path == kInt16; }
+#else
+constexpr bool wide_a(int) { return false; }
+inline int64_t pair_order(int64_t k) { return k; }
+#endif
+
+// a: the packed rows of a, lda elements apart (int16 ones where wide_a(path), else bytes).
 using TileFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, int64_t, int64_t, int32_t*, int64_t);
 
 template <template <int> class Kernel>
@@ -247,13 +270,19 @@ void int8_gemm(const int8_t* const* a_rows, int64_t M, const int8_t* b, int64_t 
                int64_t ldo, int path) {
   if (M == 0 || N == 0) return;
   TORCH_CHECK(int8_path_available(path), "int8_gemm: path ", path, " cannot run on this CPU / build");
-  // a packed: rows of lda bytes (zero padding), a ^ 0x80 for VNNI
+  // a packed: rows of lda elements (zero padding); a ^ 0x80 for VNNI, int16 where wide_a(path)
   const int64_t lda = (K + kAlign - 1) / kAlign * kAlign;
-  std::vector<int8_t> packed(static_cast<size_t>(M * lda), 0);
+  const int64_t width = wide_a(path) ? 2 : 1;  // bytes an element
+  std::vector<int8_t> packed(static_cast<size_t>(M * lda * width), 0);
   const int8_t flip = path == kVnni ? static_cast<int8_t>(0x80) : 0;
   for (int64_t m = 0; m < M; ++m) {
-    int8_t* dst = packed.data() + m * lda;
-    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<int8_t>(a_rows[m][k] ^ flip);
+    if (width == 2) {
+      int16_t* dst = reinterpret_cast<int16_t*>(packed.data()) + m * lda;
+      for (int64_t k = 0; k < K; ++k) dst[pair_order(k)] = a_rows[m][k];
+    } else {
+      int8_t* dst = packed.data() + m * lda;
+      for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<int8_t>(a_rows[m][k] ^ flip);
+    }
   }
   if (K == 0) {
     for (int64_t m = 0; m < M; ++m) std::fill(out + m * ldo, out + m * ldo + N, 0);
@@ -269,7 +298,7 @@ void int8_gemm(const int8_t* const* a_rows, int64_t M, const int8_t* b, int64_t 
       const int64_t n1 = std::min(n_end, n0 + step);
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        tile_for(path, rows)(packed.data() + m0 * lda, lda, b, K, n0, n1, out + m0 * ldo, ldo);
+        tile_for(path, rows)(packed.data() + m0 * lda * width, lda, b, K, n0, n1, out + m0 * ldo, ldo);
       }
     }
   };
