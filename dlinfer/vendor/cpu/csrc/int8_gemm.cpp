@@ -10,10 +10,10 @@
 //    vpdpbusd does not saturate (int32 adds wrap) and the subtraction wraps too, so the result is
 //    exact modulo 2**32: exact whenever the true product fits int32.
 //  - int16 (kInt16): bytes sign-extended to int16, vpmaddwd (pairs of int16 products, exact in
-//    int32): 32 bytes a step on AVX-512BW, 16 on an AVX2 build (whose CPUs have no VNNI: vpmaddubsw's
+//    int32): 32 bytes a step on AVX-512BW and on an AVX2 build (whose CPUs have no VNNI: vpmaddubsw's
 //    32 products need one operand unsigned and saturate int16 for -128 values, so it is not exact).
-//    The AVX2 build widens a to int16 once a call and takes b's bytes as int16 by in-lane shifts
-//    (tile_avx2).
+//    The AVX2 build widens a to int16 once a call and takes b's bytes as int16 by in-lane shifts,
+//    two vpmaddwd a step (tile_avx2).
 //  - portable C++ (any build): uint32 wrapping sums, the same exactness.
 // From 3 rows of a past 32 KB (K > 32768 / M: the down projections at 1B and 8B shapes), the VNNI
 // path walks K in chunks (few_rows_walk.h), so a's chunk stays in L1: at M = 8 and K = 8192 0.35 ->
@@ -272,18 +272,21 @@ void int8_gemm(const int8_t* const* a_rows, int64_t M, const int8_t* b, int64_t 
   TORCH_CHECK(int8_path_available(path), "int8_gemm: path ", path, " cannot run on this CPU / build");
   // a packed: rows of lda elements (zero padding); a ^ 0x80 for VNNI, int16 where wide_a(path)
   const int64_t lda = (K + kAlign - 1) / kAlign * kAlign;
-  const int64_t width = wide_a(path) ? 2 : 1;  // bytes an element
-  std::vector<int8_t> packed(static_cast<size_t>(M * lda * width), 0);
+  const bool wide = wide_a(path);
+  std::vector<int8_t> bytes(wide ? 0 : static_cast<size_t>(M * lda), 0);
+  std::vector<int16_t> words(wide ? static_cast<size_t>(M * lda) : 0, 0);
   const int8_t flip = path == kVnni ? static_cast<int8_t>(0x80) : 0;
   for (int64_t m = 0; m < M; ++m) {
-    if (width == 2) {
-      int16_t* dst = reinterpret_cast<int16_t*>(packed.data()) + m * lda;
-      for (int64_t k = 0; k < K; ++k) dst[pair_order(k)] = a_rows[m][k];
+    if (wide) {
+      for (int64_t k = 0; k < K; ++k) words[m * lda + pair_order(k)] = a_rows[m][k];
     } else {
-      int8_t* dst = packed.data() + m * lda;
-      for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<int8_t>(a_rows[m][k] ^ flip);
+      for (int64_t k = 0; k < K; ++k) bytes[m * lda + k] = static_cast<int8_t>(a_rows[m][k] ^ flip);
     }
   }
+  // row m0 of packed a, as the tile functions take it
+  auto rows_from = [&](int64_t m0) {
+    return wide ? reinterpret_cast<const int8_t*>(words.data() + m0 * lda) : bytes.data() + m0 * lda;
+  };
   if (K == 0) {
     for (int64_t m = 0; m < M; ++m) std::fill(out + m * ldo, out + m * ldo + N, 0);
     return;
@@ -298,7 +301,7 @@ void int8_gemm(const int8_t* const* a_rows, int64_t M, const int8_t* b, int64_t 
       const int64_t n1 = std::min(n_end, n0 + step);
       for (int64_t m0 = 0; m0 < M; m0 += kTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-        tile_for(path, rows)(packed.data() + m0 * lda * width, lda, b, K, n0, n1, out + m0 * ldo, ldo);
+        tile_for(path, rows)(rows_from(m0), lda, b, K, n0, n1, out + m0 * ldo, ldo);
       }
     }
   };
