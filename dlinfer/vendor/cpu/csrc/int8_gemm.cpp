@@ -41,6 +41,10 @@ constexpr int64_t kBlockBytes = 48 * 1024;  // b rows per block: about this many
 constexpr int64_t kMinIntMmK = 16;        // at::_int_mm only from this K on (see int8_matmul_rows)
 constexpr int64_t kPrefetch = 8192;       // bytes ahead in a b row: 1.3x the streaming rate of 1 KB (SmolLM2 W8A8, 1 thread, Zen 5); 16 KB no better
 
+// Where value k of a row of a sits in the AVX2 build's int16 pair order (tile_avx2): in its block
+// of 32, the even-indexed values first, then the odd ones.
+inline int64_t pair_order(int64_t k) { return (k & ~int64_t{31}) + (k & 1) * 16 + ((k & 31) >> 1); }
+
 template <int M>
 void tile_portable(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
                    int64_t ldo) {
@@ -153,8 +157,6 @@ void tile_vnni_walk(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, in
 // multiplies, and sign-extending a's rows again for every row of b doubled that. On the family-23
 // EPYC (Zen 1) the sign extension was the bound. 64 bytes of b a step with one prefetch; K's tail
 // past a multiple of 32 in scalar uint32 sums.
-inline int64_t pair_order(int64_t k) { return (k & ~int64_t{31}) + (k & 1) * 16 + ((k & 31) >> 1); }
-
 template <int M>
 void tile_avx2(const int8_t* a_packed, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
                int64_t ldo) {
@@ -199,7 +201,6 @@ void tile_avx2(const int8_t* a_packed, int64_t lda, const int8_t* b, int64_t K, 
 constexpr bool wide_a(int path) { return path == kInt16; }
 #else
 constexpr bool wide_a(int) { return false; }
-inline int64_t pair_order(int64_t k) { return k; }
 #endif
 
 // a: the packed rows of a, lda elements apart (int16 ones where wide_a(path), else bytes).
