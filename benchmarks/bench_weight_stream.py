@@ -3,6 +3,7 @@ interleaved with them in this process.
 
     .venv/bin/python benchmarks/bench_weight_stream.py [--models 1b,3b,8b] [--kernels f32,bf16,w8a8,w4-ct,w4-ki]
         [--rows 1,4] [--rounds 5] [--linears qkv,o,gate_up,down,head] [--4k-pages] [--hot MB] [--threads T]
+        [--streams 1,4]
 
 Shapes: the linears LMDeploy runs per layer of Llama-3.2-1B (hidden 2048, MLP 8192, 32 / 8 heads
 of 64), Llama-3.2-3B (3072, 8192, 24 / 8 of 128) and Llama-3-8B (4096, 14336, 32 / 8 of 128):
@@ -35,6 +36,11 @@ under what memory gives): at or below 0.85 of the probe the loop alone keeps the
 above it, what is missing is the overlap of loop and stream (docs/notes/cpu-ops.md, "Several rows:
 the loop's own ceiling"). The step table then weighs each side's rate by its uncut bytes. `--threads
 T` runs the kernels on T threads (the probe keeps its explored configuration).
+
+`--streams 1,4` compares the kernels' weight streams a thread (csrc/few_rows_walk.h,
+`weight_streams`; DLINFER_CPU_WEIGHT_STREAMS): every side is timed under each setting in turn
+within each round (the order reversed every other round), and the tables give one row per setting
+(`kernel@streams`). Only the few-row linears and the int8 GEMV read the setting.
 
 Each round times the probe (`ReadProbe.measure`, its best configuration explored once at the
 start), then one pass of the side, then the probe again; a side's share is its rate over the mean
@@ -159,26 +165,46 @@ class Result(NamedTuple):
     best_share: float
 
 
-def measure(calls: List[Callable], nbytes: int, probe, rounds: int) -> Result:
-    """Rounds of: probe, one pass over `calls` (each timed), probe."""
-    for c in calls[:3]:
-        c()  # first-call costs (pool, page tables of the output) out of the timings
-    times, probes, shares = [], [], []
-    for _ in range(rounds):
-        before = probe.measure()
-        start = time.perf_counter()
-        per_call = []
-        for c in calls:
-            t0 = time.perf_counter()
-            c()
-            per_call.append(time.perf_counter() - t0)
-        rate = nbytes * len(calls) / (time.perf_counter() - start)
-        after = probe.measure()
-        times += per_call
-        probes += [before, after]
-        shares.append(rate / ((before + after) / 2))
-    med = statistics.median(times)
-    return Result(min(times), med, nbytes / med, statistics.median(probes), statistics.median(shares), max(shares))
+def measure(calls: List[Callable], nbytes: int, probe, rounds: int, settings=(None,)) -> Dict[object, Result]:
+    """Rounds of: probe, one pass over `calls` (each timed), probe; with several `settings` (weight
+    streams a thread), one such pass per setting in each round, the order reversed every other
+    round. Returns setting -> Result."""
+    def apply(setting):
+        if setting is not None:
+            torch.ops.dlinfer_cpu.set_weight_streams(setting)
+
+    for setting in settings:
+        apply(setting)
+        for c in calls[:3]:
+            c()  # first-call costs (pool, page tables of the output) out of the timings
+    times = {s: [] for s in settings}
+    probes = {s: [] for s in settings}
+    shares = {s: [] for s in settings}
+    for r in range(rounds):
+        for setting in (settings if r % 2 == 0 else settings[::-1]):
+            apply(setting)
+            before = probe.measure()
+            start = time.perf_counter()
+            per_call = []
+            for c in calls:
+                t0 = time.perf_counter()
+                c()
+                per_call.append(time.perf_counter() - t0)
+            rate = nbytes * len(calls) / (time.perf_counter() - start)
+            after = probe.measure()
+            times[setting] += per_call
+            probes[setting] += [before, after]
+            shares[setting].append(rate / ((before + after) / 2))
+    if settings != (None,):  # back to the process's setting (DLINFER_CPU_WEIGHT_STREAMS, else the CPU's default)
+        from dlinfer.vendor.cpu import build
+
+        build.apply_weight_streams()
+    out = {}
+    for setting in settings:
+        med = statistics.median(times[setting])
+        out[setting] = Result(min(times[setting]), med, nbytes / med, statistics.median(probes[setting]),
+                              statistics.median(shares[setting]), max(shares[setting]))
+    return out
 
 
 def main(argv=None) -> int:
@@ -200,6 +226,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="threads for the kernels (default: torch's)")
     parser.add_argument("--4k-pages", dest="small_pages", action="store_true",
                         help="leave the weights on the allocator's pages (default: moved onto 2 MB pages)")
+    parser.add_argument("--streams", default=None,
+                        help="comma-separated weight streams a thread (1, 2, 4) to alternate on every side")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     kernels = [k for k in args.kernels.split(",") if k]
@@ -217,6 +245,11 @@ def main(argv=None) -> int:
     if "cpu" not in dlinfer.vendor.available():
         print("the cpu vendor does not load here", file=sys.stderr)
         return 1
+    settings = (None,)
+    if args.streams:
+        settings = tuple(int(v) for v in args.streams.split(",") if v)
+        if not settings or any(v not in (1, 2, 4) for v in settings):
+            parser.error(f"--streams: expected a list of 1, 2 and 4, got {args.streams!r}")
     target = int(args.bytes * 1e9) if args.bytes else _default_bytes()
     rows = [int(r) for r in args.rows.split(",")]
     probe = read_probe.ReadProbe()
@@ -239,12 +272,14 @@ def main(argv=None) -> int:
                         calls = make_calls(kernel, weights, m, k, g, getattr(torch, args.w4_activations))
                         if args.hot:  # the one copy, called until a pass has read `target` bytes
                             calls = calls * max(1, target // nbytes)
-                        res = measure(calls, nbytes, probe, args.rounds)
-                        results[(mname, kernel, lname, m)] = (res, nbytes)
-                        print(f"{mname} {kernel} {lname} [{k} -> {n}] M={m}: {res.rate / 1e9:.1f} GB/s, "
-                              f"{res.share:.2f} of the probe", file=sys.stderr, flush=True)
+                        for setting, res in measure(calls, nbytes, probe, args.rounds, settings).items():
+                            label = kernel if setting is None else f"{kernel}@{setting}"
+                            results[(mname, label, lname, m)] = (res, nbytes)
+                            print(f"{mname} {label} {lname} [{k} -> {n}] M={m}: {res.rate / 1e9:.1f} GB/s, "
+                                  f"{res.share:.2f} of the probe", file=sys.stderr, flush=True)
                     del weights
-    report(results, models, kernels, rows, exploration, target, args)
+    labels = [k if s is None else f"{k}@{s}" for k in kernels for s in settings]
+    report(results, models, labels, rows, exploration, target, args)
     return 0
 
 
@@ -255,7 +290,9 @@ COLUMN_TILE = {"w4-ct": 128, "w4-ki": 64, "w4-a8": 64, "w4-a16": 64}
 
 def shape(model: Model, lname: str, kernel: str, hot_mb) -> Tuple[int, int]:
     """(K, N) of a side: the model's, or with `hot_mb` N cut to a multiple of the layout's column
-    tile (64 for the dense kernels) so the weight takes at most that many MB (at least one tile)."""
+    tile (64 for the dense kernels) so the weight takes at most that many MB (at least one tile).
+    kernel: a side's kernel, or its label `kernel@streams`."""
+    kernel = kernel.split("@")[0]
     k, n = model.linears()[lname]
     if hot_mb:
         tile = COLUMN_TILE.get(kernel, 64)

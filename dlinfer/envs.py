@@ -43,6 +43,10 @@ SETTINGS: Tuple[Setting, ...] = (
             "2^-14 of the group's largest |x| off; past 256 rows BLAS on the dequantised weight instead; AVX2 builds "
             "only, k_interleaved)",
             "vendor/cpu/weight_quant.py, at each repack and eager call; vendor/cpu/graph_bindings.py, at each compile"),
+    Setting("DLINFER_CPU_WEIGHT_STREAMS", "auto: 4 on Intel CPUs, else 1",
+            "weight streams a thread of the few-row linears and the int8 GEMV reads side by side while the "
+            "activations fit in L1: 1, 2 or 4 (the same outputs; only the speed changes)",
+            "vendor/cpu/build.py, when the cpu vendor's kernels load"),
     Setting("DLINFER_CPU_PREBUILT", "1", "0: build the cpu vendor's kernels here even where a wheel carries "
             "prebuilt ones for these sources and this torch", "vendor/cpu/build.py, at the first cpu op"),
     Setting("DLINFER_BUILD_VERBOSE", "0", "1: show the compiler's output while the cpu vendor's kernels build",

@@ -89,3 +89,28 @@ def test_hot_sides_fit_their_budget_and_keep_k(kernel):
         if kernel in ("w4-a8", "w4-a16"):  # its calls run path 4 / 5 on the cut weight
             calls = bws.make_calls(kernel, *bws.make_weights(kernel, hk, hn, 0, g, copies=1)[:1], 2, hk, g)
             assert calls[0]().shape == (2, hn)
+
+
+def test_streams_sides_alternate_the_setting_and_restore_it():
+    """bench_weight_stream --streams: every round times each setting once, in turn (reversed every
+    other round), each call under its own setting, and the process's setting comes back after."""
+    import bench_weight_stream as bws
+
+    import dlinfer.vendor
+
+    if "cpu" not in dlinfer.vendor.available():
+        pytest.skip("cpu vendor cannot load here")
+    ops = torch.ops.dlinfer_cpu
+    seen = []
+
+    class Probe:
+        def measure(self):
+            seen.append("probe")
+            return 1e9
+
+    results = bws.measure([lambda: seen.append(ops.weight_streams())], 1000, Probe(), 2, settings=(1, 4))
+    assert set(results) == {1, 4}
+    assert all(r.share > 0 for r in results.values())
+    timed = [s for s in seen if s != "probe"]
+    assert timed == [1, 4, 1, 4, 4, 1]  # the warm-up (its one call a setting), then rounds 1, 4 and 4, 1
+    assert ops.weight_streams() == ops.default_weight_streams()

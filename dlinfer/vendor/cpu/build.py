@@ -52,6 +52,7 @@ _loaded = None  # the extension module, once built (or found prebuilt) and impor
 _origin = None  # how it came: "prebuilt" or "built"
 _load_lock = threading.Lock()
 PREBUILT_ENV = "DLINFER_CPU_PREBUILT"
+STREAMS_ENV = "DLINFER_CPU_WEIGHT_STREAMS"
 
 
 def isa() -> str:
@@ -133,11 +134,21 @@ def build():
     with _load_lock:
         if _loaded is None:
             found, why = prebuilt()
-            if found is not None:
-                _loaded, _origin = found, "prebuilt"
-            else:
-                _loaded, _origin = _build(why), "built"
+            module, origin_ = (found, "prebuilt") if found is not None else (_build(why), "built")
+            apply_weight_streams()
+            _loaded, _origin = module, origin_
     return _loaded
+
+
+def apply_weight_streams() -> int:
+    """Sets the kernels' weight streams a thread (csrc/few_rows_walk.h, `weight_streams`) from
+    $DLINFER_CPU_WEIGHT_STREAMS: auto (unset: the CPU's default, 4 on Intel CPUs, else 1), 1, 2
+    or 4; returns the number in effect. Only the speed depends on it, never an output's bits."""
+    value = (envs.get(STREAMS_ENV) or "auto").strip()
+    if value not in ("auto", "1", "2", "4"):
+        raise VendorError(f"{STREAMS_ENV}={value!r}: expected auto, 1, 2 or 4 (weight streams a thread)")
+    torch.ops.dlinfer_cpu.set_weight_streams(0 if value == "auto" else int(value))
+    return torch.ops.dlinfer_cpu.weight_streams()
 
 
 def prebuilt():

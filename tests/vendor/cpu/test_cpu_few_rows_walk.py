@@ -7,10 +7,14 @@ from M = 3 or 4 for 16-bit; on AVX2 builds the far pair at up to four rows, unch
 at a time at 5-8 rows of 16-bit x at K <= 1031, 5-7 at K = 2051): K with and without a tail (part
 of a vector), short rows (K = 131, 576), N not a multiple of the row pair or of the 32-row block, a
 band of an odd number of rows (the far pair's remainder row), a one-row weight, and a thread's band
-of more than one block (one thread) or split in two (two threads). On an AVX-512 build the far pair
-is not compiled, so this file checks it only where the kernels build for AVX2.
+of more than one block (one thread) or split in two (two threads). The far walks (the band's 2 or 4
+parts side by side, each front to back) run on AVX2 builds at up to four rows of x, and on any build
+where the weight streams a thread are set to 2 or 4 (Intel CPUs' default; `weight_streams` below
+takes every setting on every machine).
 
 - parity against a float64 product within the tolerance table's bound for `linear`;
+- the outputs' bits do not depend on the weight streams a thread (1, 2 or 4; the few-row linears
+  and the int8 GEMV), since each output's products are added in the same order in every walk;
 - a row's bits are the same in any call: alone (M = 1: the one-row or the two-row walk) and among
   M rows (the chunked walk from M = 3), since every walk adds each output's products in the same
   order. This is what keeps a request's tokens the same whatever the batch it decodes in.
@@ -51,6 +55,14 @@ def _inputs(m, k, n, dtype, seed):
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
     b = (torch.randn(n, generator=g) * 0.5).to(dtype)
     return x, w, b
+
+
+@pytest.fixture
+def weight_streams():
+    """Sets the kernels' weight streams a thread for the test (`set(n)`) and restores the default."""
+    ops = _ops()
+    yield ops.set_weight_streams
+    ops.set_weight_streams(0)
 
 
 @pytest.fixture(params=[1, 2], ids=lambda t: f"{t}-threads")
@@ -95,3 +107,52 @@ def test_strided_rows_of_x_take_the_chunked_walk():
         wide = torch.zeros(4, 8300, dtype=dtype)
         wide[:, :8227] = x
         assert torch.equal(fn(wide[:, :8227], w, b), fn(x.contiguous(), w, b)), name
+
+
+def _int8_kernels():
+    """(name, fn(a, b)) for every int8 GEMM path this machine runs (0 portable, 1 int16, 2 VNNI)."""
+    ops = _ops()
+    return [(f"int8 path {p}", lambda a, b, p=p: ops.int8_matmul(a, b, p)) for p in range(ops.int8_best_path() + 1)]
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_outputs_do_not_depend_on_the_weight_streams(k, n, threads, weight_streams):
+    """Every kernel's outputs under 2 and 4 weight streams a thread equal its outputs under one, at
+    one to eight rows (the far walks at up to four, or two from five; past L1 the walks do not
+    change), with N's remainder rows (not a multiple of the streams) walked one at a time."""
+    for m in range(1, 9):
+        cases = [(name, fn, _inputs(m, k, n, dtype, seed=m * 17 + k)) for name, dtype, fn in _kernels()]
+        g = torch.Generator().manual_seed(m + k)
+        a8 = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+        b8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        weight_streams(1)
+        one = [fn(x, w, b) for _, fn, (x, w, b) in cases] + [fn(a8, b8) for _, fn in _int8_kernels()]
+        for streams in (2, 4):
+            weight_streams(streams)
+            outs = [fn(x, w, b) for _, fn, (x, w, b) in cases] + [fn(a8, b8) for _, fn in _int8_kernels()]
+            names = [name for name, _, _ in cases] + [name for name, _ in _int8_kernels()]
+            for name, ref, out in zip(names, one, outs):
+                assert torch.equal(ref, out), f"{name} M={m} K={k} N={n}: {streams} streams differ from one"
+
+
+def test_the_weight_streams_setting(weight_streams, monkeypatch):
+    """The default is the CPU's (4 on Intel, else 1); DLINFER_CPU_WEIGHT_STREAMS sets it when the
+    kernels load (`build.apply_weight_streams`), and a value other than auto, 1, 2 or 4 is refused
+    by name, the setting left as it was."""
+    from dlinfer.errors import VendorError
+    from dlinfer.vendor.cpu import build
+
+    ops = _ops()
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert ops.default_weight_streams() == (4 if intel else 1)
+    for value, expected in (("2", 2), ("4", 4), ("1", 1), ("auto", ops.default_weight_streams())):
+        monkeypatch.setenv("DLINFER_CPU_WEIGHT_STREAMS", value)
+        assert build.apply_weight_streams() == expected == ops.weight_streams()
+    for bad in ("3", "8", "fast", "0"):
+        monkeypatch.setenv("DLINFER_CPU_WEIGHT_STREAMS", bad)
+        with pytest.raises(VendorError, match="DLINFER_CPU_WEIGHT_STREAMS"):
+            build.apply_weight_streams()
+        assert ops.weight_streams() == ops.default_weight_streams()
+    with pytest.raises(RuntimeError, match="set_weight_streams"):
+        ops.set_weight_streams(3)

@@ -4,7 +4,9 @@
 //
 // Every weight vector is used for all M rows of x, so x's M rows are read once per weight vector.
 //  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight
-//    row at a time, front to back: one stream a thread, what this CPU reads fastest.
+//    row at a time, front to back, one stream a thread, or, where the CPU reads more from several
+//    streams (`weight_streams`: Intel's), as that many parts of the band side by side, each front to
+//    back, one row of each at a time.
 //  - Past that (and on AVX2 builds at up to 4 rows of x: two_chains), two weight rows at a time
 //    (each x vector then loaded once for two of them; on AVX2 builds, unchunked, two rows half the
 //    band apart: kPairsApart), and from three rows of x on (x past kOneRowXBytes), K is also cut
@@ -67,6 +69,30 @@ constexpr bool kPairsApart = false;
 #endif
 inline bool two_chains(int64_t M) { return M <= kChainRows; }
 
+// Weight streams a thread reads side by side while x fits in L1: its band cut into that many
+// parts (1, 2 or 4), one row of each at a time. A process-wide setting, read at every call
+// (few_rows_walk.cpp): the CPU's default (`default_weight_streams`) unless `set_weight_streams`
+// (DLINFER_CPU_WEIGHT_STREAMS, read by the vendor when it loads the kernels) says otherwise.
+// Why: on the Intel Xeon VM (a Sapphire Rapids class core) one sequential stream a thread read at
+// most ~10 GB/s a core however far ahead it was prefetched, while four streams a thread and a 4 KB
+// prefetch read 1.6x that (the read probe: 19-20 against 31-33 GB/s on 2 threads); the float32 and
+// bfloat16 kernels at one row of x went from 0.64-0.73 of the probe to 0.89-0.99 with four parts
+// (docs/notes/cpu-ops.md, "Four streams a thread on the Xeon"). On the Zen 5 VM one stream a thread
+// read 0.85-0.98 of the probe (above), so AMD CPUs keep one.
+int64_t weight_streams();
+int64_t default_weight_streams();
+void set_weight_streams(int64_t streams);  // 0: the default; else 1, 2 or 4
+
+// How many rows walk side by side (R) in the unchunked walk while x fits in L1: the setting, at
+// most 2 from 5 rows of x on (R x M sums must stay in registers beside the weight vectors), and at
+// least 2 at up to kChainRows rows on AVX2 builds (two_chains).
+inline int64_t rows_side_by_side(int64_t M) {
+  int64_t r = weight_streams();
+  if (M > 4) r = std::min<int64_t>(r, 2);
+  if (two_chains(M)) r = std::max<int64_t>(r, 2);
+  return r;
+}
+
 // Elements of K a chunk holds: all of them (kv, the full-step part of K) while x fits in
 // kOneRowXBytes or M <= 2, else kSegmentBytes of an x row (whole steps, at least one);
 // element_bytes: x's.
@@ -83,8 +109,9 @@ inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_byte
 //     and step k. The R x M sums (acc[r * M + m]) start at zero when `first`, else from
 //     parked[R * M]; when `last` the K tail (elements kv..K) is added and output rows n + r gap
 //     written, else the sums go to parked.
-// gap is 1 (adjacent rows) except in the unchunked walk with R > 1 on builds with kPairsApart,
-// where it is (n1 - n0) / R: the band's R parts walked side by side, each front to back.
+// gap is 1 (adjacent rows) except in the unchunked walk with R > 1 on builds with kPairsApart or
+// with several weight streams set, where it is (n1 - n0) / R: the band's R parts walked side by
+// side, each front to back.
 // The sums live in the step's locals (registers): unchunked, `first` and `last` are both true and
 // they never touch memory (a sums array shared between several lambdas went through the stack for
 // every row: 5% at SmolLM2's K = 576). always_inline: the kernels' steps may carry a target
@@ -96,7 +123,7 @@ inline int64_t walk_chunk(int64_t M, int64_t K, int64_t kv, int64_t element_byte
 template <int M, int R, bool Chunked, typename Acc, typename T, typename Step>
 __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int64_t kv, int64_t kc, int64_t ahead,
                                                      int64_t n0, int64_t n1, Step&& step) {
-  if constexpr (!Chunked && R > 1 && kPairsApart) {  // the band's R parts side by side, each front to back
+  if (!Chunked && R > 1 && (kPairsApart || weight_streams() > 1)) {  // the band's R parts side by side
     const int64_t gap = (n1 - n0) / R;
     for (int64_t n = n0; n < n0 + gap; ++n)
       step(static_cast<Acc*>(nullptr), n, gap, 0, kv, w + n * K + ahead, true, true);
@@ -134,8 +161,8 @@ __attribute__((always_inline)) inline void walk_rows(const T* w, int64_t K, int6
 
 // Splits rows [0, N) of a [N, K] weight into one band per thread (all of them on the calling
 // thread below kMinParallelBytes) and calls walk(b, e, kc, R, Chunked) for each band [b, e): R
-// (1 or 2) and Chunked as std::integral_constant, chosen by x's size (two_weight_rows,
-// walk_chunk) and, on AVX2 builds, by M (two_chains); `step`: the elements one vector step of
+// (1, 2 or 4) and Chunked as std::integral_constant, chosen by x's size (two_weight_rows,
+// walk_chunk) and, while x fits in L1, by rows_side_by_side; `step`: the elements one vector step of
 // the kernel's loop takes. element_bytes: the weight's; x_bytes: x's as the loop reads it, when
 // not the weight's (the 16-bit kernel's portable path reads x widened to float32 at up to 4 rows).
 template <int M, typename Walk>
@@ -146,12 +173,16 @@ inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step
   const int64_t grain = std::max(grain_for(N, N * K * element_bytes), (N + threads - 1) / threads);
   const int64_t kv = K - K % step;
   const int64_t kc = walk_chunk(M, K, kv, x_bytes, step);
-  const bool two = two_weight_rows(M, K, x_bytes) || two_chains(M);
+  const bool past_l1 = two_weight_rows(M, K, x_bytes);
+  const int64_t side = past_l1 ? 2 : rows_side_by_side(M);
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
-    if (!two) {
+    if (side == 1) {
       walk(b, e, kc, One{}, std::false_type{});
+    } else if (side == 4) {
+      if constexpr (M <= 4) walk(b, e, kc, Four{}, std::false_type{});  // (rows_side_by_side: M <= 4)
     } else if (kc >= kv) {
       walk(b, e, kc, Two{}, std::false_type{});
     } else {

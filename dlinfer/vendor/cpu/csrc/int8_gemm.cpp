@@ -93,57 +93,81 @@ void tile_avx512(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64
   }
 }
 
-// a holds a ^ 0x80 (a + 128 as unsigned bytes). One b row at a time, walked by few_rows_walk.h:
-// whole rows, or from 3 rows of a past 32 KB (Chunked) K in kSegmentBytes chunks with the M sums
-// and the correction (acc[M]) parked between chunks. Integer sums: the same values in any order.
-// R is 1: two b rows at a time streamed SmolLM2's weights 1.5-3x slower (Zen 5, one thread, M = 1
-// and 8), two or four were slower at M = 4 too. GCC copies each sum to another register and back
-// around every vpdpbusd here (it does not for vdpbf16ps); an asm vpdpbusd without the copies read
-// the same (docs/notes/cpu-ops.md, "One VNNI walk"), so the intrinsic stays.
-template <int M, bool Chunked>
+// a holds a ^ 0x80 (a + 128 as unsigned bytes). R b rows at a time, walked by few_rows_walk.h:
+// whole rows, one or (`rows_side_by_side`: several weight streams set, Intel's default) R parts of
+// the band side by side, or from 3 rows of a past 32 KB (Chunked) K in kSegmentBytes chunks with
+// the M sums and the correction (acc[M]) of each b row parked between chunks. Integer sums: the
+// same values in any order. Two adjacent b rows at a time streamed SmolLM2's weights 1.5-3x slower
+// (Zen 5, one thread, M = 1 and 8), so the chunked walk and CPUs with one stream keep one row.
+// GCC copies each sum to another register and back around every vpdpbusd here (it does not for
+// vdpbf16ps); an asm vpdpbusd without the copies read the same (docs/notes/cpu-ops.md, "One VNNI
+// walk"), so the intrinsic stays.
+template <int M, int R, bool Chunked>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_vnni(const int8_t* a, int64_t lda, const int8_t* b,
                                                                       int64_t K, int64_t n0, int64_t n1, int32_t* out,
                                                                       int64_t ldo) {
+  constexpr int S = M + 1;  // sums a b row: M rows of a and the correction
   const int64_t kv = K - K % 64;
   const __mmask64 tail = K > kv ? static_cast<__mmask64>(~0ULL >> (64 - (K - kv))) : 0;
   const __m512i off = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t kc = Chunked ? walk_chunk(M, K, kv, 1, 64) : kv;
-  walk_rows<M + 1, 1, Chunked, __m512i>(
-      b, K, kv, kc, kPrefetch, n0, n1,
-      [&](__m512i* parked, int64_t n, int64_t /*gap*/, int64_t k0, int64_t k1, const int8_t* pf, bool first, bool last)
+  const int64_t nr = n0 + (n1 - n0) / R * R;
+  walk_rows<S, R, Chunked, __m512i>(
+      b, K, kv, kc, kPrefetch, n0, nr,
+      [&](__m512i* parked, int64_t n, int64_t gap, int64_t k0, int64_t k1, const int8_t* pf, bool first, bool last)
           __attribute__((target("avx512f,avx512bw,avx512vnni"))) {
-            __m512i acc[M + 1];  // acc[M]: the correction's sums
-            for (int j = 0; j <= M; ++j) acc[j] = first ? _mm512_setzero_si512() : parked[j];
+            __m512i acc[R * S];  // acc[r * S + M]: b row r's correction sums
+            for (int j = 0; j < R * S; ++j) acc[j] = first ? _mm512_setzero_si512() : parked[j];
             const int8_t* br = b + n * K;
             for (int64_t k = k0; k < k1; k += 64) {
-              __builtin_prefetch(pf + k, 0, 1);
-              const __m512i bv = _mm512_loadu_si512(br + k);
-              acc[M] = _mm512_dpbusd_epi32(acc[M], off, bv);
-              for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(a + m * lda + k), bv);
+              __m512i bv[R];
+              for (int r = 0; r < R; ++r) {
+                __builtin_prefetch(pf + r * gap * K + k, 0, 1);
+                bv[r] = _mm512_loadu_si512(br + r * gap * K + k);
+                acc[r * S + M] = _mm512_dpbusd_epi32(acc[r * S + M], off, bv[r]);
+              }
+              for (int m = 0; m < M; ++m) {
+                const __m512i av = _mm512_loadu_si512(a + m * lda + k);
+                for (int r = 0; r < R; ++r) acc[r * S + m] = _mm512_dpbusd_epi32(acc[r * S + m], av, bv[r]);
+              }
             }
             if (!last) {
-              for (int j = 0; j <= M; ++j) parked[j] = acc[j];
+              for (int j = 0; j < R * S; ++j) parked[j] = acc[j];
               return;
             }
-            if (tail) {  // b's tail masked to zero; a is padded, so its full load stays inside the buffer
-              const __m512i bv = _mm512_maskz_loadu_epi8(tail, br + kv);
-              acc[M] = _mm512_dpbusd_epi32(acc[M], off, bv);
-              for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(a + m * lda + kv), bv);
+            for (int r = 0; r < R; ++r) {
+              __m512i* ar = acc + r * S;
+              if (tail) {  // b's tail masked to zero; a is padded, so its full load stays inside the buffer
+                const __m512i bv = _mm512_maskz_loadu_epi8(tail, br + r * gap * K + kv);
+                ar[M] = _mm512_dpbusd_epi32(ar[M], off, bv);
+                for (int m = 0; m < M; ++m) ar[m] = _mm512_dpbusd_epi32(ar[m], _mm512_loadu_si512(a + m * lda + kv), bv);
+              }
+              // sum(acc) - sum(corr) as one reduction of acc - corr: the same value, lane sums wrap alike
+              for (int m = 0; m < M; ++m) out[m * ldo + n + r * gap] = reduce_wrapping(_mm512_sub_epi32(ar[m], ar[M]));
             }
-            // sum(acc) - sum(corr) as one reduction of acc - corr: the same value, lane sums wrap alike
-            for (int m = 0; m < M; ++m) out[m * ldo + n] = reduce_wrapping(_mm512_sub_epi32(acc[m], acc[M]));
           });
+  if constexpr (R > 1) {
+    if (nr < n1) tile_vnni<M, 1, Chunked>(a, lda, b, K, nr, n1, out, ldo);
+  }
 }
 
-// The VNNI tile: the chunked walk from 3 rows of a past 32 KB, else whole rows.
+// The VNNI tile: the chunked walk from 3 rows of a past 32 KB, else whole rows, R of them side by
+// side (rows_side_by_side: up to 4 rows of a, one b row at a time otherwise).
 template <int M>
 void tile_vnni_walk(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
                     int64_t ldo) {
   if (M >= 3 && two_weight_rows(M, K, 1)) {
-    tile_vnni<M, true>(a, lda, b, K, n0, n1, out, ldo);
-  } else {
-    tile_vnni<M, false>(a, lda, b, K, n0, n1, out, ldo);
+    tile_vnni<M, 1, true>(a, lda, b, K, n0, n1, out, ldo);
+    return;
   }
+  if constexpr (M <= 4) {
+    switch (two_weight_rows(M, K, 1) ? 1 : rows_side_by_side(M)) {
+      case 4: tile_vnni<M, 4, false>(a, lda, b, K, n0, n1, out, ldo); return;
+      case 2: tile_vnni<M, 2, false>(a, lda, b, K, n0, n1, out, ldo); return;
+      default: break;
+    }
+  }
+  tile_vnni<M, 1, false>(a, lda, b, K, n0, n1, out, ldo);
 }
 
 #elif defined(CPU_CAPABILITY_AVX2)

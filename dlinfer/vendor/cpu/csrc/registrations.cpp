@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "entry_points.h"
+#include "few_rows_walk.h"
 
 namespace dlinfer_cpu {
 
@@ -27,6 +28,10 @@ TORCH_LIBRARY_FRAGMENT(dlinfer_cpu, m) {
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
   m.def("decode_num_splits(int tokens, int kv_heads, int longest, int block_size, int threads) -> int",
         &decode_num_splits);
+  // few_rows_walk.cpp
+  m.def("weight_streams() -> int", &weight_streams);
+  m.def("default_weight_streams() -> int", &default_weight_streams);
+  m.def("set_weight_streams(int streams) -> ()", &set_weight_streams);
   // kv_cache.cpp
   m.def(
       "fill_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor kv_indices, "

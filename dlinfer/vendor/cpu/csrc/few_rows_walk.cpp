@@ -1,0 +1,36 @@
+// The walks' one process-wide setting: how many weight streams a thread reads side by side while x
+// fits in L1 (few_rows_walk.h, `weight_streams`). An atomic: the kernels read it at every call on
+// any thread; the vendor sets it when it loads the kernels (DLINFER_CPU_WEIGHT_STREAMS), tests and
+// benchmarks between calls.
+#include "few_rows_walk.h"
+
+#include <atomic>
+
+namespace dlinfer_cpu {
+namespace {
+
+std::atomic<int64_t> g_streams{0};  // 0: the CPU's default
+
+}  // namespace
+
+// Intel CPUs 4, others 1: measured on the Intel Xeon VM and the Zen 5 VM (few_rows_walk.h).
+int64_t default_weight_streams() {
+  static const int64_t streams = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? int64_t{4} : int64_t{1};
+  }();
+  return streams;
+}
+
+int64_t weight_streams() {
+  const int64_t s = g_streams.load(std::memory_order_relaxed);
+  return s ? s : default_weight_streams();
+}
+
+void set_weight_streams(int64_t streams) {
+  TORCH_CHECK(streams == 0 || streams == 1 || streams == 2 || streams == 4,
+              "set_weight_streams: streams must be 0 (the CPU's default), 1, 2 or 4, got ", streams);
+  g_streams.store(streams, std::memory_order_relaxed);
+}
+
+}  // namespace dlinfer_cpu
