@@ -56,10 +56,11 @@ inline bool two_weight_rows(int64_t M, int64_t K, int64_t element_bytes) {
 // 1.26; the 1B shapes bfloat16 1.20-1.29, 1.14; float32 1.09-1.18, 1.12 (docs/notes/cpu-ops.md,
 // "Two FMA chains on AVX2"). Up to four rows: 2 x M sums, with the two weight vectors and x's, fit
 // AVX2's 16 registers. The sums' bits do not depend on the walk, so neither do the outputs'.
-// AVX-512 builds (16 lanes, and vdpbf16ps's 32 elements an instruction) keep one row, and adjacent
-// pairs where x is past kOneRowXBytes: at one row of x, one weight row at a time read 0.85-0.98 of
-// the probe against two adjacent rows' 0.75-0.82 on the Zen 5 VM (docs/notes/cpu-ops.md, "One
-// weight row at a time"); far pairs were not measured there.
+// AVX-512 builds (16 lanes, and vdpbf16ps's 32 elements an instruction) need no second chain: they
+// walk as many rows as `weight_streams` says (one on the Zen 5 VM: there one weight row at a time
+// read 0.85-0.98 of the probe against two adjacent rows' 0.75-0.82, docs/notes/cpu-ops.md, "One
+// weight row at a time"; far parts were not measured there), and adjacent pairs where x is past
+// kOneRowXBytes (far ones where several streams are set).
 #if defined(CPU_CAPABILITY_AVX2)
 constexpr int64_t kChainRows = 4;
 constexpr bool kPairsApart = true;
