@@ -168,37 +168,39 @@ class Result(NamedTuple):
 def measure(calls: List[Callable], nbytes: int, probe, rounds: int, settings=(None,)) -> Dict[object, Result]:
     """Rounds of: probe, one pass over `calls` (each timed), probe; with several `settings` (weight
     streams a thread), one such pass per setting in each round, the order reversed every other
-    round. Returns setting -> Result."""
+    round; the setting in force before comes back after, also when a call raises. Returns
+    setting -> Result."""
     def apply(setting):
         if setting is not None:
             torch.ops.dlinfer_cpu.set_weight_streams(setting)
 
-    for setting in settings:
-        apply(setting)
-        for c in calls[:3]:
-            c()  # first-call costs (pool, page tables of the output) out of the timings
+    in_force = torch.ops.dlinfer_cpu.weight_streams() if settings != (None,) else None
     times = {s: [] for s in settings}
     probes = {s: [] for s in settings}
     shares = {s: [] for s in settings}
-    for r in range(rounds):
-        for setting in (settings if r % 2 == 0 else settings[::-1]):
+    try:
+        for setting in settings:
             apply(setting)
-            before = probe.measure()
-            start = time.perf_counter()
-            per_call = []
-            for c in calls:
-                t0 = time.perf_counter()
-                c()
-                per_call.append(time.perf_counter() - t0)
-            rate = nbytes * len(calls) / (time.perf_counter() - start)
-            after = probe.measure()
-            times[setting] += per_call
-            probes[setting] += [before, after]
-            shares[setting].append(rate / ((before + after) / 2))
-    if settings != (None,):  # back to the process's setting (DLINFER_CPU_WEIGHT_STREAMS, else the CPU's default)
-        from dlinfer.vendor.cpu import build
-
-        build.apply_weight_streams()
+            for c in calls[:3]:
+                c()  # first-call costs (pool, page tables of the output) out of the timings
+        for r in range(rounds):
+            for setting in (settings if r % 2 == 0 else settings[::-1]):
+                apply(setting)
+                before = probe.measure()
+                start = time.perf_counter()
+                per_call = []
+                for c in calls:
+                    t0 = time.perf_counter()
+                    c()
+                    per_call.append(time.perf_counter() - t0)
+                rate = nbytes * len(calls) / (time.perf_counter() - start)
+                after = probe.measure()
+                times[setting] += per_call
+                probes[setting] += [before, after]
+                shares[setting].append(rate / ((before + after) / 2))
+    finally:  # back to the setting in force before, whatever happened
+        if in_force is not None:
+            torch.ops.dlinfer_cpu.set_weight_streams(in_force)
     out = {}
     for setting in settings:
         med = statistics.median(times[setting])

@@ -42,7 +42,7 @@ ENV_SUFFIXES = {
     "+a8": ("DLINFER_CPU_W4_ACTIVATIONS", "int8", "8-bit activations for W4"),
     "+a16": ("DLINFER_CPU_W4_ACTIVATIONS", "int16", "16-bit integer activations for W4"),
     "+native": ("DLINFER_CPU_W4_ACTIVATIONS", "native", "W4 activations at their own precision"),
-    "+1-stream": ("DLINFER_CPU_WEIGHT_STREAMS", "1", "one weight stream a thread"),
+    "+1-stream": ("DLINFER_CPU_WEIGHT_STREAMS", "1", "weight streams set to 1"),
 }
 
 

@@ -43,9 +43,11 @@ SETTINGS: Tuple[Setting, ...] = (
             "2^-14 of the group's largest |x| off; past 256 rows BLAS on the dequantised weight instead; AVX2 builds "
             "only, k_interleaved)",
             "vendor/cpu/weight_quant.py, at each repack and eager call; vendor/cpu/graph_bindings.py, at each compile"),
-    Setting("DLINFER_CPU_WEIGHT_STREAMS", "auto: 4 on Intel CPUs, else 1",
+    Setting("DLINFER_CPU_WEIGHT_STREAMS", "auto: 4 on Intel CPUs running the AVX-512 build, else 1",
             "weight streams a thread of the few-row linears and the int8 GEMV reads side by side while the "
-            "activations fit in L1: 1, 2 or 4 (the same outputs; only the speed changes)",
+            "activations fit in L1: 1, 2 or 4 (at most 2 from five rows of activations on, 1 in the int8 GEMV "
+            "there; AVX2 builds read two far rows at up to four rows whatever it says; the same outputs, only "
+            "the speed changes)",
             "vendor/cpu/build.py, when the cpu vendor's kernels load"),
     Setting("DLINFER_CPU_PREBUILT", "1", "0: build the cpu vendor's kernels here even where a wheel carries "
             "prebuilt ones for these sources and this torch", "vendor/cpu/build.py, at the first cpu op"),

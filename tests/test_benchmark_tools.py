@@ -93,7 +93,8 @@ def test_hot_sides_fit_their_budget_and_keep_k(kernel):
 
 def test_streams_sides_alternate_the_setting_and_restore_it():
     """bench_weight_stream --streams: every round times each setting once, in turn (reversed every
-    other round), each call under its own setting, and the process's setting comes back after."""
+    other round), each call under its own setting, and the setting in force comes back after, also
+    when a call raises."""
     import bench_weight_stream as bws
 
     import dlinfer.vendor
@@ -108,9 +109,22 @@ def test_streams_sides_alternate_the_setting_and_restore_it():
             seen.append("probe")
             return 1e9
 
+    in_force = ops.weight_streams()
     results = bws.measure([lambda: seen.append(ops.weight_streams())], 1000, Probe(), 2, settings=(1, 4))
     assert set(results) == {1, 4}
     assert all(r.share > 0 for r in results.values())
     timed = [s for s in seen if s != "probe"]
     assert timed == [1, 4, 1, 4, 4, 1]  # the warm-up (its one call a setting), then rounds 1, 4 and 4, 1
-    assert ops.weight_streams() == ops.default_weight_streams()
+    assert ops.weight_streams() == in_force
+
+    def fails_under_four():
+        if ops.weight_streams() == 4:
+            raise RuntimeError("the call under test failed")
+
+    ops.set_weight_streams(2)
+    try:
+        with pytest.raises(RuntimeError, match="the call under test failed"):
+            bws.measure([fails_under_four], 1000, Probe(), 2, settings=(1, 4))
+        assert ops.weight_streams() == 2  # restored although a call raised
+    finally:
+        ops.set_weight_streams(in_force)

@@ -33,9 +33,10 @@ from dlinfer.vendor.base import (
 from dlinfer.vendor.kv_layouts import HEAD_MAJOR, TOKEN_MAJOR
 
 NOTES = {
-    "linear": "C++ at <= 8 rows, a weight-streaming kernel (each W row read once for all rows; on Intel CPUs four "
-              "far parts of each thread's rows side by side: DLINFER_CPU_WEIGHT_STREAMS; bf16 / fp16 at 5-8 "
-              "rows on a Zen 1 CPU (AVX2): two passes of at most 4): float32, and "
+    "linear": "C++ at <= 8 rows, a weight-streaming kernel (each W row read once for all rows; on Intel CPUs "
+              "with the AVX-512 build four far parts of each thread's rows side by side: "
+              "DLINFER_CPU_WEIGHT_STREAMS; bf16 / fp16 at 5-8 rows on a Zen 1 CPU (AVX2): two passes of at "
+              "most 4): float32, and "
               "bf16 / fp16 with the weights read as stored, fp32 sums, one rounding (bf16 on AVX512_BF16 "
               "vdpbf16ps where the CPU has it); otherwise the torch vendor's path (oneDNN / F.linear)",
     "paged_decode_attention": "C++: reads the paged cache in place, (token, kv head[, split]) per thread, "

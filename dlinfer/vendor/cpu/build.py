@@ -133,6 +133,7 @@ def build():
     global _loaded, _origin
     with _load_lock:
         if _loaded is None:
+            weight_streams_from_env()  # a bad value refused before minutes of building
             found, why = prebuilt()
             module, origin_ = (found, "prebuilt") if found is not None else (_build(why), "built")
             apply_weight_streams()
@@ -140,14 +141,21 @@ def build():
     return _loaded
 
 
-def apply_weight_streams() -> int:
-    """Sets the kernels' weight streams a thread (csrc/few_rows_walk.h, `weight_streams`) from
-    $DLINFER_CPU_WEIGHT_STREAMS: auto (unset: the CPU's default, 4 on Intel CPUs, else 1), 1, 2
-    or 4; returns the number in effect. Only the speed depends on it, never an output's bits."""
-    value = (envs.get(STREAMS_ENV) or "auto").strip()
+def weight_streams_from_env() -> int:
+    """$DLINFER_CPU_WEIGHT_STREAMS as the kernels' `set_weight_streams` takes it: 0 for auto (or
+    unset: the CPU's default), else 1, 2 or 4; a VendorError naming the setting otherwise."""
+    value = (envs.get(STREAMS_ENV) or "auto").strip().lower()
     if value not in ("auto", "1", "2", "4"):
         raise VendorError(f"{STREAMS_ENV}={value!r}: expected auto, 1, 2 or 4 (weight streams a thread)")
-    torch.ops.dlinfer_cpu.set_weight_streams(0 if value == "auto" else int(value))
+    return 0 if value == "auto" else int(value)
+
+
+def apply_weight_streams() -> int:
+    """Sets the kernels' weight streams a thread (csrc/few_rows_walk.h, `weight_streams`) from
+    $DLINFER_CPU_WEIGHT_STREAMS (`weight_streams_from_env`; the CPU's default is 4 on Intel CPUs
+    running the AVX-512 build, else 1); returns the number in effect. Only the speed depends on
+    it, never an output's bits."""
+    torch.ops.dlinfer_cpu.set_weight_streams(weight_streams_from_env())
     return torch.ops.dlinfer_cpu.weight_streams()
 
 

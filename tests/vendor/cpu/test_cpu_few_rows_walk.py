@@ -59,10 +59,13 @@ def _inputs(m, k, n, dtype, seed):
 
 @pytest.fixture
 def weight_streams():
-    """Sets the kernels' weight streams a thread for the test (`set(n)`) and restores the default."""
+    """Sets the kernels' weight streams a thread for the test (`set(n)`) and restores the setting in
+    force before it (DLINFER_CPU_WEIGHT_STREAMS's, where a run sets it)."""
+    from dlinfer.vendor.cpu import build
+
     ops = _ops()
     yield ops.set_weight_streams
-    ops.set_weight_streams(0)
+    ops.set_weight_streams(build.weight_streams_from_env())
 
 
 @pytest.fixture(params=[1, 2], ids=lambda t: f"{t}-threads")
@@ -118,8 +121,9 @@ def _int8_kernels():
 @pytest.mark.parametrize("k,n", SHAPES)
 def test_outputs_do_not_depend_on_the_weight_streams(k, n, threads, weight_streams):
     """Every kernel's outputs under 2 and 4 weight streams a thread equal its outputs under one, at
-    one to eight rows (the far walks at up to four, or two from five; past L1 the walks do not
-    change), with N's remainder rows (not a multiple of the streams) walked one at a time."""
+    one to eight rows (the far walks at up to four, or two from five; past L1 at up to two rows
+    the pairs far apart instead of adjacent), with N's remainder rows (not a multiple of the
+    streams) walked one at a time."""
     for m in range(1, 9):
         cases = [(name, fn, _inputs(m, k, n, dtype, seed=m * 17 + k)) for name, dtype, fn in _kernels()]
         g = torch.Generator().manual_seed(m + k)
@@ -136,23 +140,37 @@ def test_outputs_do_not_depend_on_the_weight_streams(k, n, threads, weight_strea
 
 
 def test_the_weight_streams_setting(weight_streams, monkeypatch):
-    """The default is the CPU's (4 on Intel, else 1); DLINFER_CPU_WEIGHT_STREAMS sets it when the
-    kernels load (`build.apply_weight_streams`), and a value other than auto, 1, 2 or 4 is refused
-    by name, the setting left as it was."""
+    """The default is the CPU's (4 on Intel CPUs running the AVX-512 build, else 1);
+    DLINFER_CPU_WEIGHT_STREAMS sets it when the kernels load (`build.apply_weight_streams`, any
+    case), and a value other than auto, 1, 2 or 4 is refused by name, the setting left as it was."""
     from dlinfer.errors import VendorError
     from dlinfer.vendor.cpu import build
 
     ops = _ops()
     with open("/proc/cpuinfo") as f:
         intel = "GenuineIntel" in f.read()
-    assert ops.default_weight_streams() == (4 if intel else 1)
-    for value, expected in (("2", 2), ("4", 4), ("1", 1), ("auto", ops.default_weight_streams())):
+    assert ops.default_weight_streams() == (4 if intel and build.isa() == "AVX512" else 1)
+    for value, expected in (("2", 2), ("4", 4), ("1", 1), (" AUTO ", ops.default_weight_streams()), ("2", 2)):
         monkeypatch.setenv("DLINFER_CPU_WEIGHT_STREAMS", value)
         assert build.apply_weight_streams() == expected == ops.weight_streams()
-    for bad in ("3", "8", "fast", "0"):
+    for bad in ("3", "8", "fast", "0", "-1"):
         monkeypatch.setenv("DLINFER_CPU_WEIGHT_STREAMS", bad)
         with pytest.raises(VendorError, match="DLINFER_CPU_WEIGHT_STREAMS"):
             build.apply_weight_streams()
-        assert ops.weight_streams() == ops.default_weight_streams()
+        assert ops.weight_streams() == 2  # the last good value's
     with pytest.raises(RuntimeError, match="set_weight_streams"):
         ops.set_weight_streams(3)
+
+
+def test_a_bad_weight_streams_value_is_refused_before_any_build(monkeypatch):
+    """`build()` reads DLINFER_CPU_WEIGHT_STREAMS before it looks for or compiles kernels, so a typo
+    costs no build (minutes on 2 cores) before its error."""
+    from dlinfer.errors import VendorError
+    from dlinfer.vendor.cpu import build
+
+    monkeypatch.setattr(build, "_loaded", None)  # as before the first cpu op; restored after the test
+    monkeypatch.setattr(build, "prebuilt", lambda: pytest.fail("looked for prebuilt kernels first"))
+    monkeypatch.setattr(build, "_build", lambda why: pytest.fail("compiled the kernels first"))
+    monkeypatch.setenv("DLINFER_CPU_WEIGHT_STREAMS", "3")
+    with pytest.raises(VendorError, match="DLINFER_CPU_WEIGHT_STREAMS='3'"):
+        build.build()

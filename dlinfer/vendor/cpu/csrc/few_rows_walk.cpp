@@ -13,13 +13,20 @@ std::atomic<int64_t> g_streams{0};  // 0: the CPU's default
 
 }  // namespace
 
-// Intel CPUs 4, others 1: measured on the Intel Xeon VM and the Zen 5 VM (few_rows_walk.h).
+// 4 on Intel CPUs running the AVX-512 build, else 1: measured on the Intel Xeon VM and the Zen 5 VM
+// (few_rows_walk.h). AVX2 builds keep 1 whatever the CPU: 16 vector registers hold R x M sums only
+// for R x M <= 8 (their far pair at up to four rows, two_chains, is the walk measured there), and
+// no AVX2-only Intel CPU has been measured.
 int64_t default_weight_streams() {
+#if defined(CPU_CAPABILITY_AVX512)
   static const int64_t streams = [] {
     __builtin_cpu_init();
     return __builtin_cpu_is("intel") ? int64_t{4} : int64_t{1};
   }();
   return streams;
+#else
+  return 1;
+#endif
 }
 
 int64_t weight_streams() {

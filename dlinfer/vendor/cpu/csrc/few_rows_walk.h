@@ -1,15 +1,16 @@
 // The order in which the few-row linears (linear.cpp, linear_16bit.cpp) read a thread's band of
 // weight rows, shared by their float32, 16-bit and vdpbf16ps loops, and by the int8 GEMV's VNNI path
-// (int8_gemm.cpp: one weight row at a time, chunked from 3 rows of a past 32 KB).
+// (int8_gemm.cpp: R weight rows side by side at up to 4 rows of a, else one at a time; chunked
+// from 3 rows of a past 32 KB).
 //
 // Every weight vector is used for all M rows of x, so x's M rows are read once per weight vector.
 //  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight
 //    row at a time, front to back, one stream a thread, or, where the CPU reads more from several
 //    streams (`weight_streams`: Intel's), as that many parts of the band side by side, each front to
-//    back, one row of each at a time.
+//    back, one row of each at a time (at most two parts from five rows of x on: rows_side_by_side).
 //  - Past that (and on AVX2 builds at up to 4 rows of x: two_chains), two weight rows at a time
-//    (each x vector then loaded once for two of them; on AVX2 builds, unchunked, two rows half the
-//    band apart: kPairsApart), and from three rows of x on (x past kOneRowXBytes), K is also cut
+//    (each x vector then loaded once for two of them; unchunked, on AVX2 builds or with several
+//    weight streams set, two rows half the band apart: kPairsApart), and from three rows of x on (x past kOneRowXBytes), K is also cut
 //    into chunks of kSegmentBytes of each x row (as many elements of each weight row) and the band
 //    into blocks of kBlockRows rows: for each block, chunk by chunk, every row pair's segment is
 //    walked with its accumulators in registers, parked in a small buffer between chunks. x's chunk
@@ -79,7 +80,8 @@ inline bool two_chains(int64_t M) { return M <= kChainRows; }
 // prefetch read 1.6x that (the read probe: 19-20 against 31-33 GB/s on 2 threads); the float32 and
 // bfloat16 kernels at one row of x went from 0.64-0.73 of the probe to 0.89-0.99 with four parts
 // (docs/notes/cpu-ops.md, "Four streams a thread on the Xeon"). On the Zen 5 VM one stream a thread
-// read 0.85-0.98 of the probe (above), so AMD CPUs keep one.
+// read 0.85-0.98 of the probe (above), so AMD CPUs keep one, and so do AVX2 builds on any CPU
+// (few_rows_walk.cpp: their registers, and no AVX2-only Intel CPU measured).
 int64_t weight_streams();
 int64_t default_weight_streams();
 void set_weight_streams(int64_t streams);  // 0: the default; else 1, 2 or 4
@@ -182,8 +184,8 @@ inline void walk_bands(int64_t N, int64_t K, int64_t element_bytes, int64_t step
   at::parallel_for(0, N, grain, [&](int64_t b, int64_t e) {
     if (side == 1) {
       walk(b, e, kc, One{}, std::false_type{});
-    } else if (side == 4) {
-      if constexpr (M <= 4) walk(b, e, kc, Four{}, std::false_type{});  // (rows_side_by_side: M <= 4)
+    } else if (side == 4 && M <= 4) {  // (rows_side_by_side gives 4 only at M <= 4)
+      if constexpr (M <= 4) walk(b, e, kc, Four{}, std::false_type{});
     } else if (kc >= kv) {
       walk(b, e, kc, Two{}, std::false_type{});
     } else {
