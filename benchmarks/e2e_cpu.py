@@ -31,7 +31,10 @@ submitted at once and run as one continuous batch.
 The read-bandwidth probe (dlinfer/vendor/cpu/read_probe.py) is explored once, then read before
 each side's batch-1 timing: the streaming table gives each side's weights GB/s at batch 1 (the
 bytes a decode step reads: every weight once, the embedding table only where the head reads it)
-and its share of the probe's median reading.
+and its share of the probe's median reading. With several repeats a paired table follows: each
+round's batch-1 rate of every side against the first side's in the same round, and against the
+probe reading taken just before it (median and range over the rounds). A minute of faster memory
+that meets one side's best round and not the other's moves the best-of figures, not these.
 
 Each side runs in a process of its own (this file with `--worker`), driven over a pipe: sides
 sharing one process would share torch's OpenMP pools and slow each other down (see
@@ -254,37 +257,53 @@ def probe_reading(probe) -> float:
 
 
 def decode_rates(workers: list[Worker], new_tokens: int, repeats: int, probe=None,
-                 benches: dict | None = None) -> tuple[dict[str, dict[int, float | None]], list[float]]:
-    """(rates, probe readings). rates: B * (N - 1) / (T(N) - T(1)) per side and batch; T is the
-    best of `repeats` timings, taken round-robin across sides so that a busy moment of the machine
-    hits all of them alike. benches: name -> a function giving a decode rate at batch 1 (llama-bench),
-    its best of `repeats` taken in the same rounds (no batch 8). probe: a ReadProbe measured before
-    each side's batch-1 timing of N tokens (its readings, bytes/s, come back for the report)."""
+                 benches: dict | None = None) -> tuple[dict[str, dict[int, float | None]], list[float], dict]:
+    """(rates, probe readings, rounds). rates: B * (N - 1) / (T(N) - T(1)) per side and batch; T is
+    the best of `repeats` timings, taken round-robin across sides so that a busy moment of the
+    machine hits all of them alike. benches: name -> a function giving a decode rate at batch 1
+    (llama-bench), its best of `repeats` taken in the same rounds (no batch 8). probe: a ReadProbe
+    measured before each side's batch-1 timing of N tokens (its readings, bytes/s, come back for the
+    report). rounds: side -> [(batch-1 rate of that round alone, the probe reading taken just before
+    it, or None)], one a round, for `render_paired`."""
     best: dict[tuple, float] = {}
     benches = benches or {}
     bench_best = {name: 0.0 for name in benches}
     readings: list[float] = []
+    rounds: dict[str, list[tuple[float, float | None]]] = {w.name: [] for w in workers}
+    rounds.update({name: [] for name in benches})
     for worker in workers:  # warm-up: allocators, lazy inits, compiled graphs
         for batch in (1, 8):
             worker.run_batch(batch, new_tokens)
     for _ in range(repeats):
+        this_round: dict[tuple, float] = {}
+        before: dict[str, float | None] = {}
         for batch in (1, 8):
             for n in (new_tokens, 1):
                 for worker in workers:
-                    if probe is not None and batch == 1 and n == new_tokens:
-                        readings.append(probe_reading(probe))
+                    if batch == 1 and n == new_tokens:
+                        before[worker.name] = probe_reading(probe) if probe is not None else None
+                        if before[worker.name] is not None:
+                            readings.append(before[worker.name])
                     key = (worker.name, batch, n)
-                    best[key] = min(best.get(key, float("inf")), worker.run_batch(batch, n))
-        for name, rate in benches.items():
-            if probe is not None:
-                readings.append(probe_reading(probe))
-            bench_best[name] = max(bench_best[name], rate())
+                    this_round[key] = worker.run_batch(batch, n)
+                    best[key] = min(best.get(key, float("inf")), this_round[key])
+        for worker in workers:
+            rate = decode_timing.decode_rate(1, new_tokens, this_round[(worker.name, 1, new_tokens)],
+                                             this_round[(worker.name, 1, 1)])
+            rounds[worker.name].append((rate, before[worker.name]))
+        for name, rate_of in benches.items():
+            reading = probe_reading(probe) if probe is not None else None
+            if reading is not None:
+                readings.append(reading)
+            rate = rate_of()
+            rounds[name].append((rate, reading))
+            bench_best[name] = max(bench_best[name], rate)
     rates: dict[str, dict[int, float | None]] = {
         w.name: {b: decode_timing.decode_rate(b, new_tokens, best[(w.name, b, new_tokens)], best[(w.name, b, 1)])
                  for b in (1, 8)}
         for w in workers}
     rates.update({name: {1: r, 8: None} for name, r in bench_best.items()})
-    return rates, readings
+    return rates, readings, rounds
 
 
 def first_token_times(workers: list[Worker], lengths, repeats: int) -> dict[str, dict[int, float]]:
@@ -430,6 +449,41 @@ def render_streams(rates: dict, step_bytes: dict[str, int], readings: list[float
         f"Weights streamed at batch 1: the read-bandwidth probe read {probe / 1e9:.1f} GB/s (median of "
         f"{len(readings)} readings between the sides' runs, min {min(readings) / 1e9:.1f}, max "
         f"{max(readings) / 1e9:.1f}; explored at the start: {summary}).",
+        "",
+        *rows,
+        "",
+    ])
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    import statistics
+
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def render_paired(rounds: dict[str, list[tuple[float, float | None]]], step_bytes: dict[str, int]) -> str:
+    """Per side, round by round at batch 1: its rate against the first side's in the same round
+    (median, min-max over the rounds), and, where the probe was read, its weights' rate against the
+    probe reading taken just before it. A minute of faster or slower memory then moves both terms
+    of a ratio, which best-of-the-rounds figures cannot promise (one side's best round may meet a
+    fast minute that the other's did not)."""
+    import math
+
+    names = list(rounds)
+    base = names[0]
+    rows = [f"| side | tokens/s a round: median (min-max) | vs {base} in the same round | share of the probe read "
+            "just before |", "|---|---|---|---|"]
+    for name in names:
+        rates = [r for r, _ in rounds[name] if math.isfinite(r)]  # a round where T(N) <= T(1) gives nan
+        ratios = [r / b for (r, _), (b, _) in zip(rounds[name], rounds[base])
+                  if math.isfinite(r) and math.isfinite(b) and b > 0]
+        nbytes = step_bytes.get(name)
+        shares = [nbytes * r / p for r, p in rounds[name] if p and math.isfinite(r)] if nbytes else []
+        rows.append(f"| {name} | {_spread(rates, '.1f') if rates else '-'} | "
+                    f"{_spread(ratios, '.2f') if ratios else '-'} | {_spread(shares, '.2f') if shares else '-'} |")
+    return "\n".join([
+        f"Paired round by round at batch 1 ({len(rounds[base])} rounds; each side's rate in a round against "
+        f"{base}'s in the same round, and against the read probe just before it):",
         "",
         *rows,
         "",
@@ -595,7 +649,7 @@ def main(argv=None) -> int:
             print(f"[e2e] read-bandwidth probe: {summary}", flush=True)
         wait_until_idle(args.max_wait_idle, pids)
         with ForeignLoad(pids) as load:
-            rates, readings = decode_rates(workers, args.new_tokens, args.repeats, probe, benches)
+            rates, readings, rounds = decode_rates(workers, args.new_tokens, args.repeats, probe, benches)
         if probe is not None:
             probe.release()
         wait_until_idle(args.max_wait_idle, pids)
@@ -612,6 +666,8 @@ def main(argv=None) -> int:
         "\n"
     if probe is not None:
         text += render_streams(rates, step_bytes, readings, summary) + "\n"
+    if args.repeats > 1:
+        text += render_paired(rounds, step_bytes) + "\n"
     ref_bytes = infos[reference.name].get("step_bytes")
     text += "\n".join([
         f"Where the time of a {reference.name} decode step goes (one timed generation per batch, wall time of each "

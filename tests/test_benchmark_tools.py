@@ -128,3 +128,45 @@ def test_streams_sides_alternate_the_setting_and_restore_it():
         assert ops.weight_streams() == 2  # restored although a call raised
     finally:
         ops.set_weight_streams(in_force)
+
+
+def test_e2e_rounds_pair_each_side_with_the_baseline_and_the_probe_of_that_round(monkeypatch):
+    """e2e_cpu's decode_rates keeps each round's batch-1 rate per side with the probe reading taken
+    just before it, and render_paired compares sides round by round: a side that is twice and four
+    times the baseline in its two rounds reads 3.00x (2.00-4.00), whatever the best rounds were."""
+    import e2e_cpu
+
+    monkeypatch.setattr(e2e_cpu.time, "sleep", lambda s: None)
+    state = {"round": 0}
+    slowness = {"a": [1.0, 2.0], "b": [0.5, 0.5]}  # a: 10 then 5 tokens/s at batch 1; b: 20, 20
+
+    class Worker:
+        def __init__(self, name):
+            self.name = name
+
+        def run_batch(self, batch, n):  # T(n) = 0.2 s + (n - 1) x 0.1 s x slowness
+            return 0.2 + (n - 1) * 0.1 * slowness[self.name][state["round"]]
+
+    class Probe:
+        def measure(self):  # 1 GB/s in round 0, 2 GB/s in round 1
+            return 1e9 * (state["round"] + 1)
+
+    bench_rates = [12.0, 18.0]
+
+    def bench():
+        rate = bench_rates[state["round"]]
+        state["round"] = min(state["round"] + 1, 1)
+        return rate
+
+    rates, readings, rounds = e2e_cpu.decode_rates([Worker("a"), Worker("b")], 5, 2, Probe(), {"llama": bench})
+    assert rates["a"][1] == pytest.approx(10.0) and rates["b"][1] == pytest.approx(20.0)  # best of the rounds
+    assert rates["llama"] == {1: 18.0, 8: None}
+    assert [r for r, _ in rounds["a"]] == pytest.approx([10.0, 5.0])
+    assert [p for _, p in rounds["a"]] == [1e9, 2e9]
+    assert [p for _, p in rounds["llama"]] == [1e9, 2e9]
+    assert sorted(readings) == [1e9, 1e9, 1e9, 2e9, 2e9, 2e9]
+    text = e2e_cpu.render_paired(rounds, {"a": 1e9, "llama": 2e9})
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 7.5 (5.0-10.0) | 1.00 (1.00-1.00) | 6.25 (2.50-10.00) |" in rows["a"]  # shares 10 and 2.5
+    assert "| 20.0 (20.0-20.0) | 3.00 (2.00-4.00) | - |" in rows["b"]  # no bytes known for b
+    assert "| 15.0 (12.0-18.0) | 2.40 (1.20-3.60) | 21.00 (18.00-24.00) |" in rows["llama"]
