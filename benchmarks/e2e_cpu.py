@@ -341,14 +341,18 @@ def render_ttft(times: dict[str, dict[int, float]], foreign_share: float) -> str
     ])
 
 
-def _cpu_seconds(pid: int) -> float:
+def _cpu_seconds(pid: int, children: bool = False) -> float:
+    """CPU seconds of process `pid` (utime + stime), with its waited-for children's (cutime +
+    cstime) when `children`: llama-bench and the GGUF tools run as children of this process."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class ForeignLoad:
-    """Share of the machine's CPU time used by processes other than this benchmark (this process
-    and the workers in `pids`) while the block runs (Linux).
+    """Share of the machine's CPU time used by processes other than this benchmark (this process,
+    the children it waited for, such as each llama-bench run, and the workers in `pids`) while the
+    block runs (Linux).
 
     Decode steps are short parallel regions: with 2 cores, one busy core elsewhere stalls every
     OpenMP barrier, so numbers taken on a busy machine are meaningless. The table states how
@@ -365,7 +369,8 @@ class ForeignLoad:
         return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
     def _own_busy_s(self) -> float:
-        return sum(_cpu_seconds(pid) for pid in self.pids)
+        own, *workers = self.pids
+        return _cpu_seconds(own, children=True) + sum(_cpu_seconds(pid) for pid in workers)
 
     def __enter__(self):
         self._start = (time.perf_counter(), self._machine_busy_s(), self._own_busy_s())

@@ -170,3 +170,20 @@ def test_e2e_rounds_pair_each_side_with_the_baseline_and_the_probe_of_that_round
     assert "| 7.5 (5.0-10.0) | 1.00 (1.00-1.00) | 6.25 (2.50-10.00) |" in rows["a"]  # shares 10 and 2.5
     assert "| 20.0 (20.0-20.0) | 3.00 (2.00-4.00) | - |" in rows["b"]  # no bytes known for b
     assert "| 15.0 (12.0-18.0) | 2.40 (1.20-3.60) | 21.00 (18.00-24.00) |" in rows["llama"]
+
+
+def test_e2e_foreign_load_counts_the_children_it_waited_for_as_its_own():
+    """llama-bench runs as a child of e2e_cpu's process: its CPU time is the benchmark's own, not
+    "other processes'" (the e2e tables said 17-23% of the CPU time was foreign in runs with
+    llama-bench sides on a quiet machine)."""
+    import subprocess
+    import sys
+
+    import e2e_cpu
+
+    load = e2e_cpu.ForeignLoad()
+    before = load._own_busy_s()
+    burn = ("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\n"
+            "print(time.process_time())")
+    child_cpu = float(subprocess.run([sys.executable, "-c", burn], capture_output=True, text=True, check=True).stdout)
+    assert load._own_busy_s() - before >= 0.8 * child_cpu
