@@ -271,6 +271,12 @@ def decode_rates(workers: list[Worker], new_tokens: int, repeats: int, probe=Non
     readings: list[float] = []
     rounds: dict[str, list[tuple[float, float | None]]] = {w.name: [] for w in workers}
     rounds.update({name: [] for name in benches})
+    def read_probe() -> float | None:  # a reading kept for the report, or None without a probe
+        if probe is None:
+            return None
+        readings.append(probe_reading(probe))
+        return readings[-1]
+
     for worker in workers:  # warm-up: allocators, lazy inits, compiled graphs
         for batch in (1, 8):
             worker.run_batch(batch, new_tokens)
@@ -281,9 +287,7 @@ def decode_rates(workers: list[Worker], new_tokens: int, repeats: int, probe=Non
             for n in (new_tokens, 1):
                 for worker in workers:
                     if batch == 1 and n == new_tokens:
-                        before[worker.name] = probe_reading(probe) if probe is not None else None
-                        if before[worker.name] is not None:
-                            readings.append(before[worker.name])
+                        before[worker.name] = read_probe()
                     key = (worker.name, batch, n)
                     this_round[key] = worker.run_batch(batch, n)
                     best[key] = min(best.get(key, float("inf")), this_round[key])
@@ -292,9 +296,7 @@ def decode_rates(workers: list[Worker], new_tokens: int, repeats: int, probe=Non
                                              this_round[(worker.name, 1, 1)])
             rounds[worker.name].append((rate, before[worker.name]))
         for name, rate_of in benches.items():
-            reading = probe_reading(probe) if probe is not None else None
-            if reading is not None:
-                readings.append(reading)
+            reading = read_probe()
             rate = rate_of()
             rounds[name].append((rate, reading))
             bench_best[name] = max(bench_best[name], rate)

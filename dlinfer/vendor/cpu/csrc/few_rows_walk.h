@@ -10,11 +10,12 @@
 //    back, one row of each at a time (at most two parts from five rows of x on: rows_side_by_side).
 //  - Past that (and on AVX2 builds at up to 4 rows of x: two_chains), two weight rows at a time
 //    (each x vector then loaded once for two of them; unchunked, on AVX2 builds or with several
-//    weight streams set, two rows half the band apart: kPairsApart), and from three rows of x on (x past kOneRowXBytes), K is also cut
-//    into chunks of kSegmentBytes of each x row (as many elements of each weight row) and the band
-//    into blocks of kBlockRows rows: for each block, chunk by chunk, every row pair's segment is
-//    walked with its accumulators in registers, parked in a small buffer between chunks. x's chunk
-//    (M x 2 KB at most) stays in L1 instead of being reloaded from L2 for every weight vector.
+//    weight streams set, two rows half the band apart: kPairsApart), and from three rows of x on (x
+//    past kOneRowXBytes), K is also cut into chunks of kSegmentBytes of each x row (as many elements
+//    of each weight row) and the band into blocks of kBlockRows rows: for each block, chunk by
+//    chunk, every row pair's segment is walked with its accumulators in registers, parked in a small
+//    buffer between chunks. x's chunk (M x 2 KB at most) stays in L1 instead of being reloaded from
+//    L2 for every weight vector.
 //    "x" is x as the loop reads it: the 16-bit kernel's portable path reads it widened to float32
 //    at up to 4 rows.
 // Each output's float32 lanes add their products in the same order over k in every walk, so the

@@ -1,15 +1,16 @@
 // linear for few rows: y[M, N] = x[M, K] W[N, K]^T (+ bias), float32, M <= kMaxRows.
 //
 // At decode sizes (one to a few tokens) a linear layer is a matrix-vector product bound by the
-// speed at which W streams from memory; BLAS kernels built for large M leave half of that
-// bandwidth unused. Here each thread walks a contiguous band of W's rows in the order
-// few_rows_walk.h gives (one row at a time while x is small, or 2 or 4 parts of the band side by
-// side where `weight_streams` says so; else two rows, in K chunks from M = 3 on; on AVX2 builds
-// two, half the band apart (unchunked), at up to 4 rows: two FMA chains a row of x), and every vector of W, once loaded, is used for all M rows of x; one horizontal sum per
-// output. A software prefetch into L2 runs 16 KB ahead of the loads in that order (at M = 8 the
-// FMAs take about as long as the memory stream, and the two only overlap when the stream is
-// requested well ahead). Bigger M is compute-bound: the caller uses BLAS. The loop is
-// few_rows_portable.h's, the one the bfloat16 / float16 kernel's portable path runs, at T = float.
+// speed at which W streams from memory; BLAS kernels built for large M leave half of that bandwidth
+// unused. Here each thread walks a contiguous band of W's rows in the order few_rows_walk.h gives
+// (one row at a time while x is small, or 2 or 4 parts of the band side by side where
+// `weight_streams` says so; else two rows, in K chunks from M = 3 on; on AVX2 builds two, half the
+// band apart (unchunked), at up to 4 rows: two FMA chains a row of x), and every vector of W, once
+// loaded, is used for all M rows of x; one horizontal sum per output. A software prefetch into L2
+// runs 16 KB ahead of the loads in that order (at M = 8 the FMAs take about as long as the memory
+// stream, and the two only overlap when the stream is requested well ahead). Bigger M is
+// compute-bound: the caller uses BLAS. The loop is few_rows_portable.h's, the one the bfloat16 /
+// float16 kernel's portable path runs, at T = float.
 #include "common.h"
 #include "entry_points.h"
 #include "few_rows_portable.h"
