@@ -304,31 +304,44 @@ inline void add_group8(__m256i acc, __m256i z, __m256 s, const GroupInt8& q, boo
   _mm256_storeu_ps(y, _mm256_fmadd_ps(_mm256_cvtepi32_ps(D), _mm256_mul_ps(_mm256_set1_ps(q.scale), s), prev));
 }
 
+// The epilogue of one row's group (group_row_int8, group_row_int16): acc[2 v + h] holds the sums of
+// line half h of vector v, columns 16 v + 8 h .. + 7.
+template <typename S, typename Out>
+inline void add_group_row(const Layout& w, const GroupInt8& q, int64_t t, int64_t m, int64_t gi, bool first,
+                          const __m256i* acc, Out out) {
+  for (int v = 0; v < w.vectors(t); ++v)
+    for (int h = 0; h < 2; ++h) {
+      const int c = 16 * v + 8 * h;
+      add_group8(acc[2 * v + h], zeros8(w, t, gi, c), scales8<S>(w, t, gi, c), q, first, out(m) + c);
+    }
+}
+
 // One row (m0) of tile t in group gi: the four vectors' eight accumulators fit in registers, so the
-// group's lines are read in memory order (the stream's prefetch pattern, as the VNNI path).
+// group's lines are read in memory order (the stream's prefetch pattern, as the VNNI path). They
+// are eight named variables, line half u of a 256-byte row of lines in a<u> (vector u / 2, half
+// u % 2), not an array: GCC unrolls a loop only after deciding what stays in registers, and an
+// array indexed in the loop stayed on the stack, a load and a store a line half (seen in the
+// compiled loop on the Zen 3 EPYC; docs/notes/cpu-ops.md, "Accumulators on the stack").
 template <bool LEAD, typename S, typename Out>
 inline void group_row_int8(const Layout& w, const Int8Rows& a, int64_t t, int64_t m0, int64_t gi, bool first,
                            Out out) {
   const int64_t per = w.g / kBlockK;
   const uint8_t* const end = w.end() - kLineBytes;
   const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
-  __m256i acc[kVecs][2];
-  for (int v = 0; v < kVecs; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_si256();
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t b = 0; b < per; ++b) {
     const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
     if (LEAD)
       for (int u = 0; u < kVecs; ++u) _mm_prefetch(ahead(row_of_lines, kPrefetchBytes + u * kLineBytes, end), _MM_HINT_T1);
     const int8_t* const xk = a.d + m0 * w.K + kBlockK * (gi * per + b);
     const __m256i x03 = _mm256_set1_epi32(four_bytes(xk)), x47 = _mm256_set1_epi32(four_bytes(xk + 4));
-#pragma GCC unroll 8  // unrolled, acc[u / 2][u % 2] stays in registers
-    for (int u = 0; u < 2 * kVecs; ++u)
-      acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2], nibble_sums(nibbles(row_of_lines + 32 * u), x03, x47));
+    const auto half = [&](__m256i& acc, int u) __attribute__((always_inline)) {
+      acc = _mm256_add_epi32(acc, nibble_sums(nibbles(row_of_lines + 32 * u), x03, x47));
+    };
+    half(a0, 0), half(a1, 1), half(a2, 2), half(a3, 3), half(a4, 4), half(a5, 5), half(a6, 6), half(a7, 7);
   }
-  for (int v = 0; v < w.vectors(t); ++v)
-    for (int h = 0; h < 2; ++h) {
-      const int c = 16 * v + 8 * h;
-      add_group8(acc[v][h], zeros8(w, t, gi, c), scales8<S>(w, t, gi, c), a.group(m0, gi), first, out(m0) + c);
-    }
+  const __m256i acc[2 * kVecs] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  add_group_row<S>(w, a.group(m0, gi), t, m0, gi, first, acc, out);
 }
 
 // Path 5, row m of x (its int16 values in pair order) of tile t in group gi, the lines in memory
@@ -347,8 +360,7 @@ inline void group_row_int16(const Layout& w, const Int8Rows& a, int64_t t, int64
   const uint8_t* const lines = w.block(t, gi) + w.param_bytes;
   const int8_t* const words = a.d + 2 * (m * w.K + gi * w.g);
   const __m256i low = _mm256_set1_epi16(15);
-  __m256i acc[kVecs][2];
-  for (int v = 0; v < kVecs; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_si256();
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;  // as group_row_int8's
   for (int64_t b = 0; b < per; ++b) {
     const uint8_t* const row_of_lines = lines + b * kVecs * kLineBytes;
     if (LEAD)
@@ -356,21 +368,17 @@ inline void group_row_int16(const Layout& w, const Int8Rows& a, int64_t t, int64
     const int8_t* const xb = words + 2 * kBlockK * b;  // rows (0, 2), (4, 6), (1, 3), (5, 7): 4 bytes each
     const __m256i x02 = _mm256_set1_epi32(four_bytes(xb)), x46 = _mm256_set1_epi32(four_bytes(xb + 4));
     const __m256i x13 = _mm256_set1_epi32(four_bytes(xb + 8)), x57 = _mm256_set1_epi32(four_bytes(xb + 12));
-#pragma GCC unroll 8  // unrolled, acc[u / 2][u % 2] stays in registers
-    for (int u = 0; u < 2 * kVecs; ++u) {
+    const auto half = [&](__m256i& acc, int u) __attribute__((always_inline)) {  // one add after another: fewer live registers
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_of_lines + 32 * u));
-      const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(v, low), x02),
-                                          _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x46));
-      const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), low), x13),
-                                          _mm256_madd_epi16(_mm256_srli_epi16(v, 12), x57));
-      acc[u / 2][u % 2] = _mm256_add_epi32(acc[u / 2][u % 2], _mm256_add_epi32(p0, p1));
-    }
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_and_si256(v, low), x02));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), x46));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), low), x13));
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_srli_epi16(v, 12), x57));
+    };
+    half(a0, 0), half(a1, 1), half(a2, 2), half(a3, 3), half(a4, 4), half(a5, 5), half(a6, 6), half(a7, 7);
   }
-  for (int v = 0; v < w.vectors(t); ++v)
-    for (int h = 0; h < 2; ++h) {
-      const int c = 16 * v + 8 * h;
-      add_group8(acc[v][h], zeros8(w, t, gi, c), scales8<S>(w, t, gi, c), a.group(m, gi), first, out(m) + c);
-    }
+  const __m256i acc[2 * kVecs] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  add_group_row<S>(w, a.group(m, gi), t, m, gi, first, acc, out);
 }
 
 // MR (2..4) rows of tile t in group gi, vector by vector over the group's lines (its 4 KB stays in
