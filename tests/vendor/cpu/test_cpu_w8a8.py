@@ -88,6 +88,29 @@ def test_int8_product_exact_where_k_is_walked_in_chunks(m, k, n, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 37, 130])
+def test_int8_product_exact_over_bands_of_any_row_count(n, m, threads):
+    """The AVX2 build walks a thread's band of b as two halves side by side up to three rows of a
+    (csrc/int8_gemm.cpp, tile_avx2): bands of one row, of an odd count (the middle row alone) and of
+    an even one, on one thread or split in two; K with no tail, a tail of 32, and a scalar one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (64, 96, 97, 2081):
+            g = torch.Generator().manual_seed(n * 10007 + m * 101 + k)
+            a, b = _i8(m, k, g=g), _i8(n, k, g=g)
+            a[0, :3] = -128
+            b[-1] = -128
+            exact = ref.int8_product(a, b)
+            for path in _paths():
+                out = _ops().int8_matmul(a, b, path)
+                assert torch.equal(out.to(torch.int64), exact), f"path {path}, k {k}"
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_unavailable_path_is_refused():
     with pytest.raises(RuntimeError, match="path"):
         _ops().int8_matmul(torch.zeros(1, 4, dtype=torch.int8), torch.zeros(2, 4, dtype=torch.int8), 3)
