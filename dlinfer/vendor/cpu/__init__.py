@@ -51,8 +51,8 @@ NOTES = {
     "silu_and_mul": "C++: fused fp32 silu(gate) * up",
     "dynamic_quant": "C++: one pass per row, fp32 amax / 127, round half to even (bit-identical to torch's)",
     "linear_w8a8": "C++: exact int8 product, AVX-512 VNNI (vpdpbusd, +128 offset and per-row correction) or "
-                   "int16 vpmaddwd (AVX-512BW or AVX2) or portable at <= 8 rows, oneDNN's int8 GEMM "
-                   "(torch._int_mm) beyond; fp32 scales",
+                   "int16 vpmaddwd (AVX-512BW or AVX2) or portable at <= 8 rows, beyond that oneDNN's int8 GEMM "
+                   "(torch._int_mm) with VNNI, else the same kernels over blocks of the weight; fp32 scales",
     "rms_norm_w8a8": "C++: this vendor's rms_norm row and its quantisation in one pass",
     "add_rms_norm_w8a8": "C++: residual add, rms_norm and quantisation in one pass",
     "fused_moe_w8a8": "C++: per active expert two exact int8 products (linear_w8a8's), fp32 epilogues, silu * up "

@@ -47,7 +47,7 @@ def test_int8_product_is_exact_on_every_path(m, k):
     a[0] = -128  # -128 * -128 and -128 * 127 everywhere in the first row
     b[0], b[1] = -128, 127
     exact = ref.int8_product(a, b)
-    for path in [-1, *_paths()]:  # -1: the ops' choice (oneDNN's int8 GEMM beyond 8 rows)
+    for path in [-1, *_paths()]:  # -1: the ops' choice (beyond 8 rows oneDNN's int8 GEMM with VNNI)
         out = _ops().int8_matmul(a, b, path)
         assert out.dtype == torch.int32
         assert torch.equal(out.to(torch.int64), exact), f"path {path}"
@@ -109,6 +109,30 @@ def test_int8_product_exact_over_bands_of_any_row_count(n, m, threads):
                 assert torch.equal(out.to(torch.int64), exact), f"path {path}, k {k}"
     finally:
         torch.set_num_threads(before)
+
+
+def test_many_rows_without_vnni_stay_off_torchs_plain_int_mm():
+    """Beyond 8 rows the op takes torch._int_mm only where the CPU has VNNI: without it torch 2.13
+    runs _int_mm as a plain loop, 16-19x this vendor's int16 kernel on the Zen 3 EPYC (csrc/
+    int8_gemm.cpp, int8_matmul_rows). The op's choice (-1) must cost about what the int16 path does
+    (the bound, 4x, is far from both the machine's noise and the plain loop's 16x)."""
+    import time
+
+    if _ops().int8_best_path() == VNNI:
+        pytest.skip("this CPU has VNNI: beyond 8 rows the op takes oneDNN's int8 GEMM")
+    g = torch.Generator().manual_seed(11)
+    a, b = _i8(64, 2048, g=g), _i8(2048, 2048, g=g)
+
+    def best_of(path):
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            _ops().int8_matmul(a, b, path)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    best_of(-1), best_of(_ops().int8_best_path())  # first-call costs
+    assert best_of(-1) < 4 * best_of(_ops().int8_best_path())
 
 
 def test_unavailable_path_is_refused():

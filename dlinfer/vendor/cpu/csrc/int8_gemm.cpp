@@ -369,7 +369,10 @@ at::Tensor int8_matmul_rows(const int8_t* const* a_rows, int64_t M, const at::Te
   const int64_t N = b.size(0), K = b.size(1);
   // torch 2.13's CPU _int_mm returns garbage at K = 1 (N > 1; found by tests/vendor/test_cpu_w8a8.py,
   // every K in 2..139 and the model sizes checked exact): small K stays on int8_gemm, where it is cheap.
-  if (M > kGemvRows && N > 0 && K >= kMinIntMmK) {
+  // And only on CPUs with VNNI: without it torch 2.13 runs _int_mm as a plain loop (the 2-core Zen 3
+  // EPYC, AVX2: 20 x 2048 @ 2048 x 2048 in 43.7 ms against 2.3 ms here, 64 rows 132.9 against 8.3;
+  // docs/notes/cpu-ops.md, "W8A8 prefill without VNNI"), so there every M stays on int8_gemm.
+  if (M > kGemvRows && N > 0 && K >= kMinIntMmK && best_int8_path() == kVnni) {
     at::Tensor a = empty_tensor({M, K}, b.options());
     for (int64_t m = 0; m < M; ++m) std::memcpy(a.data_ptr<int8_t>() + m * K, a_rows[m], K);
     return at::_int_mm(a, b.t());

@@ -28,8 +28,9 @@ void int8_gemm(const int8_t* const* a_rows, int64_t M, const int8_t* b, int64_t 
                int64_t ldo, int path);
 
 // The product the ops use: at most kGemvRows rows of a, int8_gemm on the best path (a weight
-// stream); more, ATen's at::_int_mm (oneDNN's int8 GEMM, exact int32, faster from ~12 rows on as
-// measured on Zen 5; the rows are gathered into one tensor first; not at K < 16, see the .cpp).
+// stream); more, on CPUs with VNNI, ATen's at::_int_mm (oneDNN's int8 GEMM, exact int32, faster
+// from ~12 rows on as measured on Zen 5; the rows are gathered into one tensor first; not at K <
+// 16), elsewhere int8_gemm's blocks (torch's _int_mm is a plain loop there; see the .cpp).
 // Returns [M, N] int32.
 constexpr int64_t kGemvRows = 8;
 at::Tensor int8_matmul_rows(const int8_t* const* a_rows, int64_t M, const at::Tensor& b);
