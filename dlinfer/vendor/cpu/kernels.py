@@ -187,7 +187,8 @@ def dynamic_quant(x: Tensor):
 def linear_w8a8(a: Tensor, b: Tensor, rms_scale: Tensor, linear_scale: Tensor, out_dtype: torch.dtype,
                 bias: Optional[Tensor]) -> Tensor:
     """a [M, K] int8, b [N, K] int8, rms_scale [M], linear_scale [N] or [N, 1] float32, bias [N]? -> [M, N] out_dtype.
-    The int8 product: a weight-streaming VNNI / AVX-512 kernel up to 8 rows, oneDNN's int8 GEMM beyond."""
+    The int8 product: a weight-streaming VNNI / int16 kernel up to 8 rows; beyond, oneDNN's int8 GEMM
+    on CPUs with VNNI, else the same kernels over blocks of the weight."""
     return _linear_w8a8(a, b, rms_scale, linear_scale, out_dtype, bias, -1)  # -1: the best path
 
 
