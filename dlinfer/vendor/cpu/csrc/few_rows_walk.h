@@ -1,7 +1,8 @@
 // The order in which the few-row linears (linear.cpp, linear_16bit.cpp) read a thread's band of
 // weight rows, shared by their float32, 16-bit and vdpbf16ps loops, and by the int8 GEMV's VNNI path
 // (int8_gemm.cpp: R weight rows side by side at up to 4 rows of a, else one at a time; chunked
-// from 3 rows of a past 32 KB).
+// from 3 rows of a past 32 KB) and its AVX2 int16 path (unchunked: two rows far apart at up to 3
+// rows of a, else one at a time).
 //
 // Every weight vector is used for all M rows of x, so x's M rows are read once per weight vector.
 //  - While they fit in L1 (M x K x element size <= kOneRowXBytes) the band is walked one weight

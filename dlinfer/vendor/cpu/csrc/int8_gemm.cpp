@@ -182,26 +182,30 @@ void tile_vnni_walk(const int8_t* a, int64_t lda, const int8_t* b, int64_t K, in
 // EPYC (Zen 1) the sign extension was the bound. 64 bytes of b a step with one prefetch; K's tail
 // past a multiple of 32 in scalar uint32 sums.
 //
-// R rows of b at a time (rows_avx2), 32 bytes of each in turn. Up to kPairRows rows of a, a thread's
-// band of b is walked as two halves side by side (R = 2: row n0 + i with row n0 + h + i, h half the
-// band), as linear.cpp's AVX2 walk reads its float rows: two streams a thread. On the 2-core Zen 3
-// EPYC, alternated in one process against one row at a time, the step's int8 linears at the 1B
-// shapes read 0.83 -> 1.07 of the read probe at one row, 0.80 -> 0.90 at two, 0.83 -> 1.00 at
-// three, the int8 LM head (128256 x 2048) 0.74 -> 1.00; at four rows 0.80 -> 0.72 (2 x 4
-// accumulators and the two rows' decoded halves crowd AVX2's 16 registers), so four rows and
-// more keep one row at a time (docs/notes/cpu-ops.md, "W8A8 on AVX2: two rows of b far apart").
-// Each output's sum is the same in either walk (its own row's steps in the same order).
+// R rows of b at a time (rows_avx2), 32 bytes of each in turn, walked by few_rows_walk.h's
+// walk_rows. Up to kPairRows rows of a, a thread's band of b is walked as two halves side by side
+// (R = 2: on AVX2 builds walk_rows puts the pair's rows half the band apart, kPairsApart), as
+// linear.cpp's AVX2 walk reads its float rows: two streams a thread; an odd band's last row goes
+// alone. On the 2-core Zen 3 EPYC, alternated in one process against one row at a time, the step's
+// int8 linears at the 1B shapes read 0.83 -> 1.07 of the read probe at one row, 0.80 -> 0.90 at
+// two, 0.83 -> 1.00 at three, the int8 LM head (128256 x 2048) 0.74 -> 1.00; at four rows 0.80 ->
+// 0.72 (2 x 4 accumulators and the two rows' decoded halves crowd AVX2's 16 registers), so four
+// rows and more keep one row at a time (docs/notes/cpu-ops.md, "W8A8 on AVX2: two rows of b far
+// apart"). Each output's sum is the same in either walk (its own row's steps in the same order).
 constexpr int kPairRows = 3;
 
+// Rows n, n + gap, .., n + (R - 1) gap of b over K: 64 bytes a step over [k0, k1) (k1 = K's
+// multiple of 64), prefetching pf + r * gap * K + k for row r, then K's 32-byte and scalar tails;
+// writes out[m * ldo + n + r * gap].
 template <int M, int R>
-inline void rows_avx2(const int16_t* a, int64_t lda, const int8_t* const (&br)[R], int64_t K, int32_t* const (&dst)[R],
-                      int64_t ldo) {
-  const int64_t k64 = K - K % 64, kv = K - K % 32;
+inline void rows_avx2(const int16_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n, int64_t gap, int64_t k0,
+                      int64_t k1, const int8_t* pf, int32_t* out, int64_t ldo) {
+  const int64_t kv = K - K % 32;
   __m256i acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_si256();
   auto step = [&](int r, int64_t k) __attribute__((always_inline)) {
-    const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(br[r] + k));
+    const __m256i bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (n + r * gap) * K + k));
     const __m256i odd = _mm256_srai_epi16(bv, 8), even = _mm256_srai_epi16(_mm256_slli_epi16(bv, 8), 8);
     for (int m = 0; m < M; ++m) {
       const int16_t* ar = a + m * lda + k;
@@ -210,44 +214,49 @@ inline void rows_avx2(const int16_t* a, int64_t lda, const int8_t* const (&br)[R
       acc[r][m] = _mm256_add_epi32(acc[r][m], _mm256_add_epi32(pe, po));
     }
   };
-  for (int64_t k = 0; k < k64; k += 64) {
-    for (int r = 0; r < R; ++r) __builtin_prefetch(br[r] + k + kPrefetch, 0, 1);
+  for (int64_t k = k0; k < k1; k += 64) {
+    for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * gap * K + k, 0, 1);
     for (int r = 0; r < R; ++r) step(r, k);
     for (int r = 0; r < R; ++r) step(r, k + 32);
   }
-  if (kv > k64)
-    for (int r = 0; r < R; ++r) step(r, k64);
-  for (int r = 0; r < R; ++r)
+  if (kv > k1)
+    for (int r = 0; r < R; ++r) step(r, k1);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* br = b + (n + r * gap) * K;
     for (int m = 0; m < M; ++m) {
       alignas(32) uint32_t lanes[8];
       _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][m]);
       uint32_t s = 0;
       for (int l = 0; l < 8; ++l) s += lanes[l];
       for (int64_t k = kv; k < K; ++k)
-        s += static_cast<uint32_t>(static_cast<int32_t>(a[m * lda + pair_order(k)]) * br[r][k]);
-      dst[r][m * ldo] = static_cast<int32_t>(s);
+        s += static_cast<uint32_t>(static_cast<int32_t>(a[m * lda + pair_order(k)]) * br[k]);
+      out[m * ldo + n + r * gap] = static_cast<int32_t>(s);
     }
+  }
+}
+
+// Rows [n0, n1) of b, R at a time ((n1 - n0) a multiple of R), unchunked.
+template <int M, int R>
+void walk_avx2(const int16_t* a, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
+               int64_t ldo) {
+  const int64_t k64 = K - K % 64;
+  walk_rows<M, R, false, __m256i>(
+      b, K, k64, k64, kPrefetch, n0, n1,
+      [&](__m256i*, int64_t n, int64_t gap, int64_t k0, int64_t k1, const int8_t* pf, bool, bool) {
+        rows_avx2<M, R>(a, lda, b, K, n, gap, k0, k1, pf, out, ldo);
+      });
 }
 
 template <int M>
 void tile_avx2(const int8_t* a_packed, int64_t lda, const int8_t* b, int64_t K, int64_t n0, int64_t n1, int32_t* out,
                int64_t ldo) {
   const int16_t* a = reinterpret_cast<const int16_t*>(a_packed);  // lda int16 a row, in pair order
-  int64_t n = n0, end = n1;  // the rows [n, end) go one at a time
-  if (M <= kPairRows && n1 - n0 >= 2) {
-    const int64_t h = (n1 - n0 + 1) / 2, pairs = n1 - n0 - h;  // pairs: h, or h - 1 in an odd band
-    for (int64_t i = n0; i < n0 + pairs; ++i) {
-      const int8_t* const rows[2] = {b + i * K, b + (i + h) * K};
-      int32_t* const dst[2] = {out + i, out + i + h};
-      rows_avx2<M, 2>(a, lda, rows, K, dst, ldo);
-    }
-    n = n0 + pairs, end = n0 + h;  // an odd band's middle row, else none
+  int64_t n = n0;  // the rows from n on go one at a time
+  if constexpr (M <= kPairRows) {
+    n = n0 + (n1 - n0) / 2 * 2;
+    walk_avx2<M, 2>(a, lda, b, K, n0, n, out, ldo);
   }
-  for (; n < end; ++n) {
-    const int8_t* const rows[1] = {b + n * K};
-    int32_t* const dst[1] = {out + n};
-    rows_avx2<M, 1>(a, lda, rows, K, dst, ldo);
-  }
+  walk_avx2<M, 1>(a, lda, b, K, n, n1, out, ldo);
 }
 #endif
 
