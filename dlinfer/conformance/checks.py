@@ -90,17 +90,6 @@ def suite(name: str):
     return register
 
 
-def all_suites() -> List[Suite]:
-    import dlinfer.conformance.suites  # noqa: F401  (registers them, in order)
-
-    return list(SUITES)
-
-
-def checks_for(layouts, small: bool = False) -> List[Check]:
-    """Every check for a vendor with these KV layouts (small: only the small ones)."""
-    return [c for s in all_suites() for c in s(layouts) if c.small or not small]
-
-
 def _glob(pattern: str) -> "re.Pattern":
     """A pattern where `*` is any text and `?` any character; everything else, brackets
     included, is literal (check ids contain brackets)."""

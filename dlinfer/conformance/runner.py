@@ -19,9 +19,10 @@ import torch
 
 import dlinfer
 from dlinfer.conformance import tolerances
-from dlinfer.conformance.checks import Check, Skipped, checks_for, matches, skip_reason
+from dlinfer.conformance.checks import Check, Skipped, matches, skip_reason
 from dlinfer.conformance.compare import Mismatch
 from dlinfer.conformance.inputs import clear_memo, dtype_name, on_device, value_checks
+from dlinfer.conformance.suites import checks_for
 from dlinfer.errors import VendorError
 from dlinfer.vendor import registry, selection
 from dlinfer.vendor.op_table import OP_NAMES

@@ -13,7 +13,8 @@ import pytest
 
 import dlinfer.vendor
 from dlinfer.conformance import runner
-from dlinfer.conformance.checks import Skipped, all_suites, skip_reason
+from dlinfer.conformance.checks import Skipped, skip_reason
+from dlinfer.conformance.suites import all_suites
 
 VENDORS = tuple(dlinfer.vendor.available())
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

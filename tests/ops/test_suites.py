@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import dlinfer.ops
-from dlinfer.conformance.checks import checks_for
-from dlinfer.conformance.suites import weight_quant
+from dlinfer.conformance.suites import checks_for, weight_quant
 from dlinfer.vendor.op_table import OPS
 
 from .cases import all_params, run

@@ -1,6 +1,10 @@
 """The conformance suites, one module per op family (plus the cross-op ones); importing this
-package registers them, in this order, in `dlinfer.conformance.checks.SUITES`."""
+package registers them, in this order, in `dlinfer.conformance.checks.SUITES`, and gives the
+lists of suites and checks that the runner and the tests walk."""
 
+from typing import List
+
+from dlinfer.conformance.checks import SUITES, Check, Suite  # noqa: E402  (after the suites registered)
 from dlinfer.conformance.suites import (  # noqa: F401  (registration order = run order within an op)
     activation,
     ascend_quant_rope,
@@ -20,3 +24,13 @@ from dlinfer.conformance.suites import (  # noqa: F401  (registration order = ru
     strided,
     weight_quant,
 )
+
+
+def all_suites() -> List[Suite]:
+    """Every suite, in registration order."""
+    return list(SUITES)
+
+
+def checks_for(layouts, small: bool = False) -> List[Check]:
+    """Every check for a vendor with these KV layouts (small: only the small ones)."""
+    return [c for s in all_suites() for c in s(layouts) if c.small or not small]
