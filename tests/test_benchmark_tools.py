@@ -187,3 +187,35 @@ def test_e2e_foreign_load_counts_the_children_it_waited_for_as_its_own():
             "print(time.process_time())")
     child_cpu = float(subprocess.run([sys.executable, "-c", burn], capture_output=True, text=True, check=True).stdout)
     assert load._own_busy_s() - before >= 0.8 * child_cpu
+
+
+def test_graph_python_stubs_every_kernel_in_call_order_and_restores_them():
+    """graph_python.measure times the graph with its kernels and then with stubs that return what
+    each kernel call gave on a recording call, in call order (so the graph's own code sees the
+    same values), and puts the real kernels back, also when the graph raises."""
+    import graph_python
+
+    calls = []
+
+    def kernel(x):
+        calls.append(x)
+        return x + 1
+
+    scope = {"dlinfer_kernel": kernel, "torch": torch}
+    exec("def graph(x):\n    y = dlinfer_kernel(x)\n    z = dlinfer_kernel(y * 10)\n    return z", scope)
+    graph = scope["graph"]
+    assert graph_python.kernel_names(scope) == ["dlinfer_kernel"]
+    results = graph_python.measure(graph, (1,), rounds=2, calls=3)
+    assert [r[2] for r in results] == [2, 2]  # two kernel calls a graph call
+    # the kernel ran only in the warm-up (3 graph calls) and, each round, on the real side (3) and
+    # in the recording call (1): two kernel calls a graph call; the stubbed calls never reach it
+    assert len(calls) == 2 * (3 + 2 * (3 + 1))
+    assert scope["dlinfer_kernel"] is kernel and graph(1) == 21
+
+    def failing(x):
+        raise RuntimeError("the kernel under test failed")
+
+    scope["dlinfer_kernel"] = failing
+    with pytest.raises(RuntimeError, match="the kernel under test failed"):
+        graph_python.measure(graph, (1,), rounds=1, calls=1)
+    assert scope["dlinfer_kernel"] is failing
