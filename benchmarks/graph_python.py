@@ -15,8 +15,8 @@ call, on both sides, as a step's weights do between two steps. The bound kernels
 Python-to-C++ crossing (~1 us a call: benchmarks/bench_call_overhead.py) stays inside the kernel
 side here.
 
-The graph is the first one LMDeploy replays (graph_mode/replay.py, `GraphReplay`), a decode
-bucket's, with the inputs of that call: batch 1's bucket for a one-prompt generation.
+The graph is the one LMDeploy replays (graph_mode/replay.py, `GraphReplay`) for the decode bucket
+of `--batch` prompts (default 1), with the inputs of its first replayed call.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO_ROOT / "scripts"))
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
 
 
-def capture_first_replay(side: str, folder: Path, quant: dict):
+def capture_first_replay(side: str, folder: Path, quant: dict, batch: int = 1):
     """(the compiled graph callable, its positional inputs) of the first graph replay of a
-    one-prompt generation on `side`, and the side's owner (close it when done)."""
+    generation of `batch` prompts on `side`, and the side's owner (close it when done)."""
     from e2e_cpu import chat_prompts
     from e2e_sides import make_side
 
@@ -44,7 +44,7 @@ def capture_first_replay(side: str, folder: Path, quant: dict):
     original = replay.GraphReplay.__call__
 
     def recording_call(self, kwargs, model):
-        if captured:
+        if captured or kwargs["input_ids"].shape[-1] < batch:  # [1, bucket] token ids
             return original(self, kwargs, model)
         compiled = self._compiled
 
@@ -60,8 +60,8 @@ def capture_first_replay(side: str, folder: Path, quant: dict):
 
     replay.GraphReplay.__call__ = recording_call
     try:
-        run, owner = make_side(side, folder, chat_prompts(folder)[:1], quant)
-        run(1, 8)
+        run, owner = make_side(side, folder, chat_prompts(folder), quant)
+        run(batch, 8)
     finally:
         replay.GraphReplay.__call__ = original
     if not captured:
@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", default="graph-bf16", help="a graph side of benchmarks/e2e_sides.py")
     parser.add_argument("--model", default="", help="an HF folder (default: SmolLM2-135M-Instruct, built if missing)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts a step: the bucket whose graph is timed")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=50, help="graph calls per side and round")
     parser.add_argument("--evict", type=int, default=0, metavar="MB",
@@ -143,14 +144,15 @@ def main(argv=None) -> int:
 
     folder = Path(args.model) if args.model else build_smollm2(log=lambda msg: print(msg, file=sys.stderr))
     graph, inputs, owner = capture_first_replay(args.side, folder,
-                                                {"group_size": args.group_size, "w4_method": args.w4_method})
+                                                {"group_size": args.group_size, "w4_method": args.w4_method},
+                                                args.batch)
     try:
         results = measure(graph, inputs, args.rounds, args.calls, args.evict)
     finally:
         owner.close()
     evicted = f", {args.evict} MB read before each call" if args.evict else ""
-    print(f"{args.side}, {folder.name}: one decode graph call, ms (min / median of {args.calls} calls a round"
-          f"{evicted})")
+    print(f"{args.side}, {folder.name}, batch {args.batch}: one decode graph call, ms (min / median of "
+          f"{args.calls} calls a round{evicted})")
     print("| round | as is | kernels stubbed | kernel calls | stubbed / as is (min) |")
     print("|---|---|---|---|---|")
     for i, (as_is, stubbed, calls) in enumerate(results, 1):

@@ -120,6 +120,19 @@ def test_one_compile_per_bucket(model_and_runner):
     _, runner = model_and_runner
     assert runner.buckets == [1, 2, 4]
     assert runner.compiles == 3
+    assert runner.warm_buckets == {1, 2, 4} and sorted(runner._replays) == [1, 2, 4]
+
+
+def test_graph_batch_option(monkeypatch):
+    monkeypatch.setenv("DLINFER_GRAPH_BATCH", "Static")
+    assert "input_ids" not in _runner(TinyDecoder())._dynamic_sources
+    monkeypatch.setenv("DLINFER_GRAPH_BATCH", "dynamic")
+    assert "input_ids" in _runner(TinyDecoder())._dynamic_sources
+    monkeypatch.delenv("DLINFER_GRAPH_BATCH")
+    assert "input_ids" not in _runner(TinyDecoder())._dynamic_sources  # the default: static
+    monkeypatch.setenv("DLINFER_GRAPH_BATCH", "bucket")
+    with pytest.raises(ValueError, match="DLINFER_GRAPH_BATCH='bucket': expected 'static'"):
+        _runner(TinyDecoder())
 
 
 @pytest.mark.parametrize("kv_lens", [[7, 3, 12], [2], [9, 4], [5, 6, 7, 8], [14, 2, 3]])
@@ -314,3 +327,25 @@ def test_forward_with_python_side_effects_keeps_dynamo():
     model = CountingDecoder()
     _graph_steps_through_dynamo(model)
     assert model.calls == 6  # three eager forwards, three through Dynamo: none skipped
+
+
+def test_dynamic_batch_shares_one_graph_from_bucket_2(monkeypatch):
+    """DLINFER_GRAPH_BATCH=dynamic: bucket 1's graph and one traced with a dynamic batch that
+    buckets 2 and 4 share, each bucket replaying the graph it ran; every step eager mode's results.
+    (Last in the file: it resets Dynamo, whose caches the module's runner relies on.)"""
+    monkeypatch.setenv("DLINFER_GRAPH_BATCH", "dynamic")
+    torch._dynamo.reset()
+    model = TinyDecoder()
+    runner = _runner(model)
+    for kv_lens in ([5, 9, 2], [3], [8, 2], [4, 4, 4, 4], [6, 1]):
+        got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens)), _caches())
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
+    assert runner.compiles == 2 and runner.warm_buckets == {1, 2, 4} and sorted(runner._replays) == [1, 2, 4]
+    for kv_lens in ([7, 3, 12], [2], [9, 4, 1, 5]):  # replayed
+        got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 5),
+                                                          _caches())
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
+    assert runner.compiles == 2
+    torch._dynamo.reset()

@@ -133,23 +133,25 @@ def python_side_effects() -> Optional[bool]:
 
 
 class CompiledGraph:
-    """The callable Dynamo receives from the backend: runs the compiled graph and keeps the
-    outputs of its first call, the one that compiled it (to find which one the forward returned),
-    until `GraphReplay.build` has looked at them."""
+    """The callable Dynamo receives from the backend: runs the compiled graph, keeps the outputs of
+    its latest call through Dynamo (to find which one the forward returned) until
+    `GraphReplay.build` has looked at them, and tells `on_call` it ran. A graph traced with a
+    dynamic batch serves several buckets, each of which builds its replay from its first call.
+    Replays call `compiled` directly, so none of this runs on a replayed step."""
 
-    def __init__(self, gm: fx.GraphModule, compiled: Callable):
+    def __init__(self, gm: fx.GraphModule, compiled: Callable, on_call: Optional[Callable] = None):
         # Read now: Dynamo drops the placeholders' sources and its side-effect record after compiling.
         self.sources = [_source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
         self.side_effects = python_side_effects()
         self.compiled = compiled
-        self.first_outputs: Optional[List[Any]] = None
-        self._called = False
+        self.last_outputs: Optional[List[Any]] = None
+        self._on_call = on_call
 
     def __call__(self, *args):
         out = self.compiled(*args)
-        if not self._called:
-            self._called = True
-            self.first_outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+        self.last_outputs = list(out) if isinstance(out, (list, tuple)) else [out]
+        if self._on_call is not None:
+            self._on_call(self)
         return out
 
 
@@ -188,7 +190,7 @@ class GraphReplay:
         """The replay of `graph`, given what the compiled model returned on the call that ran it;
         None when the graph does not meet the module docstring's conditions."""
         gather = gather_function(graph.sources)
-        outputs, graph.first_outputs = graph.first_outputs or [], None
+        outputs, graph.last_outputs = graph.last_outputs or [], None
         index = next((i for i, out in enumerate(outputs) if out is returned), None)
         if gather is None or index is None or graph.side_effects is not False:
             log.debug("dlinfer graph mode: no replay for this graph (inputs %s, output %s, side effects %s)",

@@ -10,7 +10,9 @@ What it does
 - A one-token-per-sequence decode step of B sequences is padded to the smallest bucket >= B
   (1, 2, 4, ... max_batches, or `cudagraph_capture_batch_sizes`) and run through
   `torch.compile(model, backend=dlinfer_backend, dynamic=False, fullgraph=True)`; the real rows of
-  the hidden states come back. One graph per bucket, compiled at warm-up. The graph compiler is
+  the hidden states come back. One graph per bucket, compiled at warm-up (or, with
+  DLINFER_GRAPH_BATCH=dynamic, one for bucket 1 and one shared by the larger buckets: "One trace
+  for the larger buckets" below). The graph compiler is
   "direct" (vendor kernels called from the captured graph, docs/graph.md) unless
   DLINFER_GRAPH_COMPILER names another or the vendor declares its own.
 - A model Dynamo cannot capture whole logs a warning and runs eagerly.
@@ -22,8 +24,8 @@ What it does
   it and runs a graph (`_UNUSED_CONTEXT`).
 
 Keeping recompiles bounded (one per bucket, whatever the lengths): the graph is static
-(`dynamic=False`) except for the two things that grow with the sequences, marked dynamic through
-`torch.compiler.config.dynamic_sources`:
+(`dynamic=False`) except for the two things that grow with the sequences (and, opted in, the
+batch size: below), marked dynamic through `torch.compiler.config.dynamic_sources`:
 - `max_kv_seq_len`, the only integer the decode graph reads that changes every step (a SymInt
   in the graph, passed to the custom op); without this Dynamo specialises on it and recompiles
   at every step;
@@ -31,6 +33,19 @@ Keeping recompiles bounded (one per bucket, whatever the lengths): the graph is 
   specialises dimensions of size 1 whatever it is told.
 Everything else the graph reads per step is a tensor of fixed shape for the bucket
 (`kv_flatten_size`, which also changes, is never read by the graph).
+
+One trace for the larger buckets (DLINFER_GRAPH_BATCH=dynamic, opt-in): Dynamo's tracing of the
+model's Python is what a compile costs (nearly 90% of it for SmolLM2; the dlinfer backend's passes
+and compiler 0.1-0.2 s). With the batch dims of the step's tensors (`BATCH_SOURCES`) marked
+dynamic, one trace serves every bucket from 2 up; Dynamo specialises a size of 1, so bucket 1, the
+one-request decode, keeps a static graph of its own. Each bucket replays the graph it ran. Measured
+on the Zen 5 VM, SmolLM2-135M in bfloat16: with `max_batch_size=64` (buckets 1 to 64) the engine
+started in 14.9 s instead of 38.1 (2 compiles instead of 7); but the shared graph's call sites have
+symbolic shapes, which the direct compiler does not bind (docs/graph.md), and it computes its sizes
+in Python: at batch 8 the graph's own Python took 1.05-1.53 ms a call instead of 0.39-0.45, the
+graph call 18.8-20.7 ms instead of 14.8-17.8 (`benchmarks/graph_python.py --batch 8`, the two
+settings in alternated processes). So the default stays one static graph per bucket: a slower
+start, the fastest steps.
 
 Guards after warm-up: once every bucket has its graph (LMDeploy warms one decode step per bucket
 at start-up), a step evaluates only the guards that tell those graphs apart
@@ -73,6 +88,13 @@ log = logging.getLogger("dlinfer.lmdeploy.graph")
 
 # Dynamo source names of what changes per step but must not recompile (see the module docstring).
 DYNAMIC_SOURCES = r"L\['attn_metadata'\]\.max_kv_seq_len,L\['attn_metadata'\]\.block_offsets:1"
+# The batch dims of a decode step's tensors ([1, B] token rows, [B] / [B + 1] / [B, W] metadata,
+# Qwen2-VL's [3, B] positions): dynamic with DLINFER_GRAPH_BATCH=dynamic (the module docstring).
+BATCH_SOURCES = ",".join(
+    [r"L\['input_ids'\]:1", r"L\['position_ids'\]:1", r"L\['mrope_position_ids'\]:1"]
+    + [rf"L\['attn_metadata'\]\.{name}:0" for name in (
+        "block_offsets", "kv_seqlens", "kv_seqlens_cpu", "kv_start_indices", "q_seqlens", "q_start_loc",
+        "cu_seqlens_q", "cu_seqlens_q_cpu")])
 _FORWARD_KEYS = {"input_ids", "position_ids", "past_key_values", "attn_metadata", "inputs_embeds"}
 # Per-token inputs of vision-language models' decode steps, padded like `position_ids` (along their
 # last dim): Qwen2-VL's multimodal rope positions [3, T]. Their other inputs (pixel values, image
@@ -83,6 +105,7 @@ _PER_TOKEN_KEYS = {"mrope_position_ids"}
 _UNUSED_CONTEXT = {"InternVLChatModel": "flash_mode"}
 REPLAY_ENV = "DLINFER_GRAPH_REPLAY"  # "0": warm steps go through Dynamo (see "Replay" in the docstring)
 GUARDS_ENV = "DLINFER_GRAPH_GUARDS"  # "full": every guard at every step; unset / "warm": see the docstring
+BATCH_ENV = "DLINFER_GRAPH_BATCH"  # unset / "static": one trace per bucket; "dynamic": see the docstring
 
 
 class DlinferGraphRunner(GraphRunner):
@@ -94,12 +117,14 @@ class DlinferGraphRunner(GraphRunner):
         self.enable_graph = not backend_config.eager_mode
         self.buckets = sorted(self.get_capture_batch_sizes())
         self.compiles = 0  # graphs the dlinfer backend compiled for this runner
+        self.warm_buckets: set = set()  # buckets that have run a compiled graph
         self.graph_steps = 0  # decode steps that ran a compiled graph
         self._options = dict(compile_options or {})
         self._options.setdefault("compiler", _default_compiler(device))
         self._compiled = None
         self._replays: Dict[int, GraphReplay] = {}  # bucket -> its graph called without Dynamo
-        self._new_graph: Optional[CompiledGraph] = None  # compiled during the current call
+        self._replay_tried: set = set()  # buckets whose graph GraphReplay.build has examined
+        self._ran_graph: Optional[CompiledGraph] = None  # the graph the current call ran, if any
         self._failed: Optional[BaseException] = None
         self._constants: Dict[int, Dict[str, torch.Tensor]] = {}
         mode = _UNUSED_CONTEXT.get(type(model).__name__)
@@ -113,8 +138,12 @@ class DlinferGraphRunner(GraphRunner):
         if replay not in ("0", "1"):
             raise ValueError(f"{REPLAY_ENV}={replay!r}: expected '1' (the default) or '0'")
         self._replay = replay == "1"
+        raw_batch = envs.get(BATCH_ENV) or "static"
+        if raw_batch.lower() not in ("dynamic", "static"):
+            raise ValueError(f"{BATCH_ENV}={raw_batch!r}: expected 'static' (the default) or 'dynamic'")
+        ours = DYNAMIC_SOURCES + ("," + BATCH_SOURCES if raw_batch.lower() == "dynamic" else "")
         user_sources = torch.compiler.config.dynamic_sources
-        self._dynamic_sources = f"{user_sources},{DYNAMIC_SOURCES}" if user_sources else DYNAMIC_SOURCES
+        self._dynamic_sources = f"{user_sources},{ours}" if user_sources else ours
         # Dynamo's recompile_limit (default 8) counts cache entries per code object: the model's
         # forward gets one per bucket, per engine in the process. Raised as LMDeploy's CUDA graph
         # runner does (never lowered); past it Dynamo would refuse to compile (fullgraph=True).
@@ -127,8 +156,10 @@ class DlinferGraphRunner(GraphRunner):
         from dlinfer.graph.backend import dlinfer_backend
 
         self.compiles += 1
-        self._new_graph = CompiledGraph(gm, dlinfer_backend(gm, example_inputs, options=self._options))
-        return self._new_graph
+        return CompiledGraph(gm, dlinfer_backend(gm, example_inputs, options=self._options), on_call=self._graph_ran)
+
+    def _graph_ran(self, graph: CompiledGraph) -> None:
+        self._ran_graph = graph
 
     def _compiled_model(self):
         if self._compiled is None:
@@ -241,7 +272,8 @@ class DlinferGraphRunner(GraphRunner):
             self.graph_steps += 1
             return _real_rows(replay(self._replay_inputs(kwargs, batch, bucket), self.model), batch)
         padded = self._pad(kwargs, batch, bucket)
-        warm = not self._all_guards and self.compiles >= len(self.buckets)
+        warm = not self._all_guards and len(self.warm_buckets) >= len(self.buckets)
+        self._ran_graph = None
         stance = (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if warm
                   else contextlib.nullcontext())
         try:
@@ -259,15 +291,18 @@ class DlinferGraphRunner(GraphRunner):
                         type(exc).__name__, exc)
             return self.model(**kwargs)
         self.graph_steps += 1
+        self.warm_buckets.add(bucket)
         self._keep_replay(bucket, output)
         return _real_rows(output, batch)
 
     def _keep_replay(self, bucket: int, output) -> None:
-        """After a call that compiled `bucket`'s graph: later steps of the bucket replay it
+        """After `bucket`'s first call through Dynamo (the one that compiled its graph, or that found
+        the graph shared with the other buckets): later steps of the bucket replay it
         (graph_mode/replay.py), unless replay is off (DLINFER_GRAPH_REPLAY=0, DLINFER_GRAPH_GUARDS=full)."""
-        graph, self._new_graph = self._new_graph, None
-        if graph is None or self._all_guards or not self._replay:
+        graph, self._ran_graph = self._ran_graph, None
+        if graph is None or self._all_guards or not self._replay or bucket in self._replay_tried:
             return
+        self._replay_tried.add(bucket)  # once: a graph that cannot be replayed is not examined every step
         replay = GraphReplay.build(graph, output)
         if replay is not None:
             self._replays[bucket] = replay
