@@ -4,7 +4,7 @@ lists of suites and checks that the runner and the tests walk."""
 
 from typing import List
 
-from dlinfer.conformance.checks import SUITES, Check, Suite  # noqa: E402  (after the suites registered)
+from dlinfer.conformance.checks import SUITES, Check, Suite
 from dlinfer.conformance.suites import (  # noqa: F401  (registration order = run order within an op)
     activation,
     ascend_quant_rope,
