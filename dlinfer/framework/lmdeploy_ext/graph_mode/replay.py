@@ -134,8 +134,8 @@ def python_side_effects() -> Optional[bool]:
 
 class CompiledGraph:
     """The callable Dynamo receives from the backend: runs the compiled graph, keeps the outputs of
-    its latest call through Dynamo (to find which one the forward returned) until
-    `GraphReplay.build` has looked at them, and tells `on_call` it ran. A graph traced with a
+    its latest call through Dynamo (to find which one the forward returned) until the runner has
+    handed them to `GraphReplay.build` or dropped them, and tells `on_call` it ran. A graph traced with a
     dynamic batch serves several buckets, each of which builds its replay from its first call.
     Replays call `compiled` directly, so none of this runs on a replayed step."""
 

@@ -117,13 +117,12 @@ class DlinferGraphRunner(GraphRunner):
         self.enable_graph = not backend_config.eager_mode
         self.buckets = sorted(self.get_capture_batch_sizes())
         self.compiles = 0  # graphs the dlinfer backend compiled for this runner
-        self.warm_buckets: set = set()  # buckets that have run a compiled graph
+        self.warm_buckets: set = set()  # buckets that have run a compiled graph through Dynamo
         self.graph_steps = 0  # decode steps that ran a compiled graph
         self._options = dict(compile_options or {})
         self._options.setdefault("compiler", _default_compiler(device))
         self._compiled = None
         self._replays: Dict[int, GraphReplay] = {}  # bucket -> its graph called without Dynamo
-        self._replay_tried: set = set()  # buckets whose graph GraphReplay.build has examined
         self._ran_graph: Optional[CompiledGraph] = None  # the graph the current call ran, if any
         self._failed: Optional[BaseException] = None
         self._constants: Dict[int, Dict[str, torch.Tensor]] = {}
@@ -139,9 +138,10 @@ class DlinferGraphRunner(GraphRunner):
             raise ValueError(f"{REPLAY_ENV}={replay!r}: expected '1' (the default) or '0'")
         self._replay = replay == "1"
         raw_batch = envs.get(BATCH_ENV) or "static"
-        if raw_batch.lower() not in ("dynamic", "static"):
+        batch_mode = raw_batch.lower()
+        if batch_mode not in ("dynamic", "static"):
             raise ValueError(f"{BATCH_ENV}={raw_batch!r}: expected 'static' (the default) or 'dynamic'")
-        ours = DYNAMIC_SOURCES + ("," + BATCH_SOURCES if raw_batch.lower() == "dynamic" else "")
+        ours = DYNAMIC_SOURCES + ("," + BATCH_SOURCES if batch_mode == "dynamic" else "")
         user_sources = torch.compiler.config.dynamic_sources
         self._dynamic_sources = f"{user_sources},{ours}" if user_sources else ours
         # Dynamo's recompile_limit (default 8) counts cache entries per code object: the model's
@@ -291,18 +291,20 @@ class DlinferGraphRunner(GraphRunner):
                         type(exc).__name__, exc)
             return self.model(**kwargs)
         self.graph_steps += 1
+        graph, self._ran_graph = self._ran_graph, None
+        if graph is not None:
+            if bucket not in self.warm_buckets:  # once: a graph that cannot be replayed is not examined every step
+                self._keep_replay(bucket, graph, output)
+            graph.last_outputs = None  # (GraphReplay.build has looked at them, or nobody will)
         self.warm_buckets.add(bucket)
-        self._keep_replay(bucket, output)
         return _real_rows(output, batch)
 
-    def _keep_replay(self, bucket: int, output) -> None:
-        """After `bucket`'s first call through Dynamo (the one that compiled its graph, or that found
-        the graph shared with the other buckets): later steps of the bucket replay it
-        (graph_mode/replay.py), unless replay is off (DLINFER_GRAPH_REPLAY=0, DLINFER_GRAPH_GUARDS=full)."""
-        graph, self._ran_graph = self._ran_graph, None
-        if graph is None or self._all_guards or not self._replay or bucket in self._replay_tried:
+    def _keep_replay(self, bucket: int, graph: CompiledGraph, output) -> None:
+        """After `bucket`'s first call through Dynamo, which ran `graph` (compiled by that call, or
+        shared with the other buckets): later steps of the bucket replay it (graph_mode/replay.py),
+        unless replay is off (DLINFER_GRAPH_REPLAY=0, DLINFER_GRAPH_GUARDS=full)."""
+        if self._all_guards or not self._replay:
             return
-        self._replay_tried.add(bucket)  # once: a graph that cannot be replayed is not examined every step
         replay = GraphReplay.build(graph, output)
         if replay is not None:
             self._replays[bucket] = replay
