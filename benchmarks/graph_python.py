@@ -82,7 +82,8 @@ def measure(graph, args, rounds: int, calls: int, evict_mb: int = 0) -> list:
 
     evict = torch.ones(evict_mb * 2**20 // 4) if evict_mb else None
     flush = (lambda: float(evict.sum())) if evict is not None else (lambda: None)
-    fn = getattr(graph, "__func__", graph)
+    inner = graph.graph_for(*args) if hasattr(graph, "graph_for") else graph  # a graph compiled per batch size
+    fn = getattr(inner, "__func__", inner)
     scope = fn.__globals__
     names = kernel_names(scope)
     real = {name: scope[name] for name in names}

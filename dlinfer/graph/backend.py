@@ -17,6 +17,7 @@ Options (the `options=` dict of torch.compile; environment variables give the de
     passes     DLINFER_GRAPH_PASSES     "all" | "none" | "a,b" | "-a,-b"   (see passes/__init__.py)
     compiler   DLINFER_GRAPH_COMPILER   "auto" | "inductor" | "direct" | "eager" | a callable(gm, inputs)
     inductor   -                        dict of Inductor config patches (with compiler inductor/auto)
+    specialize -                        regex of symbolic sizes to compile per value (specialize.py)
 `mode=` ("max-autotune", ...) is forwarded to Inductor.
 
 Graphs that contain dlinfer ops are inference graphs (the ops have no autograd formula): they are
@@ -35,7 +36,7 @@ import torch.fx as fx
 
 import dlinfer.ops  # noqa: F401  (registers torch.ops.dlinfer.*)
 from dlinfer import envs
-from dlinfer.graph import match, passes
+from dlinfer.graph import match, passes, specialize
 from dlinfer.vendor import selection
 
 log = logging.getLogger("dlinfer.graph")
@@ -43,7 +44,7 @@ log = logging.getLogger("dlinfer.graph")
 # Running totals, for tests and diagnostics: graphs compiled, rewrites per pass, compiler used.
 stats: collections.Counter = collections.Counter()
 
-_OPTION_KEYS = {"passes", "compiler", "inductor"}
+_OPTION_KEYS = {"passes", "compiler", "inductor", "specialize"}
 BIND_ENV = "DLINFER_GRAPH_BIND"  # "0": the direct compiler leaves every node on its op function
 
 
@@ -216,12 +217,37 @@ def _no_grad(fn: Callable) -> Callable:
 
 def dlinfer_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] = None,
                     options: Optional[Dict[str, Any]] = None):
-    """torch.compile backend: dlinfer rewrite passes, then the vendor's compiler or Inductor."""
+    """torch.compile backend: dlinfer rewrite passes, then the vendor's compiler or Inductor.
+
+    With `options["specialize"]`, a regular expression (`re.fullmatch`) over Dynamo's source names of
+    the graph's symbolic ints (such as `L['input_ids'].size()[1]`), and the direct compiler, a graph
+    that has such symbols is compiled per value of them, on its first call with that value, each
+    copy with those sizes constant (dlinfer/graph/specialize.py); the graph Dynamo traced is kept as
+    it is for that. Other compilers compile the traced graph, symbolic sizes and all."""
     options = dict(options or {})
     unknown = set(options) - _OPTION_KEYS
     if unknown:
         raise ValueError(f"dlinfer graph: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTION_KEYS)}")
     names = passes.select(options.get("passes", envs.get("DLINFER_GRAPH_PASSES")))
+    patches = dict(options.get("inductor") or {})
+    if mode and mode != "default":
+        patches = {**torch._inductor.list_mode_options(mode), **patches}
+    compiler = _choose_compiler(options.get("compiler", envs.get("DLINFER_GRAPH_COMPILER")),
+                                _device_type(example_inputs), patches)
+    pattern = options.get("specialize")
+    # Only the direct compiler: it reads sizes from the graph's fake values and takes the first
+    # call's inputs for nothing else. Inductor (or a vendor's compiler) handed a call's real inputs
+    # would specialise every size on them, the free ones too: it compiles the traced graph instead.
+    symbols = specialize.fixed_symbols(gm, pattern) if pattern and compiler is direct_compiler else []
+    if symbols:
+        stats["graphs:per_size"] += 1
+        return specialize.PerSizeGraph(gm, symbols, functools.partial(_compile, names=names, compiler=compiler))
+    return _compile(gm, example_inputs, names=names, compiler=compiler)
+
+
+def _compile(gm: fx.GraphModule, example_inputs, *, names, compiler: Callable):
+    """The passes `names` on gm (in place), then `compiler`; run without grad when the graph has
+    dlinfer ops."""
     if log.isEnabledFor(logging.DEBUG):
         log.debug("dlinfer graph before passes %s:\n%s", names, gm.code)
     counts = passes.run(gm, names)
@@ -229,12 +255,6 @@ def dlinfer_backend(gm: fx.GraphModule, example_inputs, *, mode: Optional[str] =
     stats.update({k: v for k, v in counts.items() if v})
     if log.isEnabledFor(logging.DEBUG):
         log.debug("dlinfer graph after passes %s:\n%s", counts, gm.code)
-
-    patches = dict(options.get("inductor") or {})
-    if mode and mode != "default":
-        patches = {**torch._inductor.list_mode_options(mode), **patches}
-    compiler = _choose_compiler(options.get("compiler", envs.get("DLINFER_GRAPH_COMPILER")),
-                                _device_type(example_inputs), patches)
     if not match.dlinfer_nodes(gm.graph) or not torch.is_grad_enabled():
         return compiler(gm, example_inputs)
     with torch.no_grad():
