@@ -159,7 +159,7 @@ def worker_main(side: str, args) -> int:
     {"ttft": n} -> {"seconds": t} of one greedy token for an n-token prompt (prompt_of_length);
     {"ttft_budget": n} -> op_budget(...) of that (LMDeploy sides);
     {"tokens": [b, n]} -> the greedy token ids; {"budget": [b, n]} -> op_budget(...);
-    {"info": 1} -> threads, vendor, start-up seconds, graphs compiled (LMDeploy sides)."""
+    {"info": 1} -> threads, vendor, start-up seconds, decode graphs Dynamo traced (LMDeploy sides)."""
     out = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's channel; anything else printed, by
     os.dup2(2, 1)                                 # Python or native code, goes to stderr
     sys.stdout = sys.stderr
@@ -518,7 +518,7 @@ def render_budget(budgets: dict[int, dict]) -> str:
 
 
 def render_modes(infos: dict[str, dict]) -> str:
-    rows = ["| LMDeploy side | build + warm-up s | decode graphs compiled |", "|---|---|---|"]
+    rows = ["| LMDeploy side | build + warm-up s | decode graphs traced |", "|---|---|---|"]
     for name, info in infos.items():
         rows.append(f"| {name} | {info['startup_s']:.0f} | {info['graphs']} |")
     return "\n".join([

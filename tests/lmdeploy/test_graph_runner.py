@@ -13,7 +13,7 @@ pytest.importorskip("lmdeploy")
 from lmdeploy.pytorch.backends.dlinfer.attention import DlinferAttentionMetadata  # noqa: E402
 
 import dlinfer.ops as ops  # noqa: E402
-from dlinfer.framework.lmdeploy_ext.graph_mode.runner import DlinferGraphRunner  # noqa: E402
+from dlinfer.framework.lmdeploy_ext.graph_mode.runner import BATCH_SIZES, DlinferGraphRunner  # noqa: E402
 
 H, HEADS, D, BS, NB, VOCAB = 32, 2, 16, 4, 24, 50
 
@@ -89,11 +89,20 @@ def _both(runner, model, step, caches):
     return got, expected, graph_caches, eager_caches
 
 
-@pytest.fixture(scope="module")
-def model_and_runner():
+@pytest.fixture(scope="module", params=["dynamic", "static"])
+def model_and_runner(request):
+    """A model and its runner, with the batch dims dynamic (the default: two traces, the larger
+    buckets' graph compiled per bucket) or static (DLINFER_GRAPH_BATCH=static: one per bucket)."""
     torch._dynamo.reset()
     model = TinyDecoder()
-    return model, _runner(model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DLINFER_GRAPH_BATCH", request.param)
+        return model, _runner(model)
+
+
+def _traces(runner) -> int:
+    """The graphs Dynamo traces for the runner's buckets (1, 2, 4)."""
+    return len(runner.buckets) if runner.batch_mode == "static" else 2
 
 
 @pytest.mark.parametrize("kv_lens", [[5, 9, 2], [6, 10, 3], [1, 16, 7], [3], [8, 2], [4, 4, 4, 4], [13, 2, 9]])
@@ -115,11 +124,12 @@ def test_padded_graph_step_equals_eager(model_and_runner, kv_lens):
         torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
 
 
-def test_one_compile_per_bucket(model_and_runner):
-    """After the steps above (batch 3, 1, 2, 4; growing lengths, block tables of 1 to 4 blocks)."""
+def test_compiles_bounded_by_buckets(model_and_runner):
+    """After the steps above (batch 3, 1, 2, 4; growing lengths, block tables of 1 to 4 blocks):
+    one trace per bucket, or two with the batch dynamic (bucket 1's, and the larger buckets')."""
     _, runner = model_and_runner
     assert runner.buckets == [1, 2, 4]
-    assert runner.compiles == 3
+    assert runner.compiles == (3 if runner.batch_mode == "static" else 2)
     assert runner.warm_buckets == {1, 2, 4} and sorted(runner._replays) == [1, 2, 4]
 
 
@@ -129,9 +139,11 @@ def test_graph_batch_option(monkeypatch):
     monkeypatch.setenv("DLINFER_GRAPH_BATCH", "dynamic")
     assert "input_ids" in _runner(TinyDecoder())._dynamic_sources
     monkeypatch.delenv("DLINFER_GRAPH_BATCH")
-    assert "input_ids" not in _runner(TinyDecoder())._dynamic_sources  # the default: static
+    runner = _runner(TinyDecoder())
+    assert "input_ids" in runner._dynamic_sources and runner.batch_mode == "dynamic"  # the default
+    assert runner._options["specialize"] == BATCH_SIZES
     monkeypatch.setenv("DLINFER_GRAPH_BATCH", "bucket")
-    with pytest.raises(ValueError, match="DLINFER_GRAPH_BATCH='bucket': expected 'static'"):
+    with pytest.raises(ValueError, match="DLINFER_GRAPH_BATCH='bucket': expected 'dynamic'"):
         _runner(TinyDecoder())
 
 
@@ -140,13 +152,13 @@ def test_warm_steps_replay_their_bucket_graph(model_and_runner, kv_lens, monkeyp
     """Every bucket compiled: a step calls its bucket's graph without Dynamo (graph_mode/replay.py):
     eager mode's results and caches, no compile, the compiled model never entered."""
     model, runner = model_and_runner
-    assert runner.compiles == len(runner.buckets) and sorted(runner._replays) == runner.buckets
+    assert runner.compiles == _traces(runner) and sorted(runner._replays) == runner.buckets
     monkeypatch.setattr(runner, "_compiled_model", lambda: pytest.fail("a warm step went through Dynamo"))
     steps = runner.graph_steps
     got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 7), _caches())
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
-    assert runner.compiles == len(runner.buckets) and runner.graph_steps == steps + 1
+    assert runner.compiles == _traces(runner) and runner.graph_steps == steps + 1
 
 
 @pytest.mark.parametrize("kv_lens,pads", [([9, 4], False), ([5, 6, 7, 8], False), ([7, 3, 12], True), ([2], True)])
@@ -179,7 +191,7 @@ def test_warm_guards_pick_the_right_graph(model_and_runner, kv_lens, monkeypatch
     assert stances == [dict(skip_guard_eval_unsafe=True)]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
-    assert runner.compiles == len(runner.buckets) and not runner._replays
+    assert runner.compiles == _traces(runner) and not runner._replays
 
 
 def test_graph_guards_option(monkeypatch):
@@ -329,11 +341,14 @@ def test_forward_with_python_side_effects_keeps_dynamo():
     assert model.calls == 6  # three eager forwards, three through Dynamo: none skipped
 
 
-def test_dynamic_batch_shares_one_graph_from_bucket_2(monkeypatch):
-    """DLINFER_GRAPH_BATCH=dynamic: bucket 1's graph and one traced with a dynamic batch that
-    buckets 2 and 4 share, each bucket replaying the graph it ran; every step eager mode's results.
+def test_the_larger_buckets_share_one_trace_compiled_per_bucket(monkeypatch):
+    """The default (DLINFER_GRAPH_BATCH=dynamic): bucket 1's graph and one traced with a dynamic
+    batch that buckets 2 and 4 share, compiled for each of them with its batch sizes fixed
+    (dlinfer/graph/specialize.py), each bucket replaying it; every step eager mode's results.
     (Last in the file: it resets Dynamo, whose caches the module's runner relies on.)"""
-    monkeypatch.setenv("DLINFER_GRAPH_BATCH", "dynamic")
+    from dlinfer.graph.specialize import PerSizeGraph
+
+    monkeypatch.delenv("DLINFER_GRAPH_BATCH", raising=False)
     torch._dynamo.reset()
     model = TinyDecoder()
     runner = _runner(model)
@@ -342,10 +357,14 @@ def test_dynamic_batch_shares_one_graph_from_bucket_2(monkeypatch):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
     assert runner.compiles == 2 and runner.warm_buckets == {1, 2, 4} and sorted(runner._replays) == [1, 2, 4]
+    shared = runner._replays[2]._compiled
+    assert isinstance(shared, PerSizeGraph) and runner._replays[4]._compiled is shared
+    assert not isinstance(runner._replays[1]._compiled, PerSizeGraph)
+    assert sorted(tuple(set(key)) for key in shared.sizes) == [(2,), (4,)]  # a bucket: all its batch sizes fixed
     for kv_lens in ([7, 3, 12], [2], [9, 4, 1, 5]):  # replayed
         got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 5),
                                                           _caches())
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
-    assert runner.compiles == 2
+    assert runner.compiles == 2 and len(shared.sizes) == 2
     torch._dynamo.reset()

@@ -10,9 +10,9 @@ What it does
 - A one-token-per-sequence decode step of B sequences is padded to the smallest bucket >= B
   (1, 2, 4, ... max_batches, or `cudagraph_capture_batch_sizes`) and run through
   `torch.compile(model, backend=dlinfer_backend, dynamic=False, fullgraph=True)`; the real rows of
-  the hidden states come back. One graph per bucket, compiled at warm-up (or, with
-  DLINFER_GRAPH_BATCH=dynamic, one for bucket 1 and one shared by the larger buckets: "One trace
-  for the larger buckets" below). The graph compiler is
+  the hidden states come back. Two traces in all, at warm-up: bucket 1's, and one with a dynamic
+  batch that every larger bucket shares, compiled per bucket ("One trace for the larger buckets"
+  below; DLINFER_GRAPH_BATCH=static traces one graph per bucket instead). The graph compiler is
   "direct" (vendor kernels called from the captured graph, docs/graph.md) unless
   DLINFER_GRAPH_COMPILER names another or the vendor declares its own.
 - A model Dynamo cannot capture whole logs a warning and runs eagerly.
@@ -23,29 +23,31 @@ What it does
   forward reads only in its token-compressing `flash_mode`: without that mode a decode step drops
   it and runs a graph (`_UNUSED_CONTEXT`).
 
-Keeping recompiles bounded (one per bucket, whatever the lengths): the graph is static
-(`dynamic=False`) except for the two things that grow with the sequences (and, opted in, the
-batch size: below), marked dynamic through `torch.compiler.config.dynamic_sources`:
+Keeping recompiles bounded (two, whatever the batch sizes and lengths): the graph is static
+(`dynamic=False`) except for the two things that grow with the sequences, and the batch size,
+marked dynamic through `torch.compiler.config.dynamic_sources`:
 - `max_kv_seq_len`, the only integer the decode graph reads that changes every step (a SymInt
   in the graph, passed to the custom op); without this Dynamo specialises on it and recompiles
   at every step;
 - the block table's width (blocks of the longest sequence), kept >= 2 because Dynamo
-  specialises dimensions of size 1 whatever it is told.
+  specialises dimensions of size 1 whatever it is told;
+- the batch dims of the step's tensors (`BATCH_SOURCES`; not with DLINFER_GRAPH_BATCH=static).
 Everything else the graph reads per step is a tensor of fixed shape for the bucket
 (`kv_flatten_size`, which also changes, is never read by the graph).
 
-One trace for the larger buckets (DLINFER_GRAPH_BATCH=dynamic, opt-in): Dynamo's tracing of the
-model's Python is what a compile costs (nearly 90% of it for SmolLM2; the dlinfer backend's passes
-and compiler 0.1-0.2 s). With the batch dims of the step's tensors (`BATCH_SOURCES`) marked
-dynamic, one trace serves every bucket from 2 up; Dynamo specialises a size of 1, so bucket 1, the
-one-request decode, keeps a static graph of its own. Each bucket replays the graph it ran. Measured
-on the Zen 5 VM, SmolLM2-135M in bfloat16: with `max_batch_size=64` (buckets 1 to 64) the engine
-started in 14.9 s instead of 38.1 (2 compiles instead of 7); but the shared graph's call sites have
-symbolic shapes, which the direct compiler does not bind (docs/graph.md), and it computes its sizes
-in Python: at batch 8 the graph's own Python took 1.05-1.53 ms a call instead of 0.39-0.45, the
-graph call 18.8-20.7 ms instead of 14.8-17.8 (`benchmarks/graph_python.py --batch 8`, the two
-settings in alternated processes). So the default stays one static graph per bucket: a slower
-start, the fastest steps.
+One trace for the larger buckets: Dynamo's tracing of the model's Python is what a compile costs
+(nearly 90% of it for SmolLM2; the dlinfer backend's passes and compiler 0.1-0.2 s). With the
+batch dims marked dynamic, one trace serves every bucket from 2 up; Dynamo specialises a size of
+1, so bucket 1, the one-request decode, keeps a static graph of its own. The backend compiles the
+shared graph once per bucket, on the bucket's first call, with the batch sizes fixed (its
+`specialize` option, `BATCH_SIZES`; dlinfer/graph/specialize.py): the same code, view passes and
+bound call sites as a graph traced for that bucket, for ~0.5 s a bucket instead of a trace. Each
+bucket replays the graph it ran. Measured on the Zen 5 VM, SmolLM2-135M in bfloat16 at
+`max_batch_size=64` (buckets 1 to 64, `serve`'s default): the engine started in 15.6-16.4 s
+instead of 36.6-39.6 (2 traces instead of 7), and at batch 8 the graph's own Python took the same
+time as the static graph's (0.25-0.39 ms against 0.25-0.41 a call, `benchmarks/graph_python.py
+--batch 8`, the two settings in alternated processes). DLINFER_GRAPH_BATCH=static keeps one trace
+per bucket. With a compiler other than "direct" the shared graph runs with symbolic sizes.
 
 Guards after warm-up: once every bucket has its graph (LMDeploy warms one decode step per bucket
 at start-up), a step evaluates only the guards that tell those graphs apart
@@ -89,12 +91,16 @@ log = logging.getLogger("dlinfer.lmdeploy.graph")
 # Dynamo source names of what changes per step but must not recompile (see the module docstring).
 DYNAMIC_SOURCES = r"L\['attn_metadata'\]\.max_kv_seq_len,L\['attn_metadata'\]\.block_offsets:1"
 # The batch dims of a decode step's tensors ([1, B] token rows, [B] / [B + 1] / [B, W] metadata,
-# Qwen2-VL's [3, B] positions): dynamic with DLINFER_GRAPH_BATCH=dynamic (the module docstring).
+# Qwen2-VL's [3, B] positions): dynamic unless DLINFER_GRAPH_BATCH=static (the module docstring).
 BATCH_SOURCES = ",".join(
     [r"L\['input_ids'\]:1", r"L\['position_ids'\]:1", r"L\['mrope_position_ids'\]:1"]
     + [rf"L\['attn_metadata'\]\.{name}:0" for name in (
         "block_offsets", "kv_seqlens", "kv_seqlens_cpu", "kv_start_indices", "q_seqlens", "q_start_loc",
         "cu_seqlens_q", "cu_seqlens_q_cpu")])
+# The same dims as Dynamo names the graph's symbolic ints (`L['input_ids'].size()[1]`): the sizes the
+# shared graph is compiled per value of (the backend's "specialize" option).
+BATCH_SIZES = "|".join(rf"{source}\.size\(\)\[{dim}\]"
+                       for source, dim in (entry.rsplit(":", 1) for entry in BATCH_SOURCES.split(",")))
 _FORWARD_KEYS = {"input_ids", "position_ids", "past_key_values", "attn_metadata", "inputs_embeds"}
 # Per-token inputs of vision-language models' decode steps, padded like `position_ids` (along their
 # last dim): Qwen2-VL's multimodal rope positions [3, T]. Their other inputs (pixel values, image
@@ -105,7 +111,7 @@ _PER_TOKEN_KEYS = {"mrope_position_ids"}
 _UNUSED_CONTEXT = {"InternVLChatModel": "flash_mode"}
 REPLAY_ENV = "DLINFER_GRAPH_REPLAY"  # "0": warm steps go through Dynamo (see "Replay" in the docstring)
 GUARDS_ENV = "DLINFER_GRAPH_GUARDS"  # "full": every guard at every step; unset / "warm": see the docstring
-BATCH_ENV = "DLINFER_GRAPH_BATCH"  # unset / "static": one trace per bucket; "dynamic": see the docstring
+BATCH_ENV = "DLINFER_GRAPH_BATCH"  # unset / "dynamic": see the docstring; "static": one trace per bucket
 
 
 class DlinferGraphRunner(GraphRunner):
@@ -137,11 +143,14 @@ class DlinferGraphRunner(GraphRunner):
         if replay not in ("0", "1"):
             raise ValueError(f"{REPLAY_ENV}={replay!r}: expected '1' (the default) or '0'")
         self._replay = replay == "1"
-        raw_batch = envs.get(BATCH_ENV) or "static"
-        batch_mode = raw_batch.lower()
-        if batch_mode not in ("dynamic", "static"):
-            raise ValueError(f"{BATCH_ENV}={raw_batch!r}: expected 'static' (the default) or 'dynamic'")
-        ours = DYNAMIC_SOURCES + ("," + BATCH_SOURCES if batch_mode == "dynamic" else "")
+        raw_batch = envs.get(BATCH_ENV) or "dynamic"
+        self.batch_mode = raw_batch.lower()
+        if self.batch_mode not in ("dynamic", "static"):
+            raise ValueError(f"{BATCH_ENV}={raw_batch!r}: expected 'dynamic' (the default) or 'static'")
+        ours = DYNAMIC_SOURCES
+        if self.batch_mode == "dynamic":
+            ours += "," + BATCH_SOURCES
+            self._options.setdefault("specialize", BATCH_SIZES)
         user_sources = torch.compiler.config.dynamic_sources
         self._dynamic_sources = f"{user_sources},{ours}" if user_sources else ours
         # Dynamo's recompile_limit (default 8) counts cache entries per code object: the model's
