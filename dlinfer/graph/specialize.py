@@ -37,7 +37,9 @@ log = logging.getLogger("dlinfer.graph")
 _SYM_TYPES = (torch.SymInt, torch.SymBool, torch.SymFloat)
 
 
-def _source_name(node: fx.Node) -> Optional[str]:
+def source_name(node: fx.Node) -> Optional[str]:
+    """The Python expression Dynamo names a placeholder's source by (`L['attn_metadata'].block_offsets`,
+    `L['input_ids'].size()[1]`), or None."""
     source = getattr(node.meta.get("grapharg"), "source", None)
     if source is None:
         return None
@@ -55,7 +57,7 @@ def fixed_symbols(gm: fx.GraphModule, pattern: str) -> List[Tuple[int, Any]]:
         if not isinstance(value, torch.SymInt):
             continue
         expr = value.node.expr
-        name = _source_name(node)
+        name = source_name(node)
         if expr.is_Symbol and name is not None and re.fullmatch(pattern, name) and expr not in found:
             found[expr] = index
     return [(index, symbol) for symbol, index in found.items()]

@@ -34,16 +34,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch.fx as fx
 
+from dlinfer.graph.specialize import source_name
+
 log = logging.getLogger("dlinfer.lmdeploy.graph")
-
-
-def _source_name(node: fx.Node) -> Optional[str]:
-    arg = node.meta.get("grapharg")
-    source = getattr(arg, "source", None)
-    if source is None:
-        return None
-    name = source.name
-    return name if isinstance(name, str) else name()
 
 
 def _prefixes(expr: ast.expr) -> List[ast.expr]:
@@ -141,7 +134,7 @@ class CompiledGraph:
 
     def __init__(self, gm: fx.GraphModule, compiled: Callable, on_call: Optional[Callable] = None):
         # Read now: Dynamo drops the placeholders' sources and its side-effect record after compiling.
-        self.sources = [_source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
+        self.sources = [source_name(n) for n in gm.graph.find_nodes(op="placeholder")]
         self.side_effects = python_side_effects()
         self.compiled = compiled
         self.last_outputs: Optional[List[Any]] = None
