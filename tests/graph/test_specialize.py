@@ -199,3 +199,28 @@ def test_other_compilers_compile_the_traced_graph(stack):
 def test_the_option_is_known_to_the_backend():
     with pytest.raises(ValueError, match="unknown option"):
         dlinfer_backend(None, [], options={"specialise": "x"})
+
+
+def test_a_size_is_compiled_once_whichever_threads_call(monkeypatch):
+    """Threads calling with a size not compiled yet: one compiles it, the others wait and run it."""
+    import threading
+    import time
+
+    monkeypatch.setattr(specialize, "specialized", lambda gm, subs: dict(subs))
+    compiled = []
+
+    def compile_(subs, args):
+        time.sleep(0.05)  # long enough for the other threads to arrive meanwhile
+        compiled.append(tuple(subs.values()))
+        return lambda *a: ("ran", tuple(subs.values()), a)
+
+    graph = specialize.PerSizeGraph(None, [(1, "s0"), (0, "s1")], compile_)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(graph(7, 3, "x"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert compiled == [(3, 7)] and graph.sizes == [(3, 7)]
+    assert results == [("ran", (3, 7), (7, 3, "x"))] * 4
+    assert graph(8, 3, "y") == ("ran", (3, 8), (8, 3, "y")) and compiled == [(3, 7), (3, 8)]
