@@ -43,6 +43,7 @@ ENV_SUFFIXES = {
     "+a16": ("DLINFER_CPU_W4_ACTIVATIONS", "int16", "16-bit integer activations for W4"),
     "+native": ("DLINFER_CPU_W4_ACTIVATIONS", "native", "W4 activations at their own precision"),
     "+1-stream": ("DLINFER_CPU_WEIGHT_STREAMS", "1", "weight streams set to 1"),
+    "+static-batch": ("DLINFER_GRAPH_BATCH", "static", "one decode graph traced per batch bucket"),
 }
 
 
