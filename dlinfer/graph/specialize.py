@@ -27,6 +27,7 @@ import copy
 import logging
 import re
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -197,6 +198,7 @@ class PerSizeGraph:
             graph = self._graphs.get(key)
             if graph is not None:
                 return graph
+            start = time.perf_counter()
             try:
                 copy_ = specialized(self._traced, dict(zip(self._symbols, key)))
             except Exception as exc:  # noqa: BLE001 - the traced graph still runs every size
@@ -208,5 +210,6 @@ class PerSizeGraph:
                 graph = self._generic
             else:
                 graph = self._compile(copy_, args)
+                log.debug("dlinfer graph: compiled for sizes %s in %.2f s", key, time.perf_counter() - start)
             self._graphs[key] = graph
             return graph
