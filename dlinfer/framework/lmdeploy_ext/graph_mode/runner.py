@@ -41,7 +41,7 @@ batch dims marked dynamic, one trace serves every bucket from 2 up; Dynamo speci
 1, so bucket 1, the one-request decode, keeps a static graph of its own. The backend compiles the
 shared graph once per bucket, on the bucket's first call, with the batch sizes fixed (its
 `specialize` option, `BATCH_SIZES`; dlinfer/graph/specialize.py): the same code, view passes and
-bound call sites as a graph traced for that bucket, for ~0.5 s a bucket instead of a trace. Each
+bound call sites as a graph traced for that bucket, for ~0.2 s a bucket instead of a trace. Each
 bucket replays the graph it ran. Measured on the Zen 5 VM, SmolLM2-135M in bfloat16 at
 `max_batch_size=64` (buckets 1 to 64, `serve`'s default): the engine started in 15.6-16.4 s
 instead of 36.6-39.6 (2 traces instead of 7), and at batch 8 the graph's own Python took the same
