@@ -212,6 +212,17 @@ def test_graph_python_stubs_every_kernel_in_call_order_and_restores_them():
     assert len(calls) == 2 * (3 + 2 * (3 + 1))
     assert scope["dlinfer_kernel"] is kernel and graph(1) == 21
 
+    class PerSize:  # a graph compiled per batch size (dlinfer/graph/specialize.py): called as it is,
+        def graph_for(self, *args):  # its kernels found in the copy its arguments run
+            return graph
+
+        def __call__(self, *args):
+            return graph(*args)
+
+    calls.clear()
+    assert [r[2] for r in graph_python.measure(PerSize(), (1,), rounds=1, calls=3)] == [2]
+    assert len(calls) == 2 * (3 + 3 + 1) and scope["dlinfer_kernel"] is kernel
+
     def failing(x):
         raise RuntimeError("the kernel under test failed")
 
