@@ -48,6 +48,19 @@ def source_name(node: fx.Node) -> Optional[str]:
     return name if isinstance(name, str) else name()
 
 
+def size_pattern(dynamic_sources: str) -> str:
+    """The regular expression of the names Dynamo gives the symbolic ints of these
+    `torch.compiler.config.dynamic_sources` entries, each a tensor's dim: `L\\['x'\\]:1` is
+    `L['x'].size()[1]`."""
+    parts = []
+    for entry in dynamic_sources.split(","):
+        source, _, dim = entry.partition(":")
+        if not dim.isdigit():
+            raise ValueError(f"dlinfer graph: dynamic source {entry!r}: expected SOURCE:DIM")
+        parts.append(rf"{source}\.size\(\)\[{dim}\]")
+    return "|".join(parts)
+
+
 def fixed_symbols(gm: fx.GraphModule, pattern: str) -> List[Tuple[int, Any]]:
     """(placeholder index, sympy symbol) for each distinct symbol that a symbolic-int placeholder of
     `gm` holds and whose Dynamo source name (`L['input_ids'].size()[1]`) matches `pattern`
@@ -108,7 +121,7 @@ def _fix(value, subs: Dict[Any, int]):
         sizes = [_fix(d, subs) for d in value.shape]
         strides = [_fix(d, subs) for d in value.stride()]
         offset = _fix(value.storage_offset(), subs)
-        if _has_symbol(sizes) or _has_symbol(strides) or isinstance(offset, torch.SymInt):
+        if _has_symbol((sizes, strides, offset)):
             return value
         mode = getattr(value, "fake_mode", None)
         if mode is None:

@@ -23,8 +23,7 @@ pytestmark = pytest.mark.skipif("cpu" not in registry.available(), reason="the c
 BATCH_SOURCES = ",".join([r"L\['x'\]:0", r"L\['cos'\]:0", r"L\['sin'\]:0"] + [
     rf"L\['meta'\]\.{name}:0" for name in ("block_table", "cu_seqlens_q_cpu", "kv_seqlens_cpu", "kv_indices")])
 KEPT_SOURCES = r"L\['meta'\]\.max_kv_seq_len,L\['meta'\]\.block_table:1"
-BATCH_SIZES = "|".join(rf"{source}\.size\(\)\[{dim}\]"
-                       for source, dim in (entry.rsplit(":", 1) for entry in BATCH_SOURCES.split(",")))
+BATCH_SIZES = specialize.size_pattern(BATCH_SOURCES)
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +225,14 @@ def test_a_size_is_compiled_once_whichever_threads_call(monkeypatch):
     assert compiled == [(3, 7)] and graph.sizes == [(3, 7)]
     assert results == [("ran", (3, 7), (7, 3, "x"))] * 4
     assert graph(8, 3, "y") == ("ran", (3, 8), (8, 3, "y")) and compiled == [(3, 7), (3, 8)]
+
+
+def test_size_pattern_names_the_dims_of_dynamic_sources():
+    import re
+
+    pattern = specialize.size_pattern(r"L\['x'\]:0,L\['meta'\]\.block_table:1")
+    assert re.fullmatch(pattern, "L['x'].size()[0]") and re.fullmatch(pattern, "L['meta'].block_table.size()[1]")
+    assert not re.fullmatch(pattern, "L['x'].size()[1]")
+    assert not re.fullmatch(pattern, "L['meta'].block_table.size()[0]")
+    with pytest.raises(ValueError, match="expected SOURCE:DIM"):
+        specialize.size_pattern(r"L\['meta'\]\.max_kv_seq_len")

@@ -84,6 +84,7 @@ from lmdeploy.pytorch.backends.graph_runner import GraphRunner
 
 from dlinfer import envs
 from dlinfer.framework.lmdeploy_ext.graph_mode.replay import CompiledGraph, GraphReplay
+from dlinfer.graph.specialize import size_pattern
 from dlinfer.vendor import selection
 
 log = logging.getLogger("dlinfer.lmdeploy.graph")
@@ -99,8 +100,7 @@ BATCH_SOURCES = ",".join(
         "cu_seqlens_q", "cu_seqlens_q_cpu")])
 # The same dims as Dynamo names the graph's symbolic ints (`L['input_ids'].size()[1]`): the sizes the
 # shared graph is compiled per value of (the backend's "specialize" option).
-BATCH_SIZES = "|".join(rf"{source}\.size\(\)\[{dim}\]"
-                       for source, dim in (entry.rsplit(":", 1) for entry in BATCH_SOURCES.split(",")))
+BATCH_SIZES = size_pattern(BATCH_SOURCES)
 _FORWARD_KEYS = {"input_ids", "position_ids", "past_key_values", "attn_metadata", "inputs_embeds"}
 # Per-token inputs of vision-language models' decode steps, padded like `position_ids` (along their
 # last dim): Qwen2-VL's multimodal rope positions [3, T]. Their other inputs (pixel values, image
