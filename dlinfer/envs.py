@@ -64,8 +64,8 @@ SETTINGS: Tuple[Setting, ...] = (
     Setting("DLINFER_GRAPH_GUARDS", "warm", "warm: evaluate only the guards that tell buckets apart once warm; "
             "full: every guard, every step (and no replay)",
             "framework/lmdeploy_ext/graph_mode/runner.py, when a graph runner is built"),
-    Setting("DLINFER_GRAPH_BATCH", "dynamic", "dynamic: bucket 1's decode graph and one traced for every larger "
-            "bucket, compiled per bucket with its sizes fixed; static: one traced per bucket (a slower start)",
+    Setting("DLINFER_GRAPH_BATCH", "dynamic", "dynamic: one decode graph traced for every bucket, compiled per "
+            "bucket with its sizes fixed; static: one traced per bucket (a slower start)",
             "framework/lmdeploy_ext/graph_mode/runner.py, when a graph runner is built"),
     Setting("DLINFER_GRAPH_REPLAY", "1", "0: call compiled graphs through Dynamo every step instead of replaying "
             "them", "framework/lmdeploy_ext/graph_mode/runner.py, when a graph runner is built"),

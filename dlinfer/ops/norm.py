@@ -6,6 +6,7 @@ from typing import Tuple
 
 import torch
 from torch import Tensor
+from torch._prims_common import is_contiguous_or_false
 
 from dlinfer.ops import _checks as C
 from dlinfer.ops._compile_time import checked
@@ -37,8 +38,17 @@ def _check_add_rms_norm(hidden_states, residual, weight, epsilon):
 
 
 def _rows(t: Tensor, hidden: int) -> Tensor:
-    """t [..., H] as [N, H] (itself when already 2-D)."""
-    return t if t.dim() == 2 else t.reshape(-1, hidden)
+    """t [..., H] as [N, H] (itself when already 2-D).
+
+    While torch.compile traces, a tensor not known to be contiguous is copied first: a head-split
+    query [1, B, heads, D] (Qwen3's q/k norms) with a symbolic batch B is contiguous only at B = 1,
+    and `reshape` (a view or a copy) would ask Dynamo which, a guard that splits the graph LMDeploy's
+    runner shares between all batch sizes (docs/graph.md, "LMDeploy graph mode")."""
+    if t.dim() == 2:
+        return t
+    if torch.compiler.is_compiling() and not is_contiguous_or_false(t):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.reshape(-1, hidden)
 
 
 def rms_norm(hidden_states: Tensor, weight: Tensor, epsilon: float = 1e-6) -> Tensor:

@@ -6,6 +6,7 @@ size, and whose results are the eager model's, bit for bit. Sizes not named stay
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -53,9 +54,10 @@ class Compiled:
     """The stack compiled with the dlinfer backend (direct compiler), counting Dynamo's traces and
     keeping what the backend returned and every graph the direct compiler compiled (and its code)."""
 
-    def __init__(self, stack, dynamic_sources: str, options: dict):
+    def __init__(self, stack, dynamic_sources: str, options: dict, size_oblivious: bool = False):
         self.traces, self.returned, self.codes, self.graphs = 0, [], [], []
         self.dynamic_sources = dynamic_sources
+        self.size_oblivious = size_oblivious  # Dynamo's backed_size_oblivious: no graph of its own for a size of 1
         options = {"compiler": "direct", **options}
 
         def backend(gm, example_inputs):
@@ -70,7 +72,8 @@ class Compiled:
     def __call__(self, *args):
         _calling.append(self)
         try:
-            with torch.inference_mode(), torch.compiler.config.patch(dynamic_sources=self.dynamic_sources):
+            with (torch.inference_mode(), torch.compiler.config.patch(dynamic_sources=self.dynamic_sources),
+                  torch.fx.experimental._config.patch(backed_size_oblivious=self.size_oblivious)):
                 return self.fn(*args)
         finally:
             _calling.pop()
@@ -121,6 +124,22 @@ def test_one_trace_serves_every_batch_size_each_compiled_as_if_traced_for_it(sta
     for mine, traced in zip(per_size.graphs, static.graphs):
         assert _structure(mine) == _structure(traced)
     assert "size(" not in "".join(per_size.codes)
+
+
+def test_with_size_oblivious_sizes_the_trace_serves_a_batch_of_one_too(stack):
+    """Dynamo specialises a size of 1 unless told to be size-oblivious (the LMDeploy graph runner
+    is, with its batch dynamic): then the trace made at batch 3 also serves batch 1, whichever comes
+    first, through a copy with the batch fixed to 1 that is the graph a trace at batch 1 gives."""
+    static = Compiled(stack, KEPT_SOURCES, {})
+    for first in ([3, 5, 2], [4]):
+        per_size = Compiled(stack, f"{KEPT_SOURCES},{BATCH_SOURCES}", {"specialize": BATCH_SIZES}, size_oblivious=True)
+        for kv_lens in (first, [6], [2, 9], [4, 1, 8]):
+            _assert_equal(stack, per_size, kv_lens)
+        (graph,) = per_size.returned
+        assert per_size.traces == 1 and sorted(graph.sizes) == [(1, 1), (2, 2), (3, 3)]
+    _assert_equal(stack, static, [6])
+    ones = per_size.graphs[[key[0] for key in graph.sizes].index(1)]
+    assert _structure(ones) == _structure(static.graphs[0])
 
 
 def _structure(gm) -> list:
@@ -236,3 +255,41 @@ def test_size_pattern_names_the_dims_of_dynamic_sources():
     assert not re.fullmatch(pattern, "L['meta'].block_table.size()[0]")
     with pytest.raises(ValueError, match="expected SOURCE:DIM"):
         specialize.size_pattern(r"L\['meta'\]\.max_kv_seq_len")
+
+
+def test_a_norm_of_head_split_rows_keeps_one_trace_for_a_batch_of_one():
+    """Qwen3's q / k norms read a head-split query [1, B, heads, D] of the fused qkv output, which
+    is contiguous only at B = 1: the op layer copies it to rows while tracing (ops/norm.py, `_rows`)
+    instead of asking Dynamo whether `reshape` may view it, so sizes 3 and 1 share one trace, and
+    give eager mode's values."""
+    from dlinfer import ops
+
+    heads, kv_heads, dim = 4, 2, 16
+    weight = torch.rand(dim) + 0.5
+
+    def qk_norm(qkv):
+        q, k, _ = qkv.unflatten(-1, (heads + 2 * kv_heads, dim)).split((heads, kv_heads, kv_heads), dim=-2)
+        return ops.rms_norm(q, weight, 1e-6), ops.rms_norm(k, weight, 1e-6)
+
+    traces = []
+
+    def backend(gm, example_inputs):
+        traces.append(gm)
+        options = {"compiler": "direct", "specialize": specialize.size_pattern(r"L\['qkv'\]:1")}
+        return dlinfer_backend(gm, example_inputs, options=options)
+
+    torch._dynamo.reset()
+    fn = torch.compile(qk_norm, backend=backend, dynamic=False, fullgraph=True)
+    compiled = SimpleNamespace(codes=[], graphs=[])  # what the recording direct compiler keeps
+    for batch in (3, 1, 2):
+        qkv = torch.randn(1, batch, (heads + 2 * kv_heads) * dim)
+        _calling.append(compiled)
+        try:
+            with (torch.inference_mode(), torch.compiler.config.patch(dynamic_sources=r"L\['qkv'\]:1"),
+                  torch.fx.experimental._config.patch(backed_size_oblivious=True)):
+                got = fn(qkv)
+        finally:
+            _calling.pop()
+        expected = qk_norm(qkv)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), batch
+    assert len(traces) == 1 and len(compiled.graphs) == 3

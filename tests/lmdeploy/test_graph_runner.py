@@ -91,8 +91,8 @@ def _both(runner, model, step, caches):
 
 @pytest.fixture(scope="module", params=["dynamic", "static"])
 def model_and_runner(request):
-    """A model and its runner, with the batch dims dynamic (the default: two traces, the larger
-    buckets' graph compiled per bucket) or static (DLINFER_GRAPH_BATCH=static: one per bucket)."""
+    """A model and its runner, with the batch dims dynamic (the default: one trace, compiled per
+    bucket) or static (DLINFER_GRAPH_BATCH=static: one trace per bucket)."""
     torch._dynamo.reset()
     model = TinyDecoder()
     with pytest.MonkeyPatch.context() as mp:
@@ -102,7 +102,7 @@ def model_and_runner(request):
 
 def _traces(runner) -> int:
     """The graphs Dynamo traces for the runner's buckets (1, 2, 4)."""
-    return len(runner.buckets) if runner.batch_mode == "static" else 2
+    return len(runner.buckets) if runner.batch_mode == "static" else 1
 
 
 @pytest.mark.parametrize("kv_lens", [[5, 9, 2], [6, 10, 3], [1, 16, 7], [3], [8, 2], [4, 4, 4, 4], [13, 2, 9]])
@@ -126,10 +126,10 @@ def test_padded_graph_step_equals_eager(model_and_runner, kv_lens):
 
 def test_compiles_bounded_by_buckets(model_and_runner):
     """After the steps above (batch 3, 1, 2, 4; growing lengths, block tables of 1 to 4 blocks):
-    one trace per bucket, or two with the batch dynamic (bucket 1's, and the larger buckets')."""
+    one trace per bucket, or one in all with the batch dynamic."""
     _, runner = model_and_runner
     assert runner.buckets == [1, 2, 4]
-    assert runner.compiles == (3 if runner.batch_mode == "static" else 2)
+    assert runner.compiles == (3 if runner.batch_mode == "static" else 1)
     assert runner.warm_buckets == {1, 2, 4} and sorted(runner._replays) == [1, 2, 4]
 
 
@@ -341,11 +341,12 @@ def test_forward_with_python_side_effects_keeps_dynamo():
     assert model.calls == 6  # three eager forwards, three through Dynamo: none skipped
 
 
-def test_the_larger_buckets_share_one_trace_compiled_per_bucket(monkeypatch):
-    """The default (DLINFER_GRAPH_BATCH=dynamic): bucket 1's graph and one traced with a dynamic
-    batch that buckets 2 and 4 share, compiled for each of them with its batch sizes fixed
-    (dlinfer/graph/specialize.py), each bucket replaying it; every step eager mode's results.
-    (Last in the file: it resets Dynamo, whose caches the module's runner relies on.)"""
+def test_every_bucket_shares_one_trace_compiled_per_bucket(monkeypatch):
+    """The default (DLINFER_GRAPH_BATCH=dynamic): one graph traced with a dynamic batch (sizes
+    size-oblivious, so a batch of 1 is no special case) that buckets 1, 2 and 4 share, compiled for
+    each of them with its batch sizes fixed (dlinfer/graph/specialize.py), each bucket replaying it;
+    every step eager mode's results. (Last in the file: it resets Dynamo, whose caches the module's
+    runner relies on.)"""
     from dlinfer.graph.specialize import PerSizeGraph
 
     monkeypatch.delenv("DLINFER_GRAPH_BATCH", raising=False)
@@ -356,15 +357,15 @@ def test_the_larger_buckets_share_one_trace_compiled_per_bucket(monkeypatch):
         got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens)), _caches())
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
-    assert runner.compiles == 2 and runner.warm_buckets == {1, 2, 4} and sorted(runner._replays) == [1, 2, 4]
+    assert runner.compiles == 1 and runner.warm_buckets == {1, 2, 4} and sorted(runner._replays) == [1, 2, 4]
     shared = runner._replays[2]._compiled
-    assert isinstance(shared, PerSizeGraph) and runner._replays[4]._compiled is shared
-    assert not isinstance(runner._replays[1]._compiled, PerSizeGraph)
-    assert sorted(tuple(set(key)) for key in shared.sizes) == [(2,), (4,)]  # a bucket: all its batch sizes fixed
+    assert isinstance(shared, PerSizeGraph)
+    assert runner._replays[4]._compiled is shared and runner._replays[1]._compiled is shared
+    assert sorted(tuple(set(key)) for key in shared.sizes) == [(1,), (2,), (4,)]  # a bucket: all its batch sizes fixed
     for kv_lens in ([7, 3, 12], [2], [9, 4, 1, 5]):  # replayed
         got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 5),
                                                           _caches())
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(graph_caches, eager_caches, atol=1e-5, rtol=1e-5)
-    assert runner.compiles == 2 and len(shared.sizes) == 2
+    assert runner.compiles == 1 and len(shared.sizes) == 3
     torch._dynamo.reset()

@@ -10,9 +10,9 @@ What it does
 - A one-token-per-sequence decode step of B sequences is padded to the smallest bucket >= B
   (1, 2, 4, ... max_batches, or `cudagraph_capture_batch_sizes`) and run through
   `torch.compile(model, backend=dlinfer_backend, dynamic=False, fullgraph=True)`; the real rows of
-  the hidden states come back. Two traces in all, at warm-up: bucket 1's, and one with a dynamic
-  batch that every larger bucket shares, compiled per bucket ("One trace for the larger buckets"
-  below; DLINFER_GRAPH_BATCH=static traces one graph per bucket instead). The graph compiler is
+  the hidden states come back. One trace in all, at warm-up, with a dynamic batch that every
+  bucket shares, compiled per bucket ("One trace for every bucket" below; DLINFER_GRAPH_BATCH=static
+  traces one graph per bucket instead). The graph compiler is
   "direct" (vendor kernels called from the captured graph, docs/graph.md) unless
   DLINFER_GRAPH_COMPILER names another or the vendor declares its own.
 - A model Dynamo cannot capture whole logs a warning and runs eagerly.
@@ -23,31 +23,30 @@ What it does
   forward reads only in its token-compressing `flash_mode`: without that mode a decode step drops
   it and runs a graph (`_UNUSED_CONTEXT`).
 
-Keeping recompiles bounded (two, whatever the batch sizes and lengths): the graph is static
+Keeping recompiles bounded (one, whatever the batch sizes and lengths): the graph is static
 (`dynamic=False`) except for the two things that grow with the sequences, and the batch size,
 marked dynamic through `torch.compiler.config.dynamic_sources`:
 - `max_kv_seq_len`, the only integer the decode graph reads that changes every step (a SymInt
   in the graph, passed to the custom op); without this Dynamo specialises on it and recompiles
   at every step;
 - the block table's width (blocks of the longest sequence), kept >= 2 because Dynamo
-  specialises dimensions of size 1 whatever it is told;
+  specialises dimensions of size 1 whatever it is told (unless size-oblivious, below);
 - the batch dims of the step's tensors (`BATCH_SOURCES`; not with DLINFER_GRAPH_BATCH=static).
 Everything else the graph reads per step is a tensor of fixed shape for the bucket
 (`kv_flatten_size`, which also changes, is never read by the graph).
 
-One trace for the larger buckets: Dynamo's tracing of the model's Python is what a compile costs
+One trace for every bucket: Dynamo's tracing of the model's Python is what a compile costs
 (nearly 90% of it for SmolLM2; the dlinfer backend's passes and compiler 0.1-0.2 s). With the
-batch dims marked dynamic, one trace serves every bucket from 2 up; Dynamo specialises a size of
-1, so bucket 1, the one-request decode, keeps a static graph of its own. The backend compiles the
-shared graph once per bucket, on the bucket's first call, with the batch sizes fixed (its
-`specialize` option, `BATCH_SIZES`; dlinfer/graph/specialize.py): the same code, view passes and
-bound call sites as a graph traced for that bucket, for ~0.2 s a bucket instead of a trace. Each
-bucket replays the graph it ran. Measured on the Zen 5 VM, SmolLM2-135M in bfloat16 at
-`max_batch_size=64` (buckets 1 to 64, `serve`'s default): the engine started in 15.6-16.4 s
-instead of 36.6-39.6 (2 traces instead of 7), and at batch 8 the graph's own Python took the same
-time as the static graph's (0.25-0.39 ms against 0.25-0.41 a call, `benchmarks/graph_python.py
---batch 8`, the two settings in alternated processes). DLINFER_GRAPH_BATCH=static keeps one trace
-per bucket. With a compiler other than "direct" the shared graph runs with symbolic sizes.
+batch dims marked dynamic and Dynamo's sizes size-oblivious while it traces (`_size_semantics`:
+without it Dynamo specialises a size of 1, and bucket 1, the one-request decode, would need a
+trace of its own), one trace serves every bucket. The backend compiles the shared graph once per
+bucket, on the bucket's first call, with the batch sizes fixed (its `specialize` option,
+`BATCH_SIZES`; dlinfer/graph/specialize.py): the same code, view passes and bound call sites as a
+graph traced for that bucket, for ~0.2 s a bucket instead of a trace. Each bucket replays the
+graph it ran. A pipeline of SmolLM2 at `max_batch_size=64` starts in 0.43x the time it takes
+with a trace per bucket, and its steps run the same code (docs/graph.md, "LMDeploy graph mode").
+DLINFER_GRAPH_BATCH=static keeps one trace per bucket. With a compiler other than "direct" the
+shared graph runs with symbolic sizes.
 
 Guards after warm-up: once every bucket has its graph (LMDeploy warms one decode step per bucket
 at start-up), a step evaluates only the guards that tell those graphs apart
@@ -167,6 +166,14 @@ class DlinferGraphRunner(GraphRunner):
         self.compiles += 1
         return CompiledGraph(gm, dlinfer_backend(gm, example_inputs, options=self._options), on_call=self._graph_ran)
 
+    def _size_semantics(self):
+        """How Dynamo treats sizes while it traces: with the batch dims dynamic, size-oblivious
+        (`backed_size_oblivious`: a batch of 1 gets a symbol like any other, not a specialised
+        graph), so that bucket 1 shares the larger buckets' trace ("One trace" in the docstring)."""
+        if self.batch_mode != "dynamic":
+            return contextlib.nullcontext()
+        return torch.fx.experimental._config.patch(backed_size_oblivious=True)
+
     def _graph_ran(self, graph: CompiledGraph) -> None:
         self._ran_graph = graph
 
@@ -220,7 +227,8 @@ class DlinferGraphRunner(GraphRunner):
         meta: DlinferAttentionMetadata = kwargs["attn_metadata"]
         pad = bucket - batch
         blocks = meta.block_offsets
-        # At least 2 columns: Dynamo specialises a dimension of size 1 (dynamic_sources or not).
+        # At least 2 columns: Dynamo specialises a dimension of size 1 (dynamic_sources or not) unless
+        # it traces size-oblivious, which it does only with the batch dynamic (`_size_semantics`).
         table = blocks.new_zeros(bucket, max(blocks.shape[1], 2))
         table[:batch, : blocks.shape[1]] = blocks
         table[batch:, 0] = blocks[0, 0]
@@ -286,7 +294,7 @@ class DlinferGraphRunner(GraphRunner):
         stance = (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if warm
                   else contextlib.nullcontext())
         try:
-            with stance, torch.compiler.config.patch(dynamic_sources=self._dynamic_sources):
+            with stance, self._size_semantics(), torch.compiler.config.patch(dynamic_sources=self._dynamic_sources):
                 output = self._compiled_model()(**padded)
         except Exception as exc:  # noqa: BLE001
             # A model Dynamo cannot capture whole runs eagerly from then on. An error raised by a
