@@ -361,6 +361,8 @@ def test_every_bucket_shares_one_trace_compiled_per_bucket(monkeypatch):
     shared = runner._replays[2]._compiled
     assert isinstance(shared, PerSizeGraph)
     assert runner._replays[4]._compiled is shared and runner._replays[1]._compiled is shared
+    # the graph's inputs are gathered by one function, made once for the three buckets
+    assert runner._replays[1]._gather is runner._replays[2]._gather is runner._replays[4]._gather
     assert sorted(tuple(set(key)) for key in shared.sizes) == [(1,), (2,), (4,)]  # a bucket: all its batch sizes fixed
     for kv_lens in ([7, 3, 12], [2], [9, 4, 1, 5]):  # replayed
         got, expected, graph_caches, eager_caches = _both(runner, model, _step(kv_lens, seed=len(kv_lens) + 5),
