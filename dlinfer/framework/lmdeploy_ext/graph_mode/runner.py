@@ -12,9 +12,9 @@ What it does
   `torch.compile(model, backend=dlinfer_backend, dynamic=False, fullgraph=True)`; the real rows of
   the hidden states come back. One trace in all, at warm-up, with a dynamic batch that every
   bucket shares, compiled per bucket ("One trace for every bucket" below; DLINFER_GRAPH_BATCH=static
-  traces one graph per bucket instead). The graph compiler is
-  "direct" (vendor kernels called from the captured graph, docs/graph.md) unless
-  DLINFER_GRAPH_COMPILER names another or the vendor declares its own.
+  traces one graph per bucket instead). The graph compiler is "direct" (vendor kernels called from
+  the captured graph, docs/graph.md) unless DLINFER_GRAPH_COMPILER names another or the vendor
+  declares its own.
 - A model Dynamo cannot capture whole logs a warning and runs eagerly.
 - Vision-language models: a decode step passes their image inputs as None (it runs a graph like a
   text model's) and Qwen2-VL's mrope positions [3, B], padded to the bucket like `position_ids`;
@@ -169,7 +169,8 @@ class DlinferGraphRunner(GraphRunner):
     def _size_semantics(self):
         """How Dynamo treats sizes while it traces: with the batch dims dynamic, size-oblivious
         (`backed_size_oblivious`: a batch of 1 gets a symbol like any other, not a specialised
-        graph), so that bucket 1 shares the larger buckets' trace ("One trace" in the docstring)."""
+        graph), so that bucket 1 shares the larger buckets' trace ("One trace for every bucket" in the
+        module docstring)."""
         if self.batch_mode != "dynamic":
             return contextlib.nullcontext()
         return torch.fx.experimental._config.patch(backed_size_oblivious=True)
