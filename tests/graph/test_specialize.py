@@ -6,7 +6,6 @@ size, and whose results are the eager model's, bit for bit. Sizes not named stay
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,8 +50,9 @@ def recording(monkeypatch):
 
 
 class Compiled:
-    """The stack compiled with the dlinfer backend (direct compiler), counting Dynamo's traces and
-    keeping what the backend returned and every graph the direct compiler compiled (and its code)."""
+    """A module or function (`stack`) compiled with the dlinfer backend (direct compiler), counting
+    Dynamo's traces and keeping what the backend returned and every graph the direct compiler
+    compiled (and its code)."""
 
     def __init__(self, stack, dynamic_sources: str, options: dict, size_oblivious: bool = False):
         self.traces, self.returned, self.codes, self.graphs = 0, [], [], []
@@ -271,25 +271,11 @@ def test_a_norm_of_head_split_rows_keeps_one_trace_for_a_batch_of_one():
         q, k, _ = qkv.unflatten(-1, (heads + 2 * kv_heads, dim)).split((heads, kv_heads, kv_heads), dim=-2)
         return ops.rms_norm(q, weight, 1e-6), ops.rms_norm(k, weight, 1e-6)
 
-    traces = []
-
-    def backend(gm, example_inputs):
-        traces.append(gm)
-        options = {"compiler": "direct", "specialize": specialize.size_pattern(r"L\['qkv'\]:1")}
-        return dlinfer_backend(gm, example_inputs, options=options)
-
-    torch._dynamo.reset()
-    fn = torch.compile(qk_norm, backend=backend, dynamic=False, fullgraph=True)
-    compiled = SimpleNamespace(codes=[], graphs=[])  # what the recording direct compiler keeps
+    fn = Compiled(qk_norm, r"L\['qkv'\]:1", {"specialize": specialize.size_pattern(r"L\['qkv'\]:1")},
+                  size_oblivious=True)
     for batch in (3, 1, 2):
         qkv = torch.randn(1, batch, (heads + 2 * kv_heads) * dim)
-        _calling.append(compiled)
-        try:
-            with (torch.inference_mode(), torch.compiler.config.patch(dynamic_sources=r"L\['qkv'\]:1"),
-                  torch.fx.experimental._config.patch(backed_size_oblivious=True)):
-                got = fn(qkv)
-        finally:
-            _calling.pop()
+        got = fn(qkv)
         expected = qk_norm(qkv)
         assert all(torch.equal(a, b) for a, b in zip(got, expected)), batch
-    assert len(traces) == 1 and len(compiled.graphs) == 3
+    assert fn.traces == 1 and len(fn.graphs) == 3

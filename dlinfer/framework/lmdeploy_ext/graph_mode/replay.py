@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import logging
 from typing import Any, Callable, Dict, List, Optional
@@ -125,9 +126,6 @@ def python_side_effects() -> Optional[bool]:
         return None
 
 
-_UNSET = object()  # CompiledGraph's gather function before it is made
-
-
 class CompiledGraph:
     """The callable Dynamo receives from the backend: runs the compiled graph, keeps the outputs of
     its latest call through Dynamo (to find which one the forward returned) until the runner has
@@ -142,14 +140,12 @@ class CompiledGraph:
         self.compiled = compiled
         self.last_outputs: Optional[List[Any]] = None
         self._on_call = on_call
-        self._gather: Any = _UNSET
 
+    @functools.cached_property
     def gather(self) -> Optional[Callable[[Dict[str, Any]], tuple]]:
-        """`gather_function(self.sources)`, made on the first call: the buckets that share this
-        graph share it (SmolLM2: ~0.09 s a bucket at warm-up)."""
-        if self._gather is _UNSET:
-            self._gather = gather_function(self.sources)
-        return self._gather
+        """`gather_function(self.sources)`, made once: the buckets that share this graph share it
+        (SmolLM2: ~0.09 s a bucket at warm-up)."""
+        return gather_function(self.sources)
 
     def __call__(self, *args):
         out = self.compiled(*args)
@@ -193,7 +189,7 @@ class GraphReplay:
     def build(cls, graph: CompiledGraph, returned: Any) -> Optional["GraphReplay"]:
         """The replay of `graph`, given what the compiled model returned on the call that ran it;
         None when the graph does not meet the module docstring's conditions."""
-        gather = graph.gather()
+        gather = graph.gather
         outputs, graph.last_outputs = graph.last_outputs or [], None
         index = next((i for i, out in enumerate(outputs) if out is returned), None)
         if gather is None or index is None or graph.side_effects is not False:
